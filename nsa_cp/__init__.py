@@ -1,7 +1,33 @@
-"""nsa_cp: pad-aware context-parallel all-gather / reduce-scatter for uneven shards."""
+"""nsa_cp: pad-aware context-parallel all-gather / reduce-scatter for uneven shards.
+
+Public API (see README.md and ../shared/DESIGN.md for the contract):
+
+* ``ShardLayout``: per-rank token counts and the padded / compact layouts they define.
+* ``cp_all_gather`` / ``cp_reduce_scatter``: the collectives over any torch.distributed group.
+* ``in_seq_split`` / ``in_seq_positions`` / ``in_seq_restore_index``: the page-aligned zigzag split.
+* ``NSACPLayerCommunicator`` and ``RMSNorm``: the per-layer glue for a FULL-mode MoE.
+"""
 
 __version__ = "0.1.0"
 
-from .layout import ShardLayout
+import logging as _logging
 
-__all__ = ["ShardLayout", "__version__"]
+from .collectives import cp_all_gather, cp_reduce_scatter
+from .communicator import NSACPLayerCommunicator
+from .layout import ShardLayout
+from .norm import RMSNorm
+from .split import in_seq_positions, in_seq_restore_index, in_seq_split
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+__all__ = [
+    "ShardLayout",
+    "cp_all_gather",
+    "cp_reduce_scatter",
+    "in_seq_split",
+    "in_seq_positions",
+    "in_seq_restore_index",
+    "NSACPLayerCommunicator",
+    "RMSNorm",
+    "__version__",
+]

@@ -1,0 +1,233 @@
+"""cp_all_gather / cp_reduce_scatter: check inputs, choose the algorithm, run it.
+
+Design record (what each path does and why):
+
+* Even layout (every rank holds ``max_rank_len`` rows): exactly one ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor`` on the caller's tensors, nothing else, so results are bitwise those of the
+  plain even path.
+* Padded gather, uneven: one Triton kernel writes ``x`` into this rank's slot of the output and zeroes
+  the rest of the slot, then an in-place all-gather on that slot. No ``F.pad``, no temporary.
+* Padded reduce-scatter, uneven: ``reduce_scatter_tensor`` into an ``[M, ...]`` buffer and a view of its
+  first ``n_r`` rows is returned (no copy; with ``out=`` the rows are copied there).
+* Compact layouts, two algorithms (``algo=`` or NSA_CP_COMPACT_ALGO):
+  - "padded": the padded collective on a workspace plus one Triton kernel that compacts (gather) or
+    expands (reduce-scatter). Costs one extra pass over HBM; best when latency dominates.
+  - "coalesced": torch's uneven-list collectives, which NCCL runs as grouped broadcasts / reduces
+    writing straight into views of the compact buffer (vLLM's all_gatherv / reduce_scatterv). Moves only
+    real rows and needs no extra pass; best when bandwidth dominates. NCCL only (gloo lacks it).
+  "auto" takes "coalesced" when a rank slot holds at least NSA_CP_COALESCED_MIN_BYTES, measured on
+  2x H200 (benchmarks/results/): below that the grouped launches cost more than the extra pass.
+* CPU tensors take the same collectives over gloo with the pure-torch packing of ``reference``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import envs, reference
+from .layout import ShardLayout
+from .transport import nccl
+
+__all__ = ["cp_all_gather", "cp_reduce_scatter"]
+
+_ALGOS = ("auto", "padded", "coalesced")
+
+
+# --------------------------------------------------------------------------- input checks
+def _shape_str(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def _check_layout(layout, group_size: int) -> None:
+    if not isinstance(layout, ShardLayout):
+        raise ValueError(f"layout: expected an nsa_cp.ShardLayout, got {type(layout).__name__}")
+    if layout.cp_size != group_size:
+        raise ValueError(
+            f"layout: expected cp_size == group size {group_size}, got cp_size {layout.cp_size} "
+            f"({layout!r})"
+        )
+
+
+def _check_input(name: str, t, expected_rows: int, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() < 2:
+        raise ValueError(f"{name}: expected a tensor of 2 or more dims [{what}, ...], got shape {_shape_str(t.shape)}")
+    if t.shape[0] != expected_rows:
+        raise ValueError(
+            f"{name}: expected shape {_shape_str((expected_rows, *t.shape[1:]))} ({what}), "
+            f"got {_shape_str(t.shape)}"
+        )
+
+
+def _check_out(out: Optional[torch.Tensor], expected_shape, like: torch.Tensor) -> None:
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(expected_shape):
+        raise ValueError(f"out: expected shape {_shape_str(expected_shape)}, got {_shape_str(out.shape)}")
+    if out.dtype != like.dtype:
+        raise ValueError(f"out: expected dtype {like.dtype} (the input's), got {out.dtype}")
+    if out.device != like.device:
+        raise ValueError(f"out: expected device {like.device} (the input's), got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous tensor of shape {_shape_str(expected_shape)}, got strides {tuple(out.stride())}")
+
+
+def _resolve_algo(algo: str, on_cuda: bool, slot_bytes: int) -> str:
+    if algo not in _ALGOS:
+        raise ValueError(f"algo: expected one of {_ALGOS}, got {algo!r}")
+    if algo == "auto":
+        algo = envs.NSA_CP_COMPACT_ALGO
+    if not on_cuda:
+        return "padded"  # gloo has no uneven-list collectives
+    if algo == "auto":
+        algo = "coalesced" if slot_bytes >= envs.NSA_CP_COALESCED_MIN_BYTES else "padded"
+    return algo
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+# --------------------------------------------------------------------------- data movement
+def _pack(x: torch.Tensor, slot: torch.Tensor, layout: ShardLayout, rank: int) -> None:
+    if x.is_cuda:
+        from .kernels import pack
+
+        pack.pack_into_slot(x, slot, layout.device_tensors(x.device)[0][rank])
+    else:
+        reference.pack_into_slot(x, slot)
+
+
+def _padded_to_compact(padded, layout, compact) -> None:
+    if padded.is_cuda:
+        from .kernels import compact as kernels
+
+        kernels.padded_to_compact(padded, layout, compact)
+    else:
+        reference.padded_to_compact(padded, layout, compact)
+
+
+def _compact_to_padded(compact, layout, padded) -> None:
+    if compact.is_cuda:
+        from .kernels import compact as kernels
+
+        kernels.compact_to_padded(compact, layout, padded)
+    else:
+        reference.compact_to_padded(compact, layout, padded)
+
+
+def _gather_padded(x: torch.Tensor, layout: ShardLayout, rank: int, out: torch.Tensor, group) -> None:
+    m = layout.max_rank_len
+    slot = out[rank * m : (rank + 1) * m]
+    _pack(x, slot, layout, rank)
+    nccl.all_gather_equal(out, slot, group)
+
+
+# --------------------------------------------------------------------------- public API
+def cp_all_gather(
+    x: torch.Tensor,
+    layout: ShardLayout,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    compact: bool = False,
+    out: Optional[torch.Tensor] = None,
+    algo: str = "auto",
+) -> torch.Tensor:
+    """Gather every rank's shard.
+
+    Args:
+        x: this rank's shard ``[n_r, ...]`` (``n_r = layout.per_rank_actual_token[rank]``).
+        layout: the group's ShardLayout (the same on every rank).
+        group: process group (None: the default group); NCCL for CUDA tensors, gloo for CPU.
+        compact: False: padded ``[max_rank_len * cp_size, ...]`` with zero padding rows;
+            True: compact ``[total_len, ...]``.
+        out: optional contiguous output of exactly that shape, dtype and device.
+        algo: compact only: "auto", "padded" or "coalesced" (see module docstring).
+
+    Returns:
+        The gathered tensor (``out`` when given).
+    """
+    rank, size = nccl.group_rank_and_size(group)
+    _check_layout(layout, size)
+    _check_input("x", x, layout.count(rank), f"this rank's per_rank_actual_token[{rank}] rows")
+    out_shape = (layout.global_len(compact), *x.shape[1:])
+    _check_out(out, out_shape, x)
+    algo = _resolve_algo(algo, x.is_cuda, layout.max_rank_len * _row_bytes(x)) if compact else None
+    if out is None:
+        out = x.new_empty(out_shape)
+    if layout.total_len == 0:
+        return out  # every rank holds nothing; every rank agrees, so nobody communicates
+    if layout.is_even:
+        nccl.all_gather_equal(out, x.contiguous(), group)
+    elif not compact:
+        _gather_padded(x, layout, rank, out, group)
+    elif algo == "coalesced":
+        views = [out[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(size))]
+        nccl.all_gather_uneven(views, x.contiguous(), group)
+    else:
+        workspace = x.new_empty((layout.padded_len, *x.shape[1:]))
+        _gather_padded(x, layout, rank, workspace, group)
+        _padded_to_compact(workspace, layout, out)
+    return out
+
+
+def cp_reduce_scatter(
+    y: torch.Tensor,
+    layout: ShardLayout,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    compact: bool = False,
+    out: Optional[torch.Tensor] = None,
+    algo: str = "auto",
+) -> torch.Tensor:
+    """Sum every rank's ``y`` and return this rank's rows ``[n_r, ...]``.
+
+    Args:
+        y: this rank's partials over all tokens: padded ``[max_rank_len * cp_size, ...]`` (values in
+            padding rows are ignored) or compact ``[total_len, ...]``.
+        layout, group, compact, algo: as for ``cp_all_gather``.
+        out: optional contiguous ``[n_r, ...]`` output.
+
+    Returns:
+        ``[n_r, ...]``. Without ``out`` on an uneven padded layout this is a view of the first ``n_r``
+        rows of an ``[max_rank_len, ...]`` buffer (no copy).
+    """
+    rank, size = nccl.group_rank_and_size(group)
+    _check_layout(layout, size)
+    layout_name = "compact [total_len" if compact else "padded [max_rank_len * cp_size"
+    _check_input("y", y, layout.global_len(compact), f"the {layout_name}, ...] layout")
+    n = layout.count(rank)
+    out_shape = (n, *y.shape[1:])
+    _check_out(out, out_shape, y)
+    algo = _resolve_algo(algo, y.is_cuda, layout.max_rank_len * _row_bytes(y)) if compact else None
+    if layout.total_len == 0:
+        return out if out is not None else y.new_empty(out_shape)
+    if layout.is_even:
+        if out is None:
+            out = y.new_empty(out_shape)
+        nccl.reduce_scatter_equal(out, y.contiguous(), group)
+        return out
+    if algo == "coalesced":
+        if out is None:
+            out = y.new_empty(out_shape)
+        y = y.contiguous()
+        inputs = [y[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(size))]
+        nccl.reduce_scatter_uneven(out, inputs, group)
+        return out
+    if compact:
+        padded = y.new_empty((layout.padded_len, *y.shape[1:]))
+        _compact_to_padded(y, layout, padded)
+        y = padded
+    slot = y.new_empty((layout.max_rank_len, *y.shape[1:]))
+    nccl.reduce_scatter_equal(slot, y.contiguous(), group)
+    if out is None:
+        return slot[:n]
+    out.copy_(slot[:n])
+    return out

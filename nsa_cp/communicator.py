@@ -1,0 +1,111 @@
+"""NSACPLayerCommunicator: the per-layer communication of a decoder layer under NSA prefill CP.
+
+Data flow of one layer (names as in SGLang's LayerCommunicator)::
+
+    prepare_attn       residual add + input_layernorm                  local [n_r, H]
+    (attention)        CP-local (the KV cache is shared through the in-seq split)
+    prepare_mlp        residual add + post_attention_layernorm, then in "full" mode
+                       cp_all_gather -> every token on every rank      [M*P, H] or [T, H]
+    (MoE)              partial sums for every token
+    postprocess_layer  "full" mode: cp_reduce_scatter -> own tokens    local [n_r, H]
+
+The residual always stays local ``[n_r, H]``. ``layout=None`` means CP is off for this batch: norms
+only, no communication. In "scattered" mode the MLP runs on local tokens and nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .collectives import cp_all_gather, cp_reduce_scatter
+from .layout import ShardLayout
+from .transport.nccl import group_rank_and_size
+
+__all__ = ["NSACPLayerCommunicator"]
+
+_MLP_MODES = ("full", "scattered")
+
+
+class NSACPLayerCommunicator:
+    """Owns a layer's CP communication.
+
+    Args:
+        group: the CP process group (None: the default group).
+        input_layernorm, post_attention_layernorm: norms with the convention ``norm(x) -> y``,
+            ``norm(x, residual) -> (y, x + residual)`` (e.g. ``nsa_cp.RMSNorm``).
+        mlp_mode: "full" (gather before the MLP, reduce-scatter after) or "scattered" (local MLP).
+        compact: gather into / reduce from the compact layout (no padding rows for the MoE).
+        algo: compact algorithm, see ``cp_all_gather``.
+    """
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup],
+        input_layernorm: Callable,
+        post_attention_layernorm: Callable,
+        *,
+        mlp_mode: str = "full",
+        compact: bool = False,
+        algo: str = "auto",
+    ):
+        if mlp_mode not in _MLP_MODES:
+            raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
+        self.group = group
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp_mode = mlp_mode
+        self.compact = compact
+        self.algo = algo
+
+    def _check_local(self, name: str, t: torch.Tensor, layout: Optional[ShardLayout]) -> None:
+        if layout is None:
+            return
+        rank, _ = group_rank_and_size(self.group)
+        expected = layout.per_rank_actual_token[rank] if rank < layout.cp_size else None
+        if expected is None or t.shape[0] != expected:
+            raise ValueError(
+                f"{name}: expected {expected} rows (per_rank_actual_token[{rank}] of {layout!r}), "
+                f"got shape {list(t.shape)}"
+            )
+
+    @staticmethod
+    def _norm(norm: Callable, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
+        if residual is None:
+            return norm(hidden_states), hidden_states
+        return norm(hidden_states, residual)
+
+    def prepare_attn(
+        self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor], layout: Optional[ShardLayout]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Residual add + input_layernorm on local tokens; returns ``(normed [n_r,H], residual [n_r,H])``."""
+        self._check_local("hidden_states", hidden_states, layout)
+        return self._norm(self.input_layernorm, hidden_states, residual)
+
+    def prepare_mlp(
+        self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor], layout: Optional[ShardLayout]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Residual add + post_attention_layernorm, then (full mode) gather every rank's tokens.
+
+        Returns ``(hidden, residual)``: hidden is ``[M*P, H]`` (padded) or ``[T, H]`` (compact) in full
+        mode with a layout, else local ``[n_r, H]``; residual is local ``[n_r, H]``.
+        """
+        self._check_local("hidden_states", hidden_states, layout)
+        hidden_states, residual = self._norm(self.post_attention_layernorm, hidden_states, residual)
+        if self.mlp_mode == "full" and layout is not None:
+            hidden_states = cp_all_gather(
+                hidden_states, layout, self.group, compact=self.compact, algo=self.algo
+            )
+        return hidden_states, residual
+
+    def postprocess_layer(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor, layout: Optional[ShardLayout]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Full mode: reduce-scatter the MLP's partials back to this rank's ``[n_r, H]``."""
+        if self.mlp_mode == "full" and layout is not None:
+            hidden_states = cp_reduce_scatter(
+                hidden_states, layout, self.group, compact=self.compact, algo=self.algo
+            )
+        return hidden_states, residual

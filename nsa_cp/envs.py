@@ -1,0 +1,108 @@
+"""Every NSA_CP_* environment variable, in one place.
+
+Each variable is read when it is used (not at import), so tests and launchers may set it late. Read them
+as attributes: ``envs.NSA_CP_COMPACT_ALGO``. ``python -m nsa_cp.envs`` prints the current values.
+
+setup.py cannot import the package while building; it reads NSA_CP_BUILD_CUDA and NSA_CP_CUDA_ARCHS
+itself, with the meanings documented here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Tuple
+
+__all__ = ["ENVIRONMENT_VARIABLES", "describe"]
+
+
+def _choice(name: str, default: str, choices: Tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        value = os.environ.get(name, default).strip().lower()
+        if value not in choices:
+            raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+        return value
+
+    return read
+
+
+def _int(name: str, default: int, minimum: int = 0) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+        if value < minimum:
+            raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+        return value
+
+    return read
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected 0/1 (or true/false), got {raw!r}")
+
+    return read
+
+
+# name -> (reader, one-line meaning)
+ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
+    "NSA_CP_COMPACT_ALGO": (
+        _choice("NSA_CP_COMPACT_ALGO", "auto", ("auto", "padded", "coalesced")),
+        "compact-layout algorithm on CUDA: 'padded' (padded NCCL collective + one Triton "
+        "compact/expand kernel), 'coalesced' (grouped NCCL broadcasts/reduces straight into the "
+        "compact buffer), or 'auto' (by size, see NSA_CP_COALESCED_MIN_BYTES)",
+    ),
+    "NSA_CP_COALESCED_MIN_BYTES": (
+        _int("NSA_CP_COALESCED_MIN_BYTES", 48 << 20),
+        "with NSA_CP_COMPACT_ALGO=auto: a rank slot (max_rank_len rows) of at least this many "
+        "bytes takes the coalesced algorithm; smaller ones take the padded one (measured on 2x H200)",
+    ),
+    "NSA_CP_BUILD_CUDA": (
+        _choice("NSA_CP_BUILD_CUDA", "auto", ("auto", "0", "1")),
+        "setup.py: build nsa_cp._C with nvcc ('1'), never ('0'), or when nvcc is found ('auto')",
+    ),
+    "NSA_CP_CUDA_ARCHS": (
+        lambda: os.environ.get("NSA_CP_CUDA_ARCHS", ""),
+        "setup.py: ';'-separated CUDA archs for nsa_cp._C, e.g. '90a;100a' (default 90a, plus "
+        "100a where nvcc supports it)",
+    ),
+}
+
+
+def describe() -> Dict[str, Any]:
+    """Current value of every variable (errors shown as strings)."""
+    values = {}
+    for name, (reader, _) in ENVIRONMENT_VARIABLES.items():
+        try:
+            values[name] = reader()
+        except ValueError as err:
+            values[name] = f"<invalid: {err}>"
+    return values
+
+
+def __getattr__(name: str) -> Any:
+    entry = ENVIRONMENT_VARIABLES.get(name)
+    if entry is None:
+        raise AttributeError(f"module 'nsa_cp.envs' has no attribute {name!r}")
+    return entry[0]()
+
+
+def __dir__():
+    return sorted(list(globals()) + list(ENVIRONMENT_VARIABLES))
+
+
+if __name__ == "__main__":
+    for key, value in describe().items():
+        print(f"{key}={value!r}  # {ENVIRONMENT_VARIABLES[key][1]}")

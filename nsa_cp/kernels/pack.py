@@ -1,0 +1,68 @@
+"""Pack one rank's shard into its slot of the padded gather buffer, zeroing the slot's padding.
+
+Mirrors ``reference.pack_into_slot``. The row count is read from a device tensor (``counts[rank]``), so a
+CUDA graph captured once replays correctly when the counts change; the grid covers the whole slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._rows import as_rows, block_shape
+
+__all__ = ["pack_into_slot"]
+
+
+@triton.jit
+def _pack_into_slot_kernel(
+    x_ptr,
+    slot_ptr,
+    count_ptr,
+    slot_rows,
+    row_len,
+    x_row_stride,
+    slot_row_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n_rows = tl.load(count_ptr)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < row_len
+    real = (rows < n_rows)[:, None] & col_ok[None, :]
+    values = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=real, other=0.0)
+    in_slot = (rows < slot_rows)[:, None] & col_ok[None, :]
+    tl.store(slot_ptr + rows[:, None] * slot_row_stride + cols[None, :], values, mask=in_slot)
+
+
+def pack_into_slot(x: torch.Tensor, slot: torch.Tensor, count: torch.Tensor) -> None:
+    """``slot[:n] = x``, ``slot[n:] = 0`` where ``n = count.item()`` (read on device, never synced).
+
+    Args:
+        x: ``[n, ...]`` (at least n rows; rows past n are not read), trailing dims dense.
+        slot: ``[M, ...]`` with the same trailing shape and dtype, a view into the gather buffer.
+        count: int32 scalar tensor on x's device holding n (e.g. ``layout.device_tensors(dev)[0][rank]``).
+    """
+    x_rows = as_rows(x, "x", writable=False)
+    slot_rows = as_rows(slot, "slot", writable=True)
+    m, row_len = slot_rows.shape
+    if m == 0 or row_len == 0:
+        return
+    block_m, block_n, warps = block_shape(row_len, slot.element_size())
+    grid = (triton.cdiv(m, block_m), triton.cdiv(row_len, block_n))
+    _pack_into_slot_kernel[grid](
+        x_rows,
+        slot_rows,
+        count,
+        m,
+        row_len,
+        x_rows.stride(0),
+        slot_rows.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
