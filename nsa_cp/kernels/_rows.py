@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -13,7 +15,7 @@ def as_rows(t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
     """View ``t [rows, ...]`` as ``[rows, row_len]``; inputs may be copied, outputs must be views."""
     if t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1):
         return t
-    rows = t.reshape(t.shape[0], -1)
+    rows = t.reshape(t.shape[0], math.prod(t.shape[1:]))
     dense = rows.shape[1] <= 1 or rows.stride(1) == 1
     if not dense:
         rows = rows.contiguous()

@@ -1,0 +1,358 @@
+"""Checks of the collectives that run inside a process group (gloo on CPU, NCCL on GPUs).
+
+The parent builds a list of case dicts (``make_cases``); every rank runs all of them (``run_cases``)
+and reports ``{case_id: None | error}``. Every rank derives every rank's inputs from the case seed, so
+expected results come from an independent oracle written here with plain torch.cat / fp64 sums, not
+from nsa_cp.reference. Outputs handed in are poisoned with NaN first, so an unwritten row fails.
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# --------------------------------------------------------------------------- case lists
+def _random_counts(rng: random.Random, world: int) -> List[int]:
+    kind = rng.choice(["random", "with_zeros", "one_big", "near_even"])
+    if kind == "random":
+        return [rng.randint(0, 13) for _ in range(world)]
+    if kind == "with_zeros":
+        return [rng.choice([0, 0, rng.randint(1, 9)]) for _ in range(world)]
+    if kind == "one_big":
+        counts = [rng.randint(0, 2) for _ in range(world)]
+        counts[rng.randrange(world)] = 17
+        return counts
+    base = rng.randint(3, 9)
+    counts = [base] * world
+    counts[rng.randrange(world)] = base - 1
+    return counts
+
+
+def make_cases(world: int, seed: int = 0, random_layouts: int = 10, big_layouts: int = 0) -> List[dict]:
+    """Deterministic case list for one world size."""
+    rng = random.Random(seed * 1000 + world)
+    layouts = [
+        ([0] * world, 1),  # all empty
+        ([5] * world, 1),  # even
+        ([6] * world, 4),  # even counts but align makes padding
+        ([4] * world, 4),  # even and aligned
+        ([7] + [0] * (world - 1), 1),  # only rank 0 holds tokens
+        ([0] * (world - 1) + [3], 2),  # only the last rank
+        ([i + 1 for i in range(world)], 1),
+    ]
+    layouts += [(_random_counts(rng, world), rng.choice([1, 1, 2, 8])) for _ in range(random_layouts)]
+    cases = []
+    for li, (counts, align) in enumerate(layouts):
+        for op in ("gather", "scatter"):
+            for compact in (False, True):
+                dtype = rng.choice(["bf16", "fp32"])
+                rest = rng.choice([(8,), (24,), (3, 5), (2, 4, 6)])
+                use_out = rng.random() < 0.5
+                algo = rng.choice(["auto", "padded", "coalesced"]) if compact else "auto"
+                cases.append(
+                    dict(
+                        id=f"{op}-L{li}-{'compact' if compact else 'padded'}-{dtype}-{'x'.join(map(str, rest))}"
+                        f"-{'out' if use_out else 'new'}-{algo}",
+                        op=op, counts=counts, align=align, compact=compact, dtype=dtype,
+                        rest=rest, use_out=use_out, algo=algo, seed=rng.randrange(1 << 30),
+                    )
+                )
+    for i in range(big_layouts):  # production-like rows (H=7168) for the CUDA kernels' real block shapes
+        counts = [rng.choice([0, rng.randint(1, 300)]) for _ in range(world)]
+        for op in ("gather", "scatter"):
+            for compact, algo in ((False, "auto"), (True, "padded"), (True, "coalesced")):
+                cases.append(dict(id=f"big{i}-{op}-{'compact' if compact else 'padded'}-{algo}",
+                                  op=op, counts=counts, align=rng.choice([1, 64]), compact=compact,
+                                  dtype="bf16", rest=(7168,), use_out=rng.random() < 0.5, algo=algo,
+                                  seed=rng.randrange(1 << 30)))
+    # even layout must be bitwise the plain collective with nothing else launched
+    for dtype in ("bf16", "fp32"):
+        for op in ("gather", "scatter"):
+            cases.append(dict(id=f"even-direct-{op}-{dtype}", op=f"even_direct_{op}", counts=[6] * world,
+                              align=1, compact=False, dtype=dtype, rest=(16,), use_out=False, algo="auto",
+                              seed=rng.randrange(1 << 30)))
+    # the communicator: both modes, both layouts, layout=None
+    for mode in ("full", "scattered"):
+        for compact in (False, True):
+            for counts in ([rng.randint(0, 6) for _ in range(world)], [4] * world):
+                cases.append(dict(id=f"comm-{mode}-{'compact' if compact else 'padded'}-{'-'.join(map(str, counts))}",
+                                  op="communicator", mode=mode, counts=counts, align=1, compact=compact,
+                                  dtype="fp32", rest=(32,), use_out=False, algo="auto", seed=rng.randrange(1 << 30)))
+    cases.append(dict(id="comm-no-layout", op="communicator", mode="full", counts=None, align=1, compact=False,
+                      dtype="fp32", rest=(32,), use_out=False, algo="auto", seed=1))
+    cases.append(dict(id="errors", op="errors", counts=[2] + [3] * (world - 1), align=1, compact=False,
+                      dtype="fp32", rest=(8,), use_out=True, algo="auto", seed=2))
+    return cases
+
+
+# --------------------------------------------------------------------------- helpers
+def _gen(seed: int, rank: int, rows: int, rest, dtype, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 131 + rank)
+    return torch.randn((rows, *rest), generator=g, dtype=torch.float32).to(dtype).to(device)
+
+
+def _poison(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _poison_allocator(device) -> None:
+    """Fill freed CUDA cache blocks with NaN so a new_empty output that is not fully written shows NaN."""
+    if device.type == "cuda":
+        junk = torch.full((64 << 20,), float("nan"), dtype=torch.float32, device=device)
+        del junk
+
+
+def _expected_gather(shards, layout, compact: bool) -> torch.Tensor:
+    if compact:
+        return torch.cat(shards)
+    m = layout.max_rank_len
+    pieces = []
+    for shard in shards:
+        pieces.append(shard)
+        pieces.append(torch.zeros((m - shard.shape[0], *shard.shape[1:]), dtype=shard.dtype))
+    return torch.cat(pieces)
+
+
+def _check_sum(result: torch.Tensor, partials: List[torch.Tensor], dtype) -> Optional[str]:
+    exact = torch.stack([p.double() for p in partials]).sum(0)
+    magnitude = torch.stack([p.double().abs() for p in partials]).sum(0)
+    eps = torch.finfo(dtype).eps
+    bound = len(partials) * eps * magnitude + 1e-30
+    got = result.double().cpu()
+    if not torch.isfinite(got).all():
+        return "reduce-scatter output holds NaN/inf (unwritten rows?)"
+    err = (got - exact).abs()
+    if (err > bound).any():
+        return f"reduce-scatter error {err.max().item():.3g} exceeds bound {bound.max().item():.3g}"
+    return None
+
+
+# --------------------------------------------------------------------------- one case
+def _run_gather(case, rank, world, group, device, nsa_cp) -> Optional[str]:
+    dtype = DTYPES[case["dtype"]]
+    layout = nsa_cp.ShardLayout(case["counts"], align=case["align"])
+    shards = [_gen(case["seed"], q, n, case["rest"], dtype, "cpu") for q, n in enumerate(case["counts"])]
+    expected = _expected_gather(shards, layout, case["compact"])
+    x = shards[rank].to(device)
+    out = _poison(expected.shape, dtype, device) if case["use_out"] else None
+    _poison_allocator(device)
+    got = nsa_cp.cp_all_gather(x, layout, group, compact=case["compact"], out=out, algo=case["algo"])
+    if out is not None and got.data_ptr() != out.data_ptr():
+        return "result is not the given out tensor"
+    if tuple(got.shape) != tuple(expected.shape) or got.dtype != dtype:
+        return f"shape/dtype {tuple(got.shape)} {got.dtype}, expected {tuple(expected.shape)} {dtype}"
+    if not torch.equal(got.cpu(), expected):
+        bad = (got.cpu() != expected).reshape(expected.shape[0], -1).any(1).nonzero().flatten().tolist()
+        return f"gathered rows differ from the oracle at rows {bad[:10]}"
+    return None
+
+
+def _run_scatter(case, rank, world, group, device, nsa_cp) -> Optional[str]:
+    dtype = DTYPES[case["dtype"]]
+    layout = nsa_cp.ShardLayout(case["counts"], align=case["align"])
+    rows = layout.total_len if case["compact"] else layout.padded_len
+    partials = [_gen(case["seed"], q, rows, case["rest"], dtype, "cpu") for q in range(world)]
+    start, stop = layout.rows(rank, compact=case["compact"])
+    n = layout.per_rank_actual_token[rank]
+    y = partials[rank].to(device)
+    y_before = y.clone()
+    out = _poison((n, *case["rest"]), dtype, device) if case["use_out"] else None
+    _poison_allocator(device)
+    got = nsa_cp.cp_reduce_scatter(y, layout, group, compact=case["compact"], out=out, algo=case["algo"])
+    if out is not None and got.data_ptr() != out.data_ptr():
+        return "result is not the given out tensor"
+    if tuple(got.shape) != (n, *case["rest"]) or got.dtype != dtype:
+        return f"shape/dtype {tuple(got.shape)} {got.dtype}, expected {(n, *case['rest'])} {dtype}"
+    if not torch.equal(y.cpu(), y_before.cpu()):
+        return "the input y was modified"
+    return _check_sum(got, [p[start:stop] for p in partials], dtype)
+
+
+def _run_even_direct(case, rank, world, group, device, nsa_cp) -> Optional[str]:
+    from nsa_cp.collectives import nccl as transport
+    from nsa_cp import collectives
+
+    dtype = DTYPES[case["dtype"]]
+    layout = nsa_cp.ShardLayout(case["counts"])
+    n = layout.per_rank_actual_token[rank]
+    calls = []
+    originals = {}
+
+    def spy(name):
+        original = getattr(transport, name)
+        originals[name] = original
+
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        setattr(transport, name, wrapper)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("even layout launched a pack/compact kernel")
+
+    saved = {name: getattr(collectives, name) for name in ("_pack", "_padded_to_compact", "_compact_to_padded")}
+    for name in ("all_gather_equal", "reduce_scatter_equal", "all_gather_uneven", "reduce_scatter_uneven"):
+        spy(name)
+    for name in saved:
+        setattr(collectives, name, forbidden)
+    try:
+        if case["op"] == "even_direct_gather":
+            x = _gen(case["seed"], rank, n, case["rest"], dtype, device)
+            got = nsa_cp.cp_all_gather(x, layout, group)
+            direct = _poison(got.shape, dtype, device)
+            originals["all_gather_equal"](direct, x, group)
+            expected_calls = ["all_gather_equal"]
+        else:
+            y = _gen(case["seed"], rank, layout.padded_len, case["rest"], dtype, device)
+            got = nsa_cp.cp_reduce_scatter(y, layout, group)
+            direct = _poison(got.shape, dtype, device)
+            originals["reduce_scatter_equal"](direct, y, group)
+            expected_calls = ["reduce_scatter_equal"]
+    finally:
+        for name, original in originals.items():
+            setattr(transport, name, original)
+        for name, original in saved.items():
+            setattr(collectives, name, original)
+    if calls != expected_calls:
+        return f"even layout made calls {calls}, expected exactly {expected_calls}"
+    if not torch.equal(got.view(torch.uint8) if got.dtype != torch.uint8 else got, direct.view(torch.uint8)):
+        return "even layout result is not bitwise the direct collective's"
+    return None
+
+
+def _run_communicator(case, rank, world, group, device, nsa_cp) -> Optional[str]:
+    hidden = case["rest"][0]
+    dtype = DTYPES[case["dtype"]]
+    norm1 = nsa_cp.RMSNorm(hidden, eps=1e-5).to(device)
+    norm2 = nsa_cp.RMSNorm(hidden, eps=1e-5).to(device)
+    g = torch.Generator().manual_seed(case["seed"])
+    with torch.no_grad():
+        norm1.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+        norm2.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    comm = nsa_cp.NSACPLayerCommunicator(group, norm1, norm2, mlp_mode=case["mode"], compact=case["compact"])
+    counts = case["counts"] if case["counts"] is not None else [3] * world
+    layout = nsa_cp.ShardLayout(counts) if case["counts"] is not None else None
+    h = [_gen(case["seed"], q, n, (hidden,), dtype, "cpu") for q, n in enumerate(counts)]
+    attn = [_gen(case["seed"] + 7, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(counts)]
+
+    def rms(x, w, eps=1e-5):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    with torch.no_grad():
+        hs, res = comm.prepare_attn(h[rank].to(device), None, layout)
+        if not torch.equal(res.cpu(), h[rank]):
+            return "prepare_attn with residual=None must return the input as residual"
+        if not torch.allclose(hs.cpu(), rms(h[rank], norm1.weight.cpu()), rtol=1e-5, atol=1e-5):
+            return "prepare_attn norm mismatch"
+        hs, res = comm.prepare_mlp(attn[rank].to(device), res, layout)
+        summed = [a + b for a, b in zip(attn, h)]
+        normed = [rms(s, norm2.weight.cpu()) for s in summed]
+        if not torch.allclose(res.cpu(), summed[rank]):
+            return "prepare_mlp residual must be x + residual, local"
+        if case["mode"] == "full" and layout is not None:
+            expected = _expected_gather(normed, layout, case["compact"])
+        else:
+            expected = normed[rank]
+        if tuple(hs.shape) != tuple(expected.shape) or not torch.allclose(hs.cpu(), expected, rtol=1e-5, atol=1e-5):
+            return f"prepare_mlp hidden {tuple(hs.shape)} does not match expected {tuple(expected.shape)}"
+        # a stand-in MoE: each rank scales by its own factor; the reduce-scatter sums the partials
+        partial = hs * (rank + 1)
+        out, res2 = comm.postprocess_layer(partial, res, layout)
+        if res2.data_ptr() != res.data_ptr():
+            return "postprocess_layer must pass the residual through"
+        scale = sum(range(1, world + 1)) if (case["mode"] == "full" and layout is not None) else rank + 1
+        if tuple(out.shape) != tuple(normed[rank].shape):
+            return f"postprocess_layer shape {tuple(out.shape)}, expected {tuple(normed[rank].shape)}"
+        if not torch.allclose(out.cpu(), normed[rank] * scale, rtol=1e-5, atol=1e-4):
+            return "postprocess_layer sum mismatch"
+    return None
+
+
+def _expect_value_error(fn, words, out: Optional[torch.Tensor] = None) -> Optional[str]:
+    snapshot = out.clone() if out is not None else None
+    try:
+        fn()
+    except ValueError as err:
+        text = str(err)
+        missing = [w for w in words if w not in text]
+        if missing:
+            return f"ValueError {text!r} does not mention {missing}"
+        if out is not None and not torch.equal(out.view(torch.uint8), snapshot.view(torch.uint8)):
+            return f"out was written although the call raised ({text})"
+        return None
+    except Exception as err:  # anything but ValueError is a defect
+        return f"expected ValueError mentioning {words}, got {type(err).__name__}: {err}"
+    return f"expected ValueError mentioning {words}, nothing raised"
+
+
+def _run_errors(case, rank, world, group, device, nsa_cp) -> Optional[str]:
+    layout = nsa_cp.ShardLayout(case["counts"], align=4)  # padded_len != total_len at every world size
+    n = layout.per_rank_actual_token[rank]
+    x = _gen(3, rank, n, (8,), torch.float32, device)
+    good_out = _poison((layout.padded_len, 8), torch.float32, device)
+    y = _gen(4, rank, layout.padded_len, (8,), torch.float32, device)
+    rs_out = _poison((n, 8), torch.float32, device)
+    checks = [
+        (lambda: nsa_cp.cp_all_gather(x[:0] if n else _gen(3, 0, 1, (8,), torch.float32, device), layout, group, out=good_out),
+         ["x", "expected", "got"], good_out),
+        (lambda: nsa_cp.cp_all_gather(x, layout, group, out=_poison((layout.padded_len + 1, 8), torch.float32, device)),
+         ["out", f"[{layout.padded_len}, 8]", f"[{layout.padded_len + 1}, 8]"], None),
+        (lambda: nsa_cp.cp_all_gather(x, layout, group, out=good_out.to(torch.float64)), ["out", "dtype"], None),
+        (lambda: nsa_cp.cp_all_gather(x, layout, group, compact=True, out=good_out),
+         ["out", f"[{layout.total_len}, 8]"], good_out),
+        (lambda: nsa_cp.cp_all_gather(x, nsa_cp.ShardLayout(case["counts"] + [1]), group, out=good_out),
+         ["layout", "cp_size", str(world + 1)], good_out),
+        (lambda: nsa_cp.cp_all_gather(x.reshape(-1), layout, group), ["x", "2 or more"], None),
+        (lambda: nsa_cp.cp_all_gather(x, [1, 2], group), ["layout", "ShardLayout"], None),
+        (lambda: nsa_cp.cp_all_gather(x, layout, group, compact=True, algo="fast"), ["algo"], None),
+        (lambda: nsa_cp.cp_reduce_scatter(y[1:], layout, group, out=rs_out),
+         ["y", f"[{layout.padded_len}, 8]", f"[{layout.padded_len - 1}, 8]"], rs_out),
+        (lambda: nsa_cp.cp_reduce_scatter(y, layout, group, out=_poison((n + 1, 8), torch.float32, device)),
+         ["out", f"[{n}, 8]", f"[{n + 1}, 8]"], None),
+        (lambda: nsa_cp.cp_reduce_scatter(y, layout, group, compact=True, out=rs_out),
+         ["y", f"[{layout.total_len}, 8]"], rs_out),
+        (lambda: nsa_cp.cp_reduce_scatter(y, layout, group, out=rs_out.to(torch.bfloat16)), ["out", "dtype"], None),
+    ]
+    if device.type == "cuda":
+        checks.append((lambda: nsa_cp.cp_all_gather(x, layout, group, out=good_out.cpu()), ["out", "device"], None))
+    for i, (fn, words, out) in enumerate(checks):
+        problem = _expect_value_error(fn, words, out)
+        if problem:
+            return f"error check {i}: {problem}"
+    return None
+
+
+_RUNNERS = {
+    "gather": _run_gather,
+    "scatter": _run_scatter,
+    "even_direct_gather": _run_even_direct,
+    "even_direct_scatter": _run_even_direct,
+    "communicator": _run_communicator,
+    "errors": _run_errors,
+}
+
+
+def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
+    """Entry point in every rank: run each case, record None or the failure text."""
+    import torch.distributed as dist
+
+    import nsa_cp
+
+    device = torch.device("cuda", rank) if payload["device"] == "cuda" else torch.device("cpu")
+    group = dist.group.WORLD
+    results: Dict[str, Optional[str]] = {}
+    for case in payload["cases"]:
+        try:
+            results[case["id"]] = _RUNNERS[case["op"]](case, rank, world, group, device, nsa_cp)
+        except Exception:
+            results[case["id"]] = traceback.format_exc()
+        # a failing rank must not leave the others waiting in a collective: agree before the next case
+        dist.barrier()
+    return results

@@ -1,0 +1,41 @@
+"""The collective checks of test_collectives_gloo over NCCL with CUDA tensors (Triton kernels).
+
+Needs 2 or more CUDA GPUs; skips cleanly, saying why, without them. Runs at every world size in
+(2, 4, 8) that the machine has GPUs for. Outputs are poisoned with NaN (handed-in outputs directly, fresh
+outputs through the caching allocator) so an unwritten row fails.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import dist_cases
+from dist_harness import case_failures, run_world
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+WORLD_SIZES = [w for w in (2, 4, 8) if w <= GPUS]
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 CUDA GPUs for NCCL, found {GPUS}"),
+]
+
+
+def _cases(world):
+    return dist_cases.make_cases(world, seed=1, random_layouts=16, big_layouts=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _world_results(world):
+    return run_world(world, "nccl", dist_cases.run_cases, {"device": "cuda", "cases": _cases(world)})
+
+
+PARAMS = [pytest.param(world, case["id"], id=f"w{world}-{case['id']}")
+          for world in (WORLD_SIZES or [2]) for case in _cases(world)]
+
+
+@pytest.mark.parametrize("world,case_id", PARAMS)
+def test_case(world, case_id):
+    failures = case_failures(_world_results(world), case_id)
+    assert not failures, "\n".join(failures)
