@@ -1,0 +1,758 @@
+"""Distributed benchmark: nsa_cp's uneven all-gather / reduce-scatter against torch/NCCL baselines.
+
+Usage::
+
+    python benchmarks/gather_scatter.py                          # every visible GPU, default sweep
+    python benchmarks/gather_scatter.py --M 8192 --imbalance 0.2 --rounds 50 --csv out.csv
+    python benchmarks/gather_scatter.py --counts 4096,4096,7936,8192 --hidden 7168
+    python benchmarks/gather_scatter.py --cpu-ranks 2 --M 64 --rounds 3   # CPU/gloo smoke run
+
+Methods (see ``METHODS``; adding one is one line; ``--methods`` selects by name or glob)
+---------------------------------------------------------------------------------------
+all-gather, local ``x [n_r, H]`` -> global rows:
+
+* ``even_ag``         ``all_gather_into_tensor`` of a full ``[M, H]`` per rank: the even collective on
+                      the padded size. The reference every gather is compared with (``x even``).
+* ``fpad_ag``         ``F.pad(x)`` to ``[M, H]`` then ``all_gather_into_tensor`` (padded output).
+* ``fpad_ag_compact`` the same plus compaction with torch ops: ``torch.cat`` of the slices
+                      ``[r*M, r*M + n_r)`` (SGLang style; compact output).
+* ``list_ag``         torch's uneven ``dist.all_gather(list of [n_q, H] views of the compact buffer, x)``
+                      (grouped NCCL broadcasts). NCCL only: gloo rejects uneven lists, so it is skipped
+                      there and the table says so.
+* ``nsa_ag_padded``   ``nsa_cp.cp_all_gather(compact=False)``.
+* ``nsa_ag_compact``  ``compact=True``, ``algo="auto"``; ``nsa_ag_compact_padded`` /
+                      ``nsa_ag_compact_coalesced`` force each algorithm.
+
+reduce-scatter, global rows -> local ``[n_r, H]`` summed over ranks:
+
+* ``even_rs``         ``reduce_scatter_tensor`` of ``[M*P, H]`` -> ``[M, H]`` (reference of ``x even``).
+* ``list_rs``         torch's uneven ``dist.reduce_scatter(out, list of [n_q, H] views of the compact
+                      input)``. Gloo happens to accept uneven lists here, so it also runs on CPU.
+* ``nsa_rs_padded``   ``nsa_cp.cp_reduce_scatter(compact=False)``.
+* ``nsa_rs_compact``  ``compact=True``, ``algo="auto"``; ``_padded`` / ``_coalesced`` force each algorithm.
+
+Every method writes into preallocated outputs where its API allows (``out=``); ``F.pad`` and
+``torch.cat`` allocate, because that is what those methods are.
+
+Protocol (QuACK style)
+----------------------
+* One process per visible GPU (``torch.multiprocessing.spawn``, NCCL, ``torch.cuda.set_device(rank)``),
+  or, with no GPU or with ``--cpu-ranks N``, N gloo processes on the CPU. A CPU run is a smoke test of
+  the harness and the library's CPU path: its numbers say nothing about GPUs, and it says so.
+* ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` are set when unset (never
+  overridden): NVLink multicast is off on the target machines and nothing may depend on it.
+* Per configuration (one list of per-rank counts):
+    1. Inputs are ``randn`` (never zeros), drawn from seeds known to every rank, so each rank can
+       rebuild every other rank's inputs and compute the exact expected outputs locally.
+    2. Correctness, once, before any timing: outputs are poisoned with NaN, every method runs once, and
+       gathers must equal the expected tensor exactly (``torch.equal``; padded outputs including their
+       zero padding rows, as the layout contract says), reduce-scatters must be ``allclose`` to the
+       float32 sum of the ranks' inputs (and nsa_cp's also to ``even_rs``): summation order may differ.
+       Inputs must be unchanged afterwards. Any mismatch on any rank aborts the whole run loudly.
+       A method that raises ``NotImplementedError`` on every rank is reported as skipped.
+    3. Warm-up: ``--warmup`` calls of every method.
+    4. ``--rounds`` rounds. Each round: one ``dist.barrier()``, then every method once, in an order
+       rotated by one per round, each timed with CUDA events on the current stream (``perf_counter``
+       on CPU). Methods are enqueued back to back without host syncs, as real code runs them; the
+       rotation spreads the first-after-barrier skew over all methods. Input and output buffers
+       rotate among several sets (about 4x L2 in all) so L2 does not serve repeated inputs.
+    5. Per method: the median over rounds on each rank, then the MAX over ranks (``all_reduce MAX``).
+       ``spread`` is the interquartile range over rounds / median (max over ranks): differences
+       between methods smaller than that are noise. ``host ms`` is the median host time a call took to
+       return (to enqueue its work, on GPU): where it is close to ``ms``, the method is launch-bound
+       and the number measures Python and launch overhead, not the links (CUDA graphs would hide it).
+
+Metrics (nccl-tests convention, GB = 1e9 bytes)
+-----------------------------------------------
+``S`` is the size in bytes of the GATHERED tensor (all-gather output) or of the REDUCED tensor
+(reduce-scatter input), ``P`` the number of ranks, ``t`` the time:
+
+* ``algbw = S / t``; ``busbw = algbw * (P - 1) / P`` (both all-gather and reduce-scatter).
+* Which rows count in ``S``: methods whose global tensor is padded (``even_*``, ``fpad_ag``,
+  ``nsa_*_padded``) count the padded rows ``M * P``; methods whose global tensor is compact
+  (``*_compact*``, ``list_*``) count the real rows ``sum(n)``. So a padded method gets credit for
+  moving padding, and busbw of padded vs compact methods is not comparable across layouts.
+* ``link GB/s`` = bytes the busiest rank must send to its peers, REAL rows only, / ``t``: all-gather
+  ``max_r (P-1) * n_r`` rows, reduce-scatter ``max_r sum_{q != r} n_q`` rows. The numerator is the same
+  for every method of a configuration and direction, so it ranks methods exactly as time does and can
+  be set against the link ceiling (DESIGN.md: ~350-390 GB/s per direction on 2x H200 NV18). For the
+  even case it equals busbw.
+* ``x even`` = ``t / t(even collective of the same direction)``: below 1.0 is faster than NCCL's even
+  collective on the padded size.
+
+``--csv`` / ``--json`` write one row per (configuration, method) tagged with the GPU name, torch, NCCL,
+triton and nsa_cp versions, the nsa_cp path and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import fnmatch
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# torch 2.13 deprecates the old names; torch 2.11 has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Reduce-scatter tolerance: rtol = RS_TOL, atol = RS_TOL * P (about 8 eps; NCCL may round each of the
+# P-1 partial sums, whose magnitude grows like sqrt(P)). A wrong row misses by O(sqrt(P)).
+RS_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+# ============================================================================ context and buffers
+@dataclasses.dataclass
+class Ctx:
+    """What every method needs besides its buffers."""
+
+    nsa: object  # the nsa_cp module (imported lazily in the worker)
+    layout: object  # nsa_cp.ShardLayout
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    world: int
+    device: torch.device
+    backend: str  # "nccl" | "gloo"
+
+    @property
+    def counts(self) -> Tuple[int, ...]:
+        return tuple(self.layout.per_rank_actual_token)
+
+    @property
+    def M(self) -> int:
+        return self.layout.max_rank_len
+
+    @property
+    def n(self) -> int:
+        return self.counts[self.rank]
+
+
+@dataclasses.dataclass
+class Bufs:
+    """One rotating set of inputs and outputs. ``x`` is a view of the first n_r rows of ``x_full``."""
+
+    x_full: torch.Tensor  # [M, H]    input of even_ag
+    x: torch.Tensor  # [n_r, H]  local shard
+    y_pad: torch.Tensor  # [M*P, H]  reduce-scatter input, padded layout (padding rows random)
+    y_cmp: torch.Tensor  # [T, H]    reduce-scatter input, compact layout (same real rows)
+    out_pad: torch.Tensor  # [M*P, H]  gather output, padded
+    out_cmp: torch.Tensor  # [T, H]    gather output, compact
+    rs_full: torch.Tensor  # [M, H]    output of even_rs
+    rs_out: torch.Tensor  # [n_r, H]  view of rs_full's first n_r rows
+
+    def outputs(self) -> List[torch.Tensor]:
+        return [self.out_pad, self.out_cmp, self.rs_full]
+
+
+def _seed(*parts: int) -> int:
+    s = 0x9E3779B9
+    for p in parts:
+        s = (s * 1_000_003 + int(p)) % (2**61 - 1)
+    return s
+
+
+def _randn(shape, seed, dtype, device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=dtype, device=device)
+
+
+def _inputs_of(rank, layout, hidden, dtype, device, seed) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_full [M,H], y_cmp [T,H], y_pad [M*P,H]) of ``rank``: any rank can rebuild any rank's inputs."""
+    M, T, P = layout.max_rank_len, layout.total_len, layout.cp_size
+    x_full = _randn((M, hidden), _seed(seed, 1, rank), dtype, device)
+    y_cmp = _randn((T, hidden), _seed(seed, 2, rank), dtype, device)
+    y_pad = _randn((M * P, hidden), _seed(seed, 3, rank), dtype, device)
+    for q, (off, n) in enumerate(zip(layout.offsets, layout.per_rank_actual_token)):
+        y_pad[q * M : q * M + n] = y_cmp[off : off + n]
+    return x_full, y_cmp, y_pad
+
+
+def make_bufs(ctx: Ctx, hidden, dtype, seed) -> Bufs:
+    x_full, y_cmp, y_pad = _inputs_of(ctx.rank, ctx.layout, hidden, dtype, ctx.device, seed)
+    L = ctx.layout
+    rs_full = torch.empty((ctx.M, hidden), dtype=dtype, device=ctx.device)
+    return Bufs(
+        x_full=x_full,
+        x=x_full[: ctx.n],
+        y_pad=y_pad,
+        y_cmp=y_cmp,
+        out_pad=torch.empty((L.padded_len, hidden), dtype=dtype, device=ctx.device),
+        out_cmp=torch.empty((L.total_len, hidden), dtype=dtype, device=ctx.device),
+        rs_full=rs_full,
+        rs_out=rs_full[: ctx.n],
+    )
+
+
+def bytes_per_set(layout, hidden, dtype) -> int:
+    row = hidden * torch.tensor([], dtype=dtype).element_size()
+    M, T, PM = layout.max_rank_len, layout.total_len, layout.padded_len
+    return row * (M + PM + T + PM + T + M)
+
+
+# ============================================================================ methods
+# Each method: fn(ctx, bufs) -> its output tensor. ``kind`` says which global layout it produces or
+# consumes ("even" | "padded" | "compact"): it picks the expected output and the rows counted in algbw.
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    direction: str  # "ag" | "rs"
+    kind: str  # "even" | "padded" | "compact"
+    fn: Callable[[Ctx, Bufs], torch.Tensor]
+    needs: Optional[Callable[[Ctx], Optional[str]]] = None  # -> reason to skip, or None
+    prepare: Optional[Callable[[Ctx], None]] = None  # once per configuration, before the check
+
+    @property
+    def is_nsa(self) -> bool:
+        return self.name.startswith("nsa_")
+
+
+def even_ag(c: Ctx, b: Bufs):
+    _all_gather_single(b.out_pad, b.x_full, group=c.group)
+    return b.out_pad
+
+
+def fpad_ag(c: Ctx, b: Bufs):
+    _all_gather_single(b.out_pad, F.pad(b.x, (0, 0, 0, c.M - c.n)), group=c.group)
+    return b.out_pad
+
+
+def fpad_ag_compact(c: Ctx, b: Bufs):
+    full = fpad_ag(c, b)
+    return torch.cat([full[r * c.M : r * c.M + n] for r, n in enumerate(c.counts)])
+
+
+def list_ag(c: Ctx, b: Bufs):
+    dist.all_gather(list(b.out_cmp.split(c.counts)), b.x, group=c.group)
+    return b.out_cmp
+
+
+def even_rs(c: Ctx, b: Bufs):
+    _reduce_scatter_single(b.rs_full, b.y_pad, group=c.group)
+    return b.rs_out
+
+
+def list_rs(c: Ctx, b: Bufs):
+    dist.reduce_scatter(b.rs_out, list(b.y_cmp.split(c.counts)), group=c.group)
+    return b.rs_out
+
+
+def nsa_ag(compact: bool, **kw):
+    """A method calling ``nsa_cp.cp_all_gather(compact=..., **kw)`` into the preallocated output."""
+
+    def fn(c: Ctx, b: Bufs):
+        out = b.out_cmp if compact else b.out_pad
+        return c.nsa.cp_all_gather(b.x, c.layout, c.group, compact=compact, out=out, **kw)
+
+    return fn
+
+
+def nsa_rs(compact: bool, **kw):
+    """A method calling ``nsa_cp.cp_reduce_scatter(compact=..., **kw)`` into the preallocated output."""
+
+    def fn(c: Ctx, b: Bufs):
+        y = b.y_cmp if compact else b.y_pad
+        return c.nsa.cp_reduce_scatter(y, c.layout, c.group, compact=compact, out=b.rs_out, **kw)
+
+    return fn
+
+
+def _nccl_only(what):
+    return lambda c: None if c.backend == "nccl" else f"{c.backend} does not support {what}"
+
+
+# One line per method. A transport variant is one more line, e.g.
+#   Method("nsa_ag_compact_p2p", "ag", "compact", nsa_ag(True, backend="p2p"), needs=..., prepare=...)
+# with ``needs`` returning why it cannot run here (or None) and ``prepare`` doing per-configuration setup.
+METHODS: List[Method] = [
+    # ---- all-gather
+    Method("even_ag", "ag", "even", even_ag),
+    Method("fpad_ag", "ag", "padded", fpad_ag),
+    Method("fpad_ag_compact", "ag", "compact", fpad_ag_compact),
+    Method("list_ag", "ag", "compact", list_ag, _nccl_only("uneven all_gather lists")),
+    Method("nsa_ag_padded", "ag", "padded", nsa_ag(False)),
+    Method("nsa_ag_compact", "ag", "compact", nsa_ag(True)),
+    Method("nsa_ag_compact_padded", "ag", "compact", nsa_ag(True, algo="padded")),
+    Method("nsa_ag_compact_coalesced", "ag", "compact", nsa_ag(True, algo="coalesced")),
+    # ---- reduce-scatter
+    Method("even_rs", "rs", "even", even_rs),
+    Method("list_rs", "rs", "compact", list_rs),
+    Method("nsa_rs_padded", "rs", "padded", nsa_rs(False)),
+    Method("nsa_rs_compact", "rs", "compact", nsa_rs(True)),
+    Method("nsa_rs_compact_padded", "rs", "compact", nsa_rs(True, algo="padded")),
+    Method("nsa_rs_compact_coalesced", "rs", "compact", nsa_rs(True, algo="coalesced")),
+]
+EVEN = {"ag": "even_ag", "rs": "even_rs"}
+
+
+def select_methods(patterns: Optional[str]) -> List[Method]:
+    """Methods matching any comma-separated name/glob; the even reference of each direction is kept."""
+    if not patterns:
+        return list(METHODS)
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    chosen = {m.name for m in METHODS if any(fnmatch.fnmatchcase(m.name, p) for p in pats)}
+    if not chosen:
+        raise SystemExit(f"--methods {patterns!r} matches none of {[m.name for m in METHODS]}")
+    for m in METHODS:
+        if m.name in chosen:
+            chosen.add(EVEN[m.direction])
+    return [m for m in METHODS if m.name in chosen]
+
+
+# ============================================================================ correctness
+def _expected_outputs(ctx: Ctx, hidden, dtype, seed):
+    """Expected outputs built locally from every rank's (re-drawn) inputs: no collective involved."""
+    L, M, P = ctx.layout, ctx.M, ctx.world
+    xs = [_inputs_of(q, L, hidden, dtype, ctx.device, seed)[0] for q in range(P)]
+    ag = {
+        "even": torch.cat(xs),
+        "padded": torch.cat([F.pad(x[:n], (0, 0, 0, M - n)) for x, n in zip(xs, ctx.counts)]),
+        "compact": torch.cat([x[:n] for x, n in zip(xs, ctx.counts)]),
+    }
+    a, b = L.offsets[ctx.rank], L.offsets[ctx.rank] + ctx.n
+    acc = torch.zeros((b - a, hidden), dtype=torch.float32, device=ctx.device)
+    for q in range(P):  # one rank's inputs at a time: bounded memory at large P*M
+        acc += _inputs_of(q, L, hidden, dtype, ctx.device, seed)[1][a:b].float()
+    return ag, acc.to(dtype)
+
+
+def _poison(bufs: Bufs):
+    for t in bufs.outputs():
+        t.fill_(float("nan"))
+
+
+OK, SKIP, BAD = 0, 1, 2
+
+
+def check_methods(ctx: Ctx, methods: Sequence[Method], bufs: Bufs, hidden, dtype, seed, log):
+    """Run every method once on poisoned outputs and compare. Returns {name: skip reason} of methods
+    that raised NotImplementedError on some rank. Aborts (on every rank) on any mismatch."""
+    ag_ref, rs_ref = _expected_outputs(ctx, hidden, dtype, seed)
+    rtol, atol = RS_TOL[dtype], RS_TOL[dtype] * ctx.world
+    status = torch.zeros(len(methods), dtype=torch.int64, device=ctx.device)
+    notes: Dict[str, str] = {}
+    even_rs_out = None
+    pristine = [t.clone() for t in (bufs.x_full, bufs.y_cmp, bufs.y_pad)]
+    for i, m in enumerate(methods):
+        _poison(bufs)
+        try:
+            out = m.fn(ctx, bufs)
+        except NotImplementedError as e:
+            status[i], notes[m.name] = SKIP, f"NotImplementedError: {e}"
+            continue
+        _sync(ctx)
+        if m.direction == "ag":
+            ref = ag_ref[m.kind]
+            ok = out.shape == ref.shape and torch.equal(out, ref)
+            if not ok:
+                notes[m.name] = _diff(f"gather output ({m.kind} layout)", out, ref)
+        else:
+            ok = out.shape == rs_ref.shape and torch.allclose(out.float(), rs_ref.float(), rtol=rtol, atol=atol)
+            if ok and m.is_nsa and even_rs_out is not None:
+                ok = torch.allclose(out.float(), even_rs_out.float(), rtol=rtol, atol=atol)
+                if not ok:
+                    notes[m.name] = _diff("reduce-scatter output vs even_rs", out, even_rs_out, rtol, atol)
+            elif not ok:
+                notes[m.name] = _diff("reduce-scatter output vs fp32 sum", out, rs_ref, rtol, atol)
+            if m.name == EVEN["rs"] and ok:
+                even_rs_out = out.clone()
+        # the inputs must be untouched
+        if not all(torch.equal(a, b) for a, b in zip((bufs.x_full, bufs.y_cmp, bufs.y_pad), pristine)):
+            ok = False
+            notes[m.name] = notes.get(m.name, "") + " [modified its INPUT]"
+            for a, b in zip((bufs.x_full, bufs.y_cmp, bufs.y_pad), pristine):
+                a.copy_(b)
+        if not ok:
+            status[i] = BAD
+
+    flags = status.clone()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group)
+    flags = flags.tolist()
+    bad = [m.name for m, s in zip(methods, flags) if s == BAD]
+    if bad:
+        mine = [f"  {k}: {v}" for k, v in notes.items() if k in bad]
+        msg = f"CORRECTNESS FAILURE, counts {list(ctx.counts)}: {bad}" + (
+            f"\n[rank {ctx.rank}]\n" + "\n".join(mine) if mine else f" (no mismatch on rank {ctx.rank})"
+        )
+        print(msg, file=sys.stderr, flush=True)
+        raise RuntimeError(msg)
+    skipped = {m.name: notes.get(m.name, "NotImplementedError on another rank") for m, s in zip(methods, flags) if s == SKIP}
+    log(f"  check ok: {len(methods) - len(skipped)} methods match the expected outputs")
+    return skipped
+
+
+def _diff(what, out, ref, rtol=0.0, atol=0.0) -> str:
+    if out.shape != ref.shape:
+        return f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    bad = ~torch.isclose(out.float(), ref.float(), rtol=rtol, atol=atol)  # NaN never close
+    rows = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten()
+    err = (out.float() - ref.float()).abs().nan_to_num(float("inf")).max().item()
+    return f"{what}: {rows.numel()} wrong rows (first {rows[:8].tolist()}), max |diff| {err:.3g}"
+
+
+# ============================================================================ timing
+def _sync(ctx: Ctx):
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
+def time_round(ctx: Ctx, methods, bufsets, order, call0) -> Dict[str, Tuple[float, float]]:
+    """One round: barrier, then each method once in ``order``.
+
+    Returns {name: (device ms, host ms)} on this rank: device time between CUDA events around the call
+    (on CPU the host time), and the host time the call took to return (to enqueue, on GPU)."""
+    nb = len(bufsets)
+    cuda = ctx.device.type == "cuda"
+    dist.barrier(group=ctx.group)
+    events, host = [], {}
+    for k, i in enumerate(order):
+        s = e = None
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+        t0 = time.perf_counter()
+        methods[i].fn(ctx, bufsets[(call0 + k) % nb])
+        host[methods[i].name] = (time.perf_counter() - t0) * 1e3
+        if cuda:
+            e.record()
+        events.append((methods[i].name, s, e))
+    if not cuda:
+        return {name: (h, h) for name, h in host.items()}
+    torch.cuda.synchronize(ctx.device)
+    return {name: (s.elapsed_time(e), host[name]) for name, s, e in events}
+
+
+def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup) -> Dict[str, Dict[str, float]]:
+    nm, nb = len(methods), len(bufsets)
+    for w in range(warmup):
+        for i, m in enumerate(methods):
+            m.fn(ctx, bufsets[(w * nm + i) % nb])
+    _sync(ctx)
+    samples: Dict[str, List[float]] = {m.name: [] for m in methods}
+    host: Dict[str, List[float]] = {m.name: [] for m in methods}
+    for r in range(rounds):
+        order = [(r + i) % nm for i in range(nm)]
+        for name, (t, h) in time_round(ctx, methods, bufsets, order, r * nm).items():
+            samples[name].append(t)
+            host[name].append(h)
+    # per rank: median, min, IQR/median over rounds, median host time; then MAX over ranks
+    local = []
+    for m in methods:
+        ts = sorted(samples[m.name])
+        med = statistics.median(ts)
+        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+        local.append([med, ts[0], (q[2] - q[0]) / med if med > 0 else 0.0, statistics.median(host[m.name])])
+    stats = torch.tensor(local, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=ctx.group)
+    keys = ("ms", "min_ms", "spread", "host_ms")
+    return {m.name: dict(zip(keys, row)) for m, row in zip(methods, stats.tolist())}
+
+
+# ============================================================================ metrics and rows
+def metrics(method: Method, layout, hidden, dtype, ms) -> Dict[str, float]:
+    P, counts = layout.cp_size, layout.per_rank_actual_token
+    row = hidden * torch.tensor([], dtype=dtype).element_size()
+    rows = layout.total_len if method.kind == "compact" else layout.padded_len
+    if method.direction == "ag":
+        link_rows = (P - 1) * max(counts)
+    else:
+        link_rows = layout.total_len - min(counts)
+    s = ms * 1e-3
+    algbw = rows * row / s / 1e9 if s > 0 else float("nan")
+    return {
+        "bytes": rows * row,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * (P - 1) / P,
+        "link_GBps": link_rows * row / s / 1e9 if s > 0 else float("nan"),
+    }
+
+
+def make_configs(args, world) -> List[Tuple[int, ...]]:
+    if args.counts:
+        configs = []
+        for spec in args.counts:
+            counts = tuple(int(v) for v in spec.split(",") if v.strip())
+            if len(counts) != world:
+                raise SystemExit(f"--counts {spec!r}: {len(counts)} counts for {world} ranks")
+            configs.append(counts)
+        return configs
+    configs = []
+    for M in args.M:
+        for s in args.imbalance:
+            if not 0.0 <= s <= 1.0:
+                raise SystemExit(f"--imbalance {s}: expected 0 <= s <= 1")
+            pair = (M, int(round(M * (1.0 - s))))
+            configs.append(tuple(pair[r % 2] for r in range(world)))
+    return configs
+
+
+def env_tags(ctx: Ctx) -> Dict[str, str]:
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except Exception:  # noqa: BLE001 - triton is optional on CPU
+        triton_v = "n/a"
+    if ctx.device.type == "cuda":
+        gpu = torch.cuda.get_device_name(ctx.device)
+        v = torch.cuda.nccl.version()  # a tuple (2, 28, 9) in recent torch, an int in old ones
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    else:
+        gpu, nccl = f"CPU ({platform.processor() or platform.machine()}, gloo)", "n/a"
+    try:
+        rev = subprocess.run(
+            ["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except Exception:  # noqa: BLE001
+        rev = ""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "gpu": gpu,
+        "backend": ctx.backend,
+        "world": str(ctx.world),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "nccl": nccl,
+        "triton": triton_v,
+        "nsa_cp": getattr(ctx.nsa, "__version__", "?"),
+        "nsa_cp_path": os.path.dirname(getattr(ctx.nsa, "__file__", "?")),
+        "git_rev": rev or "n/a",
+        "nsa_cp_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("NSA_CP_")),
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", ""),
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", ""),
+    }
+
+
+# ============================================================================ worker
+def _import_nsa_cp():
+    try:
+        import nsa_cp
+    except ImportError:
+        sys.path.insert(0, REPO_ROOT)
+        import nsa_cp
+    return nsa_cp
+
+
+def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[str, str]]:
+    dtype, hidden, L = DTYPES[args.dtype], args.hidden, ctx.layout
+    pad = (L.padded_len - L.total_len) / L.padded_len if L.padded_len else 0.0
+    log(f"[{cfg_idx + 1}] counts {list(ctx.counts)}  M={ctx.M}  total={L.total_len}  padding {pad:.1%}")
+    active, skipped = [], {}
+    for m in methods:
+        reason = m.needs(ctx) if m.needs else None
+        if reason:
+            skipped[m.name] = reason
+        else:
+            active.append(m)
+    for prepare in dict.fromkeys(m.prepare for m in active if m.prepare):  # each hook once, in order
+        prepare(ctx)
+    if ctx.device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(ctx.device), "L2_cache_size", 50 << 20)
+        nbuf = max(2, min(args.max_bufs, math.ceil(4 * l2 / max(1, bytes_per_set(L, hidden, dtype)))))
+    else:
+        nbuf = 2
+    bufsets = [make_bufs(ctx, hidden, dtype, _seed(args.seed, cfg_idx, b)) for b in range(nbuf)]
+    skipped.update(check_methods(ctx, active, bufsets[0], hidden, dtype, _seed(args.seed, cfg_idx, 0), log))
+    active = [m for m in active if m.name not in skipped]
+    stats = time_methods(ctx, active, bufsets, args.rounds, args.warmup)
+    del bufsets
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    rows = []
+    for m in active:
+        st = stats[m.name]
+        even = stats.get(EVEN[m.direction])
+        rows.append(
+            {
+                "config": cfg_idx,
+                "counts": "/".join(map(str, ctx.counts)),
+                "max_rank_len": ctx.M,
+                "total_len": L.total_len,
+                "padded_len": L.padded_len,
+                "padding_frac": pad,
+                "hidden": hidden,
+                "dtype": args.dtype,
+                "align": args.align,
+                "direction": m.direction,
+                "method": m.name,
+                "layout_rows": "compact" if m.kind == "compact" else "padded",
+                "time_ms": st["ms"],
+                "min_ms": st["min_ms"],
+                "spread": st["spread"],
+                "host_ms": st["host_ms"],
+                **metrics(m, L, hidden, dtype, st["ms"]),
+                "x_even": st["ms"] / even["ms"] if even else float("nan"),
+                "rounds": args.rounds,
+                "warmup": args.warmup,
+                "nbuf": nbuf,
+            }
+        )
+    return rows, skipped
+
+
+def worker(rank, world, use_cuda, port, args, configs, result_path):
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*")
+    if use_cuda:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=device
+        )
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    nsa = _import_nsa_cp()
+    methods = select_methods(args.methods)
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)  # stdout, so that the table printed last stays last in one stream
+
+    result = {"tags": None, "rows": [], "skipped": {}}
+    try:
+        for i, counts in enumerate(configs):
+            layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
+            ctx = Ctx(nsa, layout, None, rank, world, device, dist.get_backend())
+            if result["tags"] is None:
+                result["tags"] = env_tags(ctx)
+            rows, skipped = run_config(ctx, methods, args, i, log)
+            result["rows"] += rows
+            result["skipped"][str(i)] = skipped
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ============================================================================ report
+def format_table(result, cpu: bool) -> str:
+    tags, rows = result["tags"], result["rows"]
+    lines = []
+    if cpu:
+        lines.append("*** CPU/gloo run: a smoke test of the harness; these numbers say NOTHING about GPUs ***")
+    lines.append(
+        f"{tags['gpu']} x{tags['world']} | torch {tags['torch']} | NCCL {tags['nccl']} | triton {tags['triton']}"
+        f" | nsa_cp {tags['nsa_cp']} ({tags['nsa_cp_path']}, git {tags['git_rev']}) | {tags['date']}"
+    )
+    hdr = f"{'method':<26}{'ms':>9}{'spread':>8}{'host ms':>9}{'algbw':>9}{'busbw':>9}{'link':>9}{'x even':>8}"
+    by_cfg: Dict[int, List[dict]] = {}
+    for r in rows:
+        by_cfg.setdefault(r["config"], []).append(r)
+    for cfg, rs in sorted(by_cfg.items()):
+        r0 = rs[0]
+        lines.append("")
+        lines.append(
+            f"counts [{r0['counts'].replace('/', ', ')}]  M={r0['max_rank_len']}  total={r0['total_len']}"
+            f"  padding {r0['padding_frac']:.1%}  H={r0['hidden']} {r0['dtype']}  ({r0['rounds']} rounds,"
+            f" {r0['nbuf']} buffer sets)   GB/s: algbw/busbw on counted rows, link on real rows"
+        )
+        lines.append(hdr)
+        for r in rs:
+            lines.append(
+                f"{r['method']:<26}{r['time_ms']:>9.3f}{r['spread']:>7.0%} {r['host_ms']:>9.3f}{r['algbw_GBps']:>9.4g}"
+                f"{r['busbw_GBps']:>9.4g}{r['link_GBps']:>9.4g}{r['x_even']:>8.2f}"
+            )
+        for name, why in result["skipped"].get(str(cfg), {}).items():
+            lines.append(f"{name:<26}skipped: {why}")
+    return "\n".join(lines)
+
+
+def write_outputs(result, csv_path, json_path):
+    rows = [{**result["tags"], **r} for r in result["rows"]]
+    if csv_path and rows:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"rows": rows, "skipped": result["skipped"]}, f, indent=1)
+
+
+# ============================================================================ main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--M", type=int, nargs="+", help="max_rank_len sweep (GPU: 256 2048 8192 32768; CPU: 64 256)")
+    p.add_argument("--imbalance", type=float, nargs="+", default=[0.0, 0.2, 0.5],
+                   help="s: counts [M, round(M*(1-s)), M, ...] cycling over ranks; 0 is the even case")
+    p.add_argument("--counts", action="append", metavar="a,b,...",
+                   help="explicit per-rank counts (repeatable); replaces the M x imbalance sweep")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--align", type=int, default=1, help="ShardLayout align")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="calls of every method before timing")
+    p.add_argument("--methods", help="comma-separated names or globs (even_ag/even_rs always kept)")
+    p.add_argument("--gpus", type=int, help="ranks on GPU (default: every visible GPU)")
+    p.add_argument("--cpu-ranks", type=int, help="run N gloo ranks on the CPU (default 2 when no GPU)")
+    p.add_argument("--max-bufs", type=int, default=8, help="most rotating buffer sets per configuration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--csv", help="write one row per (configuration, method)")
+    p.add_argument("--json", help="same rows as JSON")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0:
+        p.error("--rounds must be >= 1 and --warmup >= 0")
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    use_cuda = torch.cuda.is_available() and args.cpu_ranks is None
+    if use_cuda:
+        world = args.gpus or torch.cuda.device_count()
+        if world > torch.cuda.device_count():
+            raise SystemExit(f"--gpus {world}: only {torch.cuda.device_count()} visible")
+        args.M = args.M or [256, 2048, 8192, 32768]
+    else:
+        world = args.cpu_ranks or 2
+        args.M = args.M or [64, 256]
+        print("*** CPU/gloo run: a smoke test of the harness and the CPU path; the numbers say NOTHING "
+              "about GPUs ***", flush=True)
+    if world < 2:
+        raise SystemExit(f"need at least 2 ranks, have {world} (use --cpu-ranks N for a CPU run)")
+    configs = make_configs(args, world)
+    fd, result_path = tempfile.mkstemp(prefix="gather_scatter_", suffix=".json")
+    os.close(fd)
+    try:
+        mp.spawn(worker, args=(world, use_cuda, _free_port(), args, configs, result_path), nprocs=world, join=True)
+        with open(result_path) as f:
+            result = json.load(f)
+    finally:
+        os.unlink(result_path)
+    write_outputs(result, args.csv, args.json)
+    print(format_table(result, cpu=not use_cuda), flush=True)
+
+
+if __name__ == "__main__":
+    main()
