@@ -1,0 +1,161 @@
+// pybind11 bindings of nsa_cp._C. Torch-free on purpose: device addresses (tensor.data_ptr()),
+// signal pads and streams (torch.cuda.Stream.cuda_stream) are plain Python ints, so one wheel serves
+// any torch build. Launch functions release the GIL; they only enqueue work on `stream`.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "ops.h"
+
+namespace py = pybind11;
+
+#ifndef NSA_CP_CUDA_ARCHS
+#define NSA_CP_CUDA_ARCHS "unknown"
+#endif
+
+static const char* kModuleDoc = R"doc(
+nsa_cp._C: CUDA kernels for intranode context-parallel collectives (torch-free).
+
+Pointers are device addresses as ints (``tensor.data_ptr()``); ``stream`` is a cudaStream_t as an
+int (``torch.cuda.current_stream().cuda_stream``) and must belong to the current CUDA device.
+Bad arguments raise ValueError before any CUDA call; CUDA failures raise RuntimeError.
+
+Signal protocol shared by all kernels. Each rank has a symmetric uint32 "signal pad" that peers
+write through mapped pointers; ``pads`` is a device uint64[world] holding every rank's pad base as
+mapped into this process (pads[rank] is our own). A call on channel c uses, in every pad, the slots
+``pad[(c*2 + phase)*world + src]``: phase 0 = entered, phase 1 = done. Channels that may run
+concurrently need distinct channel numbers, pads of at least (channels*2*world) uint32.
+
+``seq`` (device uint32, one per channel, local memory) holds the last finished epoch; a launch uses
+epoch = seq + 1 and its last block stores seq = epoch. ``arrive`` (device uint32, one per channel)
+counts finished blocks and is reset by the last one. Zero pads, seq and arrive once before first use,
+on every rank. Waits compare wrap-safely, so epochs may wrap around.
+
+``timeout_ns`` bounds every wait (0 = wait forever). On timeout the first error is written to ``err``
+(device address of a host-mapped uint32[4], see alloc_host_mapped_u32) as
+{ERR_TIMEOUT, channel*2 + phase, peer rank waited for, epoch} and the kernel gives up instead of
+hanging; ERR_BAD_DEVICE_ARG records device-side arguments that were unusable (counts outside
+[0, max_rank_len], offsets not the prefix sum of counts, null or misaligned buffers) with the rank
+whose entry was bad. Read err after synchronizing the stream. After any error the channel's state
+(pads, seq) differs between ranks: zero it again on every rank before reusing the channel.
+)doc";
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = kModuleDoc;
+
+  m.attr("MAX_WORLD") = nsa_cp::kMaxWorld;
+  m.attr("MAX_BLOCKS") = nsa_cp::kMaxBlocks;
+  m.attr("THREADS_PER_BLOCK") = nsa_cp::kDataThreads;
+  m.attr("ERR_NONE") = nsa_cp::kErrNone;
+  m.attr("ERR_TIMEOUT") = nsa_cp::kErrTimeout;
+  m.attr("ERR_BAD_DEVICE_ARG") = nsa_cp::kErrBadDeviceArg;
+  m.attr("DTYPE_BF16") = 0;
+  m.attr("DTYPE_FP16") = 1;
+  m.attr("DTYPE_FP32") = 2;
+  m.attr("CUDA_ARCHS") = NSA_CP_CUDA_ARCHS;  // archs compiled in, e.g. "90a;100a"
+
+  // ---- queries --------------------------------------------------------------------------------
+  m.def("device_count", &nsa_cp::device_count,
+        "Number of visible CUDA devices; 0 when there is no GPU or no (recent enough) driver.\n"
+        "Raises RuntimeError on any other CUDA failure. Initializes the CUDA driver in this process.");
+  m.def("device_status", &nsa_cp::device_status,
+        "'ok' when a CUDA device is usable, else the CUDA error name and text explaining why not.");
+  m.def("can_access_peer", &nsa_cp::can_access_peer, py::arg("device"), py::arg("peer"),
+        "True if `device` can map memory of `peer` (cudaDeviceCanAccessPeer; a device reaches itself).\n"
+        "Raises RuntimeError without a GPU, ValueError for negative indices.");
+  m.def("runtime_version", &nsa_cp::runtime_version,
+        "CUDA runtime linked into the module (statically), e.g. 13000 for 13.0.");
+  m.def("driver_version", &nsa_cp::driver_version, "CUDA version the driver supports, e.g. 13000; 0 without one.");
+  m.def(
+      "kernel_info",
+      []() {
+        py::list out;
+        for (const auto& k : nsa_cp::kernel_info()) {
+          py::dict d;
+          d["name"] = k.name;
+          d["num_regs"] = k.num_regs;
+          d["local_bytes"] = k.local_bytes;
+          d["shared_bytes"] = k.shared_bytes;
+          d["max_threads"] = k.max_threads;
+          d["binary_version"] = k.binary_version;
+          d["ptx_version"] = k.ptx_version;
+          out.append(d);
+        }
+        return out;
+      },
+      "Loads every kernel on the current device and returns its attributes (registers, local memory\n"
+      "bytes per thread, static shared bytes, max threads, binary/PTX arch). Call it once before\n"
+      "CUDA-graph capture so no module loading happens inside the capture.");
+
+  // ---- host-mapped memory (error records) -------------------------------------------------------
+  m.def("alloc_host_mapped_u32", &nsa_cp::alloc_host_mapped_u32, py::arg("n"),
+        "Allocate n zeroed uint32 of pinned, device-mapped host memory (cudaHostAlloc, mapped|portable).\n"
+        "Returns (host_ptr, device_ptr): kernels take device_ptr (e.g. as `err`), the host reads with\n"
+        "read_u32(host_ptr, i). Free with free_host_mapped(host_ptr). RuntimeError without a GPU.");
+  m.def("free_host_mapped", &nsa_cp::free_host_mapped, py::arg("host_ptr"),
+        "Free an allocation of alloc_host_mapped_u32 (ValueError if host_ptr is not one).");
+  m.def("read_u32", &nsa_cp::read_u32, py::arg("host_ptr"), py::arg("index"),
+        "Read element `index` of a host-mapped uint32 array (volatile load; IndexError if out of range).");
+  m.def("write_u32", &nsa_cp::write_u32, py::arg("host_ptr"), py::arg("index"), py::arg("value"),
+        "Write element `index` of a host-mapped uint32 array, e.g. 0 to reset an error record.");
+
+  // ---- kernels --------------------------------------------------------------------------------
+  m.def("barrier", &nsa_cp::barrier, py::arg("pads"), py::arg("rank"), py::arg("world"), py::arg("channel"),
+        py::arg("phase"), py::arg("seq"), py::arg("advance"), py::arg("timeout_ns"), py::arg("err"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        R"doc(Enqueue one phase of the signal protocol on `stream` (one block of 32 threads).
+
+Every rank writes epoch = seq + 1 into slot [channel][phase][rank] of every rank's pad, then waits
+until all ranks did the same. Used around copy-engine transfers: barrier(phase=0, advance=False),
+the cudaMemcpyAsync pushes, then barrier(phase=1, advance=True).
+
+pads: device address of uint64[world], every rank's pad base (mapped). rank, world: 0 <= rank <
+world <= 8. channel: >= 0. phase: 0 (entered) or 1 (done). seq: device address of this channel's
+uint32 epoch counter. advance: store seq = epoch at the end. timeout_ns: wait bound in nanoseconds,
+0 = forever. err: device address of host-mapped uint32[4]. stream: cudaStream_t as int.)doc");
+
+  m.def("p2p_gather", &nsa_cp::p2p_gather, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("row_bytes"),
+        py::arg("bufs"), py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"),
+        py::arg("rank"), py::arg("world"), py::arg("pads"), py::arg("channel"), py::arg("seq"), py::arg("arrive"),
+        py::arg("timeout_ns"), py::arg("err"), py::arg("num_blocks"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(),
+        R"doc(Enqueue an all-gather of uneven shards that pushes this rank's rows into every rank's buffer.
+
+One launch: entered barrier (phase 0: no peer still reads its buffer from the previous call); copy
+our counts[rank] rows from src into every rank's gather buffer (ourselves included) at row
+offsets[rank] (compact) or rank*max_rank_len (padded); padded layout only: zero the padding rows
+[q*M + counts[q], (q+1)*M) of every slot q of OUR OWN buffer (padding never crosses a link); done
+barrier (phase 1: every rank's rows have landed in our buffer). Counts and offsets are read from
+device memory, so CUDA-graph replays may change them; size the buffers and the grid for capacity.
+
+src: device address of our shard, row r at src + r*src_row_stride_bytes (may be 0 only when
+counts[rank] == 0). src_row_stride_bytes: bytes between source rows (>= 0; 0 repeats one row).
+row_bytes: bytes per row (> 0); gather buffers are dense, row stride row_bytes. 16-byte loads/stores when src,
+its stride and row_bytes are 16-byte aligned, else 4-byte words, else bytes; buffer bases must be
+aligned to the width used. bufs: device address of uint64[world], every rank's gather buffer base
+(mapped; bufs[rank] is ours). counts, offsets: device addresses of int32[world] (offsets only used,
+and may be 0, when compact is False). max_rank_len: M, rows per rank slot, >= every count.
+compact: compact (True) or padded (False) layout. rank, world, pads, channel, seq, arrive,
+timeout_ns, err: the signal protocol (module doc). num_blocks: grid size, 1..65535, 512 threads
+each. stream: cudaStream_t as int.)doc");
+
+  m.def("p2p_reduce_scatter", &nsa_cp::p2p_reduce_scatter, py::arg("out"), py::arg("out_row_stride_bytes"),
+        py::arg("bufs"), py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"),
+        py::arg("hidden"), py::arg("dtype"), py::arg("rank"), py::arg("world"), py::arg("pads"), py::arg("channel"),
+        py::arg("seq"), py::arg("arrive"), py::arg("timeout_ns"), py::arg("err"), py::arg("num_blocks"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        R"doc(Enqueue a reduce-scatter of uneven shards that pulls this rank's rows from every rank.
+
+One launch: entered barrier (phase 0: every rank's partials are complete); then
+out[i, :] = sum over p = 0..world-1, in that order, of bufs[p][src0 + i, :] for i < counts[rank],
+src0 = offsets[rank] (compact) or rank*max_rank_len (padded), accumulated in fp32 and rounded to
+dtype once; done barrier (phase 1: no rank overwrites its reduce buffer while a peer still reads it).
+
+out: device address of our [counts[rank], hidden] result, row i at out + i*out_row_stride_bytes (may
+be 0 only when counts[rank] == 0). out_row_stride_bytes: bytes between output rows (>= hidden *
+element size). bufs: device address of uint64[world], every rank's reduce buffer base (mapped),
+dense rows of hidden elements. counts, offsets, max_rank_len, compact: as in p2p_gather. hidden:
+elements per row (> 0). dtype: 0 bfloat16, 1 float16, 2 float32 (DTYPE_* constants). 16-byte loads
+when out, its stride and the row size are 16-byte aligned (buffer bases must then be too), else one
+element at a time. rank, world, pads, channel, seq, arrive, timeout_ns, err: the signal protocol
+(module doc). num_blocks: grid size, 1..65535, 512 threads each. stream: cudaStream_t as int.)doc");
+}

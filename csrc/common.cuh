@@ -1,0 +1,223 @@
+// Shared device helpers of nsa_cp._C: the cross-GPU signal protocol and the error record.
+//
+// Protocol (every kernel family uses it the same way):
+//   * Each rank owns a symmetric "signal pad" (uint32) that peers write through mapped pointers.
+//     A call on channel c uses, in every rank's pad, the slots pad[(c*2 + phase)*world + src]:
+//     phase 0 = "entered", phase 1 = "done"; src is the rank that wrote the slot.
+//   * Epochs: a per-channel uint32 `seq` in ordinary local device memory holds the last finished
+//     epoch. Every block reads epoch = seq + 1 at its start; the last block to finish (counted on a
+//     local `arrive` counter, which it resets) stores seq = epoch at the very end, so every block of
+//     one launch sees the same epoch and the next launch sees the next one.
+//   * Signal: __threadfence_system() (all earlier writes of this thread, local or remote, become
+//     visible system-wide), then a system-scope release store of the epoch into the peer's slot.
+//   * Wait: acquire loads of our own slot until (int32_t)(value - epoch) >= 0 (wrap-safe; a slot may
+//     already hold a later epoch of a peer that ran ahead). Optional timeout on %globaltimer; on
+//     timeout the first error is recorded into a host-mapped uint32[4] and the wait gives up.
+//
+// Error record err[4] (host-mapped, read it after the stream has synchronized):
+//   err[0] = code (0 none, kErrTimeout, kErrBadDeviceArg), err[1] = channel*2 + phase,
+//   err[2] = peer rank waited for (timeout) or the rank whose device-side argument was bad,
+//   err[3] = epoch. Only the first error is kept (atomicCAS on err[0]).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "ops.h"  // kMaxWorld, error codes
+
+namespace nsa_cp {
+
+// Arrivals are counted in the low 16 bits of `arrive`; a block that failed adds kArriveFailed too,
+// so the last block learns, from the same atomic, whether any block of the launch failed.
+constexpr uint32_t kArriveCountMask = 0xFFFFu;
+constexpr uint32_t kArriveFailed = 0x10000u;
+
+// Everything a kernel needs to take part in the signal protocol (passed by value).
+struct SignalArgs {
+  const uint64_t* pads;  // device uint64[world]: every rank's pad base, mapped into our address space
+  int rank;
+  int world;
+  int channel;
+  uint32_t* seq;         // local device uint32: last finished epoch of this channel
+  uint32_t* arrive;      // local device uint32: blocks that have finished this launch (reset to 0)
+  uint64_t timeout_ns;   // 0 = wait forever
+  uint32_t* err;         // host-mapped uint32[4] (device address)
+};
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Bypasses L1: `seq` was written by an earlier launch.
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t read_epoch(const SignalArgs& s) { return ld_relaxed_gpu(s.seq) + 1u; }
+
+__device__ __forceinline__ uint32_t* pad_slot(uint64_t pad_base, int world, int channel, int phase, int src) {
+  return reinterpret_cast<uint32_t*>(pad_base) + ((channel * 2 + phase) * world + src);
+}
+
+// Keeps the first error only. err lives in host-mapped memory: the fields after err[0] are complete
+// once the kernel has finished, which is when the host reads them.
+__device__ __forceinline__ void record_error(uint32_t* err, uint32_t code, uint32_t slot, uint32_t rank,
+                                             uint32_t epoch) {
+  if (atomicCAS(err, kErrNone, code) == kErrNone) {
+    volatile uint32_t* e = err;
+    e[1] = slot;
+    e[2] = rank;
+    e[3] = epoch;
+    __threadfence_system();
+  }
+}
+
+// Writes `epoch` into slot [phase][our rank] of `peer`'s pad. The fence makes every earlier write of
+// this thread (and, through the caller's __syncthreads / arrive chain, of the threads it synchronized
+// with) visible system-wide before the peer can observe the epoch.
+__device__ __forceinline__ void signal_peer(const SignalArgs& s, int peer, int phase, uint32_t epoch) {
+  __threadfence_system();
+  st_release_sys(pad_slot(s.pads[peer], s.world, s.channel, phase, s.rank), epoch);
+}
+
+// Waits until `peer` has written an epoch >= `epoch` into slot [phase][peer] of our own pad.
+// Returns false (after recording the error) on timeout.
+__device__ __forceinline__ bool wait_peer(const SignalArgs& s, int peer, int phase, uint32_t epoch) {
+  const uint32_t* slot = pad_slot(s.pads[s.rank], s.world, s.channel, phase, peer);
+  if (static_cast<int32_t>(ld_acquire_sys(slot) - epoch) >= 0) return true;
+  const uint64_t start = s.timeout_ns ? globaltimer_ns() : 0;
+  while (true) {
+    if (static_cast<int32_t>(ld_acquire_sys(slot) - epoch) >= 0) return true;
+    if (s.timeout_ns && globaltimer_ns() - start > s.timeout_ns) {
+      record_error(s.err, kErrTimeout, static_cast<uint32_t>(s.channel * 2 + phase), static_cast<uint32_t>(peer),
+                   epoch);
+      return false;
+    }
+  }
+}
+
+// Block-wide: threads p < world signal rank p (phase slot), nothing else. Caller synchronizes.
+__device__ __forceinline__ void block_signal_all(const SignalArgs& s, int phase, uint32_t epoch) {
+  if (static_cast<int>(threadIdx.x) < s.world) signal_peer(s, static_cast<int>(threadIdx.x), phase, epoch);
+}
+
+// Block-wide: threads p < world each wait for rank p. Returns true when every wait succeeded.
+// Contains __syncthreads(): call from all threads of the block.
+__device__ __forceinline__ bool block_wait_all(const SignalArgs& s, int phase, uint32_t epoch) {
+  int ok = 1;
+  if (static_cast<int>(threadIdx.x) < s.world) ok = wait_peer(s, static_cast<int>(threadIdx.x), phase, epoch);
+  return __syncthreads_and(ok) != 0;
+}
+
+// The "done" half of every multi-block kernel. Each block calls it once, from all threads, after its
+// share of the data movement. The last block to arrive signals phase 1 to every rank, waits for every
+// rank's phase-1 signal (skipped if any block of this launch failed: the launch is already in error),
+// then resets `arrive` and publishes seq = epoch for the next launch.
+__device__ __forceinline__ void grid_done_barrier(const SignalArgs& s, uint32_t epoch, bool block_failed) {
+  __shared__ uint32_t s_total;
+  // Our writes (remote stores into peers' buffers, or loads from them that must finish before a peer
+  // may reuse its buffer) are ordered before the arrive count that the last block observes.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t inc = 1u + (block_failed ? kArriveFailed : 0u);
+    s_total = atomicAdd(s.arrive, inc) + inc;
+  }
+  __syncthreads();
+  const uint32_t total = s_total;
+  if ((total & kArriveCountMask) != gridDim.x) return;  // not the last block
+
+  // Last block: the fence pairs with the other blocks' fences before their arrive (observed through
+  // the atomic), so their writes are ordered before our release stores below.
+  __threadfence_system();
+  block_signal_all(s, 1, epoch);
+  if (total < kArriveFailed) block_wait_all(s, 1, epoch);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *s.arrive = 0;
+    *reinterpret_cast<volatile uint32_t*>(s.seq) = epoch;
+  }
+}
+
+// ---- row-chunk iteration ---------------------------------------------------------------------------
+
+// Unsigned word of VEC bytes: the unit of every load and store of the data-movement kernels.
+template <int VEC>
+struct Word;
+template <>
+struct Word<16> {
+  using type = uint4;
+};
+template <>
+struct Word<4> {
+  using type = uint32_t;
+};
+template <>
+struct Word<2> {
+  using type = uint16_t;
+};
+template <>
+struct Word<1> {
+  using type = uint8_t;
+};
+
+// Grid-stride walk over (row, chunk) pairs of a [rows, chunks] work grid without a division per step:
+// the stride is split once into whole rows plus leftover chunks.
+struct RowChunkCursor {
+  int64_t row, chunk;
+  int64_t chunks, step_rows, step_chunks;
+  __device__ __forceinline__ RowChunkCursor(int64_t start, int64_t stride, int64_t chunks_per_row)
+      : row(start / chunks_per_row),
+        chunk(start % chunks_per_row),
+        chunks(chunks_per_row),
+        step_rows(stride / chunks_per_row),
+        step_chunks(stride % chunks_per_row) {}
+  __device__ __forceinline__ void advance() {
+    chunk += step_chunks;
+    row += step_rows;
+    if (chunk >= chunks) {
+      chunk -= chunks;
+      ++row;
+    }
+  }
+};
+
+__device__ __forceinline__ int64_t global_thread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t grid_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+// Device-side arguments every data kernel checks (counts/offsets come from device memory so that
+// CUDA-graph replays may change them). Returns the first rank whose entry is unusable, or -1.
+// Both layouts: 0 <= counts[q] <= M (M = max_rank_len); compact: offsets = exclusive prefix sum of
+// counts. That bounds every row index the kernels compute, whatever the device memory holds.
+__device__ __forceinline__ int first_bad_layout_rank(const int* counts, const int* offsets, int world, int64_t M,
+                                                     bool compact) {
+  int64_t prefix = 0;
+  for (int q = 0; q < world; ++q) {
+    const int c = counts[q];
+    if (c < 0 || c > M) return q;
+    if (compact) {
+      if (offsets[q] != prefix) return q;
+      prefix += c;
+    }
+  }
+  return -1;
+}
+
+}  // namespace nsa_cp

@@ -1,0 +1,98 @@
+// Host-side helpers shared by the launchers in csrc/*.cu: argument checks that run before any CUDA
+// call (so they work, and can be tested, without a GPU) and CUDA error reporting.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace nsa_cp {
+
+// Bad argument from the caller: std::invalid_argument becomes ValueError in Python.
+inline void require(bool ok, const char* fn, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(fn) + ": " + what);
+}
+
+inline void require_ptr(uint64_t ptr, const char* fn, const char* name) {
+  require(ptr != 0, fn, std::string(name) + " must be a non-null device pointer");
+}
+
+// CUDA failure: std::runtime_error becomes RuntimeError in Python.
+inline void check_cuda(cudaError_t e, const char* fn, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string(fn) + ": " + what + " failed: " + cudaGetErrorName(e) + ": " +
+                             cudaGetErrorString(e));
+  }
+}
+
+// After a <<<>>> launch: a bad configuration or a missing kernel image surfaces here, not later.
+inline void check_launch(const char* fn) { check_cuda(cudaGetLastError(), fn, "kernel launch"); }
+
+inline cudaStream_t as_stream(uint64_t stream) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)); }
+
+template <typename T>
+inline T* as_ptr(uint64_t p) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(p));
+}
+
+// Checks shared by every kernel that takes part in the signal protocol, then packs them.
+inline SignalArgs make_signal_args(const char* fn, uint64_t pads, int rank, int world, int channel, uint64_t seq,
+                                   uint64_t arrive, bool need_arrive, uint64_t timeout_ns, uint64_t err) {
+  require(world >= 1 && world <= kMaxWorld, fn,
+          "world must be in [1, " + std::to_string(kMaxWorld) + "], got " + std::to_string(world));
+  require(rank >= 0 && rank < world, fn,
+          "rank must be in [0, world=" + std::to_string(world) + "), got " + std::to_string(rank));
+  // channel*2+phase slots of `world` entries each: keep the slot index well inside int32.
+  require(channel >= 0 && channel < (1 << 20), fn, "channel must be in [0, 2^20), got " + std::to_string(channel));
+  require_ptr(pads, fn, "pads (device uint64[world] of pad bases)");
+  require_ptr(seq, fn, "seq (device uint32)");
+  if (need_arrive) require_ptr(arrive, fn, "arrive (device uint32)");
+  require_ptr(err, fn, "err (device address of a host-mapped uint32[4])");
+  SignalArgs s;
+  s.pads = as_ptr<const uint64_t>(pads);
+  s.rank = rank;
+  s.world = world;
+  s.channel = channel;
+  s.seq = as_ptr<uint32_t>(seq);
+  s.arrive = as_ptr<uint32_t>(arrive);
+  s.timeout_ns = timeout_ns;
+  s.err = as_ptr<uint32_t>(err);
+  return s;
+}
+
+inline void require_blocks(const char* fn, int num_blocks) {
+  require(num_blocks >= 1 && num_blocks <= kMaxBlocks, fn,
+          "num_blocks must be in [1, " + std::to_string(kMaxBlocks) + "], got " + std::to_string(num_blocks));
+}
+
+// Largest vector width in {16, 4, 1} bytes that divides every value.
+inline int common_alignment(std::initializer_list<uint64_t> values) {
+  uint64_t bits = 0;
+  for (uint64_t v : values) bits |= v;
+  if (bits % 16 == 0) return 16;
+  if (bits % 4 == 0) return 4;
+  return 1;
+}
+
+// Each kernel family adds its kernels' attributes (kernel_info() in runtime.cu collects them).
+void append_kernel_info_barrier(std::vector<KernelInfo>& out);
+void append_kernel_info_gather(std::vector<KernelInfo>& out);
+void append_kernel_info_reduce_scatter(std::vector<KernelInfo>& out);
+
+template <typename Kernel>
+inline void append_kernel_info(std::vector<KernelInfo>& out, const char* name, Kernel* kernel) {
+  cudaFuncAttributes a{};
+  check_cuda(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(kernel)), "kernel_info",
+             "cudaFuncGetAttributes");
+  out.push_back(KernelInfo{name, a.numRegs, static_cast<int>(a.localSizeBytes), static_cast<int>(a.sharedSizeBytes),
+                           a.maxThreadsPerBlock, a.binaryVersion, a.ptxVersion});
+}
+
+}  // namespace nsa_cp

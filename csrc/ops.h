@@ -1,0 +1,72 @@
+// Host entry points of nsa_cp._C, as bindings.cpp sees them.
+//
+// Deliberately free of CUDA and torch headers: every device address, the signal pads and the stream
+// are plain integers (uint64), so one compiled module serves any torch build. Argument meanings and
+// units are documented on the Python side, in bindings.cpp.
+//
+// Every launcher validates its arguments before any CUDA call and throws std::invalid_argument
+// (Python ValueError) on a bad one; CUDA failures throw std::runtime_error (Python RuntimeError)
+// carrying the CUDA error string.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace nsa_cp {
+
+constexpr int kMaxWorld = 8;
+
+// err[0] codes of the error record (see common.cuh for the whole record).
+constexpr uint32_t kErrNone = 0;
+constexpr uint32_t kErrTimeout = 1;
+// A device-side argument was unusable (counts out of range, offsets not the prefix sum, a null or
+// misaligned buffer). The kernel then skips its data movement but still completes the protocol.
+constexpr uint32_t kErrBadDeviceArg = 2;
+
+// Threads per block of the data-movement kernels (p2p_gather, p2p_reduce_scatter).
+constexpr int kDataThreads = 512;
+// The arrive counter keeps the block count in 16 bits (see common.cuh).
+constexpr int kMaxBlocks = 65535;
+
+// ---- barrier.cu -------------------------------------------------------------------------------
+void barrier(uint64_t pads, int rank, int world, int channel, int phase, uint64_t seq, bool advance,
+             uint64_t timeout_ns, uint64_t err, uint64_t stream);
+
+// ---- p2p_gather.cu ----------------------------------------------------------------------------
+void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
+                uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
+                int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
+                uint64_t stream);
+
+// ---- p2p_reduce_scatter.cu --------------------------------------------------------------------
+void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t bufs, uint64_t counts,
+                        uint64_t offsets, int64_t max_rank_len, bool compact, int64_t hidden, int dtype, int rank,
+                        int world, uint64_t pads, int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns,
+                        uint64_t err, int num_blocks, uint64_t stream);
+
+// ---- runtime.cu: queries and host-mapped memory -----------------------------------------------
+int device_count();                 // 0 when there is no driver or no device; throws on other errors
+std::string device_status();        // "ok", or why device_count() is 0 / failed ("cudaErrorNoDevice: ...")
+bool can_access_peer(int device, int peer);
+std::pair<uint64_t, uint64_t> alloc_host_mapped_u32(int64_t n);  // (host pointer, device pointer), zeroed
+void free_host_mapped(uint64_t host_ptr);
+uint32_t read_u32(uint64_t host_ptr, int64_t index);
+void write_u32(uint64_t host_ptr, int64_t index, uint32_t value);
+int runtime_version();              // CUDA runtime linked in (e.g. 13000)
+int driver_version();               // 0 without a driver
+
+struct KernelInfo {
+  std::string name;
+  int num_regs;
+  int local_bytes;      // stack frame / spill space per thread
+  int shared_bytes;     // static shared memory per block
+  int max_threads;
+  int binary_version;   // arch of the loaded machine code, e.g. 90
+  int ptx_version;      // virtual arch it was compiled from, e.g. 90
+};
+// Loads every kernel of the module (do it before CUDA-graph capture) and reports its attributes.
+std::vector<KernelInfo> kernel_info();
+
+}  // namespace nsa_cp

@@ -1,0 +1,167 @@
+// p2p_gather: all-gather of uneven shards by pushing this rank's rows straight into every rank's
+// (mapped) gather buffer, padded (rank-major, M rows per rank) or compact (offsets) layout.
+//
+// One launch: (a) "entered" barrier, phase 0: no peer still reads its buffer from the previous call;
+// (b) copy our counts[rank] rows from src into every rank's buffer (ourselves included), loading each
+// chunk once and storing it world times; (c) padded layout only: zero the padding rows of every slot
+// of OUR OWN buffer, so padding never crosses a link (done before the wait: nobody else writes them);
+// (d) "done" barrier, phase 1: every rank's rows have landed in our buffer.
+#include "common.cuh"
+#include "launch.h"
+
+namespace nsa_cp {
+namespace {
+
+constexpr int kUnroll = 4;  // independent loads in flight per thread
+
+struct GatherParams {
+  const char* src;
+  int64_t src_stride;  // bytes
+  int64_t row_bytes;   // bytes per row, also the row stride of every gather buffer
+  const uint64_t* bufs;
+  const int* counts;
+  const int* offsets;  // compact only
+  int64_t M;           // max_rank_len (padded layout)
+  bool compact;
+};
+
+template <typename W>
+__device__ __forceinline__ W load_src(const char* p) {
+  return __ldg(reinterpret_cast<const W*>(p));  // src is read-only here and read once
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherParams p, const SignalArgs s) {
+  using W = typename Word<VEC>::type;
+  __shared__ uint64_t s_bufs[kMaxWorld];
+  __shared__ int s_counts[kMaxWorld];
+  __shared__ int s_offsets[kMaxWorld];
+
+  const uint32_t epoch = read_epoch(s);
+  // (a) Entered: everything earlier on our stream, the readers of our buffer's previous contents
+  // included, has completed, so peers may now write into it.
+  if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
+
+  const int t = static_cast<int>(threadIdx.x);
+  const int rank = s.rank, world = s.world;
+  if (t < world) {
+    s_bufs[t] = p.bufs[t];
+    s_counts[t] = p.counts[t];
+    s_offsets[t] = p.compact ? p.offsets[t] : 0;
+  }
+  __syncthreads();
+
+  // Device-side arguments (they may change between CUDA-graph replays). Every block reaches the same
+  // verdict; a bad one skips the data movement but still completes the protocol, so no peer hangs.
+  const int64_t n = s_counts[rank];
+  int bad = first_bad_layout_rank(s_counts, s_offsets, world, p.M, p.compact);
+  for (int q = 0; bad < 0 && q < world; ++q) {
+    if (s_bufs[q] == 0 || s_bufs[q] % VEC != 0) bad = q;
+  }
+  if (bad < 0 && n > 0 && p.src == nullptr) bad = rank;
+  if (bad >= 0 && blockIdx.x == 0 && t == 0) {
+    record_error(s.err, kErrBadDeviceArg, static_cast<uint32_t>(s.channel * 2), static_cast<uint32_t>(bad), epoch);
+  }
+
+  const int64_t chunks = p.row_bytes / VEC;
+
+  // (c) Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer.
+  if (bad < 0 && !p.compact) {
+    char* own = reinterpret_cast<char*>(s_bufs[rank]);
+    for (int q = 0; q < world; ++q) {
+      const int64_t first = q * p.M + s_counts[q];
+      const int64_t pad_rows = p.M - s_counts[q];
+      if (pad_rows <= 0) continue;
+      for (RowChunkCursor c(global_thread(), grid_threads(), chunks); c.row < pad_rows; c.advance()) {
+        *reinterpret_cast<W*>(own + (first + c.row) * p.row_bytes + c.chunk * VEC) = W{};
+      }
+    }
+  }
+
+  bool ok = bad < 0;
+  if (ok) ok = block_wait_all(s, 0, epoch);
+
+  // (b) Push our rows to every rank.
+  if (ok && n > 0) {
+    const int64_t dst0 = p.compact ? s_offsets[rank] : rank * p.M;
+    // Peers first, starting after our own rank, ourselves last: the ranks do not all start on the
+    // same destination. Indexed by unrolled constants only, so it stays in registers.
+    char* dst[kMaxWorld];
+#pragma unroll
+    for (int i = 0; i < kMaxWorld; ++i) {
+      dst[i] = i < world ? reinterpret_cast<char*>(s_bufs[(rank + 1 + i) % world]) + dst0 * p.row_bytes : nullptr;
+    }
+    RowChunkCursor c(global_thread(), grid_threads(), chunks);
+    while (c.row < n) {
+      W v[kUnroll];
+      int64_t off[kUnroll];
+      bool has[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        has[u] = c.row < n;
+        off[u] = c.row * p.row_bytes + c.chunk * VEC;
+        if (has[u]) v[u] = load_src<W>(p.src + c.row * p.src_stride + c.chunk * VEC);
+        c.advance();
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!has[u]) continue;
+#pragma unroll
+        for (int i = 0; i < kMaxWorld; ++i) {
+          if (i < world) *reinterpret_cast<W*>(dst[i] + off[u]) = v[u];
+        }
+      }
+    }
+  }
+
+  // (d) Done: the last block signals once every block's stores are fenced, then waits for all ranks.
+  grid_done_barrier(s, epoch, !ok);
+}
+
+}  // namespace
+
+void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
+                uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
+                int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
+                uint64_t stream) {
+  constexpr const char* fn = "p2p_gather";
+  const SignalArgs s =
+      make_signal_args(fn, pads, rank, world, channel, seq, arrive, /*need_arrive=*/true, timeout_ns, err);
+  require_ptr(bufs, fn, "bufs (device uint64[world] of gather buffer bases)");
+  require_ptr(counts, fn, "counts (device int32[world])");
+  if (compact) require_ptr(offsets, fn, "offsets (device int32[world], needed with compact=True)");
+  require(row_bytes > 0, fn, "row_bytes must be > 0, got " + std::to_string(row_bytes));
+  // Any stride >= 0 is safe to read (0 broadcasts one row); only the destination layout is fixed.
+  require(src_row_stride_bytes >= 0, fn,
+          "src_row_stride_bytes must be >= 0, got " + std::to_string(src_row_stride_bytes));
+  require(max_rank_len >= 0 && max_rank_len <= INT32_MAX, fn,
+          "max_rank_len must be in [0, 2^31), got " + std::to_string(max_rank_len));
+  require(max_rank_len <= INT64_MAX / (static_cast<int64_t>(world) * row_bytes) &&
+              src_row_stride_bytes <= INT64_MAX / (max_rank_len + 1),
+          fn, "buffer size in bytes overflows int64");
+  require_blocks(fn, num_blocks);
+
+  const GatherParams p{as_ptr<const char>(src), src_row_stride_bytes, row_bytes,  as_ptr<const uint64_t>(bufs),
+                       as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact};
+  const cudaStream_t st = as_stream(stream);
+  switch (common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes)})) {
+    case 16:
+      p2p_gather_kernel<16><<<num_blocks, kDataThreads, 0, st>>>(p, s);
+      break;
+    case 4:
+      p2p_gather_kernel<4><<<num_blocks, kDataThreads, 0, st>>>(p, s);
+      break;
+    default:
+      p2p_gather_kernel<1><<<num_blocks, kDataThreads, 0, st>>>(p, s);
+      break;
+  }
+  check_launch(fn);
+}
+
+void append_kernel_info_gather(std::vector<KernelInfo>& out) {
+  append_kernel_info(out, "p2p_gather<16>", p2p_gather_kernel<16>);
+  append_kernel_info(out, "p2p_gather<4>", p2p_gather_kernel<4>);
+  append_kernel_info(out, "p2p_gather<1>", p2p_gather_kernel<1>);
+}
+
+}  // namespace nsa_cp

@@ -1,0 +1,247 @@
+// p2p_reduce_scatter: every rank has written its partial sums for ALL ranks' rows into its own
+// (mapped) reduce buffer, padded or compact layout; each rank pulls its own rows from every rank's
+// buffer and sums them: out[i, :] = sum_{p = 0..world-1, in that order} bufs[p][src0 + i, :],
+// accumulated in fp32 and rounded once on store. The fixed order makes the result independent of
+// timing and identical on every run.
+//
+// One launch: "entered" barrier, phase 0 (every rank's partials are complete); the pull-and-sum;
+// "done" barrier, phase 1 (no rank may overwrite its reduce buffer while a peer still reads it).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "launch.h"
+
+namespace nsa_cp {
+namespace {
+
+constexpr int kUnroll = 2;  // rows-chunks per thread per step; each issues `world` loads
+
+enum DType : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+
+template <int D>
+struct Elem;
+template <>
+struct Elem<kBF16> {
+  static constexpr int kBytes = 2;
+  __device__ static float to_f(uint32_t b) { return __uint_as_float(b << 16); }  // exact
+  __device__ static uint32_t from_f(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+};
+template <>
+struct Elem<kFP16> {
+  static constexpr int kBytes = 2;
+  __device__ static float to_f(uint32_t b) { return __half2float(__ushort_as_half(static_cast<unsigned short>(b))); }
+  __device__ static uint32_t from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+template <>
+struct Elem<kFP32> {
+  static constexpr int kBytes = 4;
+  __device__ static float to_f(uint32_t b) { return __uint_as_float(b); }
+  __device__ static uint32_t from_f(float f) { return __float_as_uint(f); }
+};
+
+// A 16-byte word holds 8 bf16/fp16 or 4 fp32; a scalar word holds one element.
+template <int D, int N>
+__device__ __forceinline__ void unpack(const uint4& v, float (&f)[N]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (Elem<D>::kBytes == 4) {
+      f[i] = Elem<D>::to_f(w[i]);
+    } else {
+      f[2 * i] = Elem<D>::to_f(w[i] & 0xFFFFu);
+      f[2 * i + 1] = Elem<D>::to_f(w[i] >> 16);
+    }
+  }
+}
+template <int D, typename S>
+__device__ __forceinline__ void unpack(const S& v, float (&f)[1]) {
+  f[0] = Elem<D>::to_f(static_cast<uint32_t>(v));
+}
+
+template <int D, int N>
+__device__ __forceinline__ void pack(const float (&f)[N], uint4& v) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (Elem<D>::kBytes == 4) {
+      w[i] = Elem<D>::from_f(f[i]);
+    } else {
+      w[i] = Elem<D>::from_f(f[2 * i]) | (Elem<D>::from_f(f[2 * i + 1]) << 16);
+    }
+  }
+  v = make_uint4(w[0], w[1], w[2], w[3]);
+}
+template <int D, typename S>
+__device__ __forceinline__ void pack(const float (&f)[1], S& v) {
+  v = static_cast<S>(Elem<D>::from_f(f[0]));
+}
+
+// Peer data arrives after the acquire of the entry barrier: plain coherent loads, L2 only (no reuse).
+template <typename W>
+__device__ __forceinline__ W load_peer(const char* p) {
+  return __ldcg(reinterpret_cast<const W*>(p));
+}
+
+struct ReduceParams {
+  char* out;
+  int64_t out_stride;  // bytes
+  int64_t row_bytes;   // hidden * element size, also the row stride of every reduce buffer
+  const uint64_t* bufs;
+  const int* counts;
+  const int* offsets;  // compact only
+  int64_t M;
+  bool compact;
+};
+
+template <int D, bool VECTOR>
+__global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const ReduceParams p, const SignalArgs s) {
+  constexpr int kWordBytes = VECTOR ? 16 : Elem<D>::kBytes;
+  constexpr int kElems = kWordBytes / Elem<D>::kBytes;
+  using W = typename Word<kWordBytes>::type;
+  __shared__ uint64_t s_bufs[kMaxWorld];
+  __shared__ int s_counts[kMaxWorld];
+  __shared__ int s_offsets[kMaxWorld];
+
+  const uint32_t epoch = read_epoch(s);
+  // Entered: our partials (written earlier on our stream) are complete and may be read by peers.
+  if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
+
+  const int t = static_cast<int>(threadIdx.x);
+  const int rank = s.rank, world = s.world;
+  if (t < world) {
+    s_bufs[t] = p.bufs[t];
+    s_counts[t] = p.counts[t];
+    s_offsets[t] = p.compact ? p.offsets[t] : 0;
+  }
+  __syncthreads();
+
+  const int64_t n = s_counts[rank];
+  int bad = first_bad_layout_rank(s_counts, s_offsets, world, p.M, p.compact);
+  for (int q = 0; bad < 0 && q < world; ++q) {
+    if (s_bufs[q] == 0 || s_bufs[q] % kWordBytes != 0) bad = q;
+  }
+  if (bad < 0 && n > 0 && p.out == nullptr) bad = rank;
+  if (bad >= 0 && blockIdx.x == 0 && t == 0) {
+    record_error(s.err, kErrBadDeviceArg, static_cast<uint32_t>(s.channel * 2), static_cast<uint32_t>(bad), epoch);
+  }
+
+  bool ok = bad < 0;
+  if (ok) ok = block_wait_all(s, 0, epoch);
+
+  if (ok && n > 0) {
+    const int64_t src0 = p.compact ? s_offsets[rank] : rank * p.M;
+    const char* src[kMaxWorld];
+#pragma unroll
+    for (int q = 0; q < kMaxWorld; ++q) {
+      src[q] = q < world ? reinterpret_cast<const char*>(s_bufs[q]) + src0 * p.row_bytes : nullptr;
+    }
+    RowChunkCursor c(global_thread(), grid_threads(), p.row_bytes / kWordBytes);
+    while (c.row < n) {
+      W x[kUnroll][kMaxWorld];
+      int64_t in_off[kUnroll], out_off[kUnroll];
+      bool has[kUnroll];
+      // Issue every load of this step before the first use.
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        has[u] = c.row < n;
+        in_off[u] = c.row * p.row_bytes + c.chunk * kWordBytes;
+        out_off[u] = c.row * p.out_stride + c.chunk * kWordBytes;
+#pragma unroll
+        for (int q = 0; q < kMaxWorld; ++q) {
+          if (has[u] && q < world) x[u][q] = load_peer<W>(src[q] + in_off[u]);
+        }
+        c.advance();
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!has[u]) continue;
+        float acc[kElems];
+        unpack<D>(x[u][0], acc);
+#pragma unroll
+        for (int q = 1; q < kMaxWorld; ++q) {
+          if (q < world) {
+            float v[kElems];
+            unpack<D>(x[u][q], v);
+#pragma unroll
+            for (int e = 0; e < kElems; ++e) acc[e] += v[e];
+          }
+        }
+        W r;
+        pack<D>(acc, r);
+        *reinterpret_cast<W*>(p.out + out_off[u]) = r;
+      }
+    }
+  }
+
+  grid_done_barrier(s, epoch, !ok);
+}
+
+template <int D>
+void launch_typed(const ReduceParams& p, const SignalArgs& s, bool vector, int num_blocks, cudaStream_t st) {
+  if (vector) {
+    p2p_reduce_scatter_kernel<D, true><<<num_blocks, kDataThreads, 0, st>>>(p, s);
+  } else {
+    p2p_reduce_scatter_kernel<D, false><<<num_blocks, kDataThreads, 0, st>>>(p, s);
+  }
+}
+
+}  // namespace
+
+void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t bufs, uint64_t counts,
+                        uint64_t offsets, int64_t max_rank_len, bool compact, int64_t hidden, int dtype, int rank,
+                        int world, uint64_t pads, int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns,
+                        uint64_t err, int num_blocks, uint64_t stream) {
+  constexpr const char* fn = "p2p_reduce_scatter";
+  const SignalArgs s =
+      make_signal_args(fn, pads, rank, world, channel, seq, arrive, /*need_arrive=*/true, timeout_ns, err);
+  require(dtype == kBF16 || dtype == kFP16 || dtype == kFP32, fn,
+          "dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(dtype));
+  require_ptr(bufs, fn, "bufs (device uint64[world] of reduce buffer bases)");
+  require_ptr(counts, fn, "counts (device int32[world])");
+  if (compact) require_ptr(offsets, fn, "offsets (device int32[world], needed with compact=True)");
+  require(hidden > 0 && hidden <= (int64_t{1} << 40), fn, "hidden must be in [1, 2^40], got " + std::to_string(hidden));
+  const int64_t elem = dtype == kFP32 ? 4 : 2;
+  const int64_t row_bytes = hidden * elem;
+  require(out_row_stride_bytes >= row_bytes, fn,
+          "out_row_stride_bytes (" + std::to_string(out_row_stride_bytes) + ") must be >= hidden * element size (" +
+              std::to_string(row_bytes) + ")");
+  require(out_row_stride_bytes % elem == 0, fn,
+          "out_row_stride_bytes must be a multiple of the element size (" + std::to_string(elem) + ")");
+  require(out % elem == 0, fn, "out must be aligned to the element size (" + std::to_string(elem) + ")");
+  require(max_rank_len >= 0 && max_rank_len <= INT32_MAX, fn,
+          "max_rank_len must be in [0, 2^31), got " + std::to_string(max_rank_len));
+  require(max_rank_len <= INT64_MAX / (static_cast<int64_t>(world) * row_bytes) &&
+              out_row_stride_bytes <= INT64_MAX / (max_rank_len + 1),
+          fn, "buffer size in bytes overflows int64");
+  require_blocks(fn, num_blocks);
+
+  const ReduceParams p{as_ptr<char>(out), out_row_stride_bytes, row_bytes,     as_ptr<const uint64_t>(bufs),
+                       as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact};
+  const bool vector =
+      common_alignment({out, static_cast<uint64_t>(out_row_stride_bytes), static_cast<uint64_t>(row_bytes)}) == 16;
+  const cudaStream_t st = as_stream(stream);
+  switch (dtype) {
+    case kBF16:
+      launch_typed<kBF16>(p, s, vector, num_blocks, st);
+      break;
+    case kFP16:
+      launch_typed<kFP16>(p, s, vector, num_blocks, st);
+      break;
+    default:
+      launch_typed<kFP32>(p, s, vector, num_blocks, st);
+      break;
+  }
+  check_launch(fn);
+}
+
+void append_kernel_info_reduce_scatter(std::vector<KernelInfo>& out) {
+  append_kernel_info(out, "p2p_reduce_scatter<bf16,vec16>", p2p_reduce_scatter_kernel<kBF16, true>);
+  append_kernel_info(out, "p2p_reduce_scatter<bf16,scalar>", p2p_reduce_scatter_kernel<kBF16, false>);
+  append_kernel_info(out, "p2p_reduce_scatter<fp16,vec16>", p2p_reduce_scatter_kernel<kFP16, true>);
+  append_kernel_info(out, "p2p_reduce_scatter<fp16,scalar>", p2p_reduce_scatter_kernel<kFP16, false>);
+  append_kernel_info(out, "p2p_reduce_scatter<fp32,vec16>", p2p_reduce_scatter_kernel<kFP32, true>);
+  append_kernel_info(out, "p2p_reduce_scatter<fp32,scalar>", p2p_reduce_scatter_kernel<kFP32, false>);
+}
+
+}  // namespace nsa_cp

@@ -1,0 +1,94 @@
+"""Loader for the optional native module ``nsa_cp._C`` (CUDA kernels, built by setup.py with nvcc).
+
+``_C`` is torch-free: it takes device pointers, sizes and a CUDA stream as Python ints, and links the
+CUDA runtime statically, so it imports on any machine, GPU or not. Whether its kernels can run is a
+separate question, answered by :func:`available` (a CUDA device must be visible).
+
+Nothing here raises: callers ask :func:`load` (the module or None), :func:`available` and
+:func:`unavailable_reason` (why not, for messages and logs), and take another path when it is missing.
+The first :func:`available` call initializes the CUDA driver in this process (``cudaGetDeviceCount``),
+so do not call it in a parent process that will fork CUDA workers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from types import ModuleType
+from typing import Optional
+
+__all__ = ["load", "available", "unavailable_reason"]
+
+logger = logging.getLogger("nsa_cp")
+
+_lock = threading.Lock()
+_loaded = False
+_module: Optional[ModuleType] = None
+_import_reason = ""
+_checked = False
+_available = False
+_reason = ""
+
+
+def load() -> Optional[ModuleType]:
+    """The ``nsa_cp._C`` module, or None when it was not built or does not import (never raises)."""
+    global _loaded, _module, _import_reason
+    with _lock:
+        if not _loaded:
+            _module, _import_reason = _import()
+            _loaded = True
+            if _module is None:
+                logger.debug("nsa_cp native module unavailable: %s", _import_reason)
+        return _module
+
+
+def _import():
+    try:
+        return importlib.import_module("nsa_cp._C"), ""
+    except ModuleNotFoundError as err:
+        if err.name == "nsa_cp._C":
+            return None, "nsa_cp._C was not built (pure Python install; build with nvcc, NSA_CP_BUILD_CUDA=1)"
+        return None, f"nsa_cp._C failed to import: {type(err).__name__}: {err}"
+    except Exception as err:  # ImportError (bad .so, ABI mismatch), OSError, anything from module init
+        return None, f"nsa_cp._C failed to import: {type(err).__name__}: {err}"
+
+
+def available() -> bool:
+    """True when ``nsa_cp._C`` imports and at least one CUDA device is visible (cached)."""
+    global _checked, _available, _reason
+    mod = load()
+    with _lock:
+        if _checked:
+            return _available
+        if mod is None:
+            _available, _reason = False, _import_reason
+        else:
+            try:
+                count = mod.device_count()
+            except Exception as err:  # a CUDA failure other than "no device / no driver"
+                count, detail = 0, f"{type(err).__name__}: {err}"
+            else:
+                detail = mod.device_status() if count == 0 else ""
+            if count > 0:
+                _available, _reason = True, ""
+            else:
+                _available, _reason = False, f"no CUDA device visible ({detail})"
+        _checked = True
+        if not _available:
+            logger.info("nsa_cp native kernels unavailable: %s", _reason)
+        return _available
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False (a non-empty sentence); "" when it is True."""
+    available()
+    return _reason
+
+
+def _reset_for_tests() -> None:
+    """Forget cached results (tests that monkeypatch the import)."""
+    global _loaded, _module, _import_reason, _checked, _available, _reason
+    with _lock:
+        _loaded, _module, _import_reason = False, None, ""
+        _checked, _available, _reason = False, False, ""
