@@ -133,6 +133,8 @@ class Ctx:
     world: int
     device: torch.device
     backend: str  # "nccl" | "gloo"
+    hidden: int = 7168
+    dtype: torch.dtype = torch.bfloat16
 
     @property
     def counts(self) -> Tuple[int, ...]:
@@ -220,6 +222,7 @@ class Method:
     fn: Callable[[Ctx, Bufs], torch.Tensor]
     needs: Optional[Callable[[Ctx], Optional[str]]] = None  # -> reason to skip, or None
     prepare: Optional[Callable[[Ctx], None]] = None  # once per configuration, before the check
+    stage: Optional[Callable[[Ctx, Bufs], None]] = None  # before the check's call only (not timed)
 
     @property
     def is_nsa(self) -> bool:
@@ -276,6 +279,57 @@ def nsa_rs(compact: bool, **kw):
     return fn
 
 
+def _p2p_prepare(c: Ctx):
+    """(Re)create the group's P2P transport when this configuration outgrows it (collective)."""
+    t = c.nsa.get_p2p(c.group)
+    hidden, dtype = c.hidden, c.dtype
+    if t is None or t.max_tokens_per_rank < c.M or t.hidden_size != hidden or t.dtype != dtype:
+        c.nsa.init_p2p(c.group, max(c.M, 1), hidden, dtype, c.device)
+
+
+def _p2p_needs(c: Ctx) -> Optional[str]:
+    if c.backend != "nccl":
+        return "P2P needs CUDA GPUs"
+    from nsa_cp import _native
+
+    return None if _native.available() else f"nsa_cp._C unavailable: {_native.unavailable_reason()}"
+
+
+def p2p_ag(compact: bool, engine: str):
+    """The P2P transport's gather with a forced engine; returns the view of its gather buffer."""
+
+    def fn(c: Ctx, b: Bufs):
+        return c.nsa.get_p2p(c.group).all_gather(b.x, c.layout, compact=compact, engine=engine)
+
+    return fn
+
+
+def p2p_auto_ag(compact: bool):
+    """cp_all_gather with backend='auto' after init_p2p: what a user gets (P2P for uneven layouts)."""
+
+    def fn(c: Ctx, b: Bufs):
+        return c.nsa.cp_all_gather(b.x, c.layout, c.group, compact=compact, backend="auto")
+
+    return fn
+
+
+def p2p_rs(compact: bool):
+    """cp_reduce_scatter, auto backend, on the transport's reduce buffer (the MoE wrote there: no copy)."""
+
+    def fn(c: Ctx, b: Bufs):
+        y = c.nsa.get_p2p(c.group).reduce_buffer(c.layout, compact)
+        return c.nsa.cp_reduce_scatter(y, c.layout, c.group, compact=compact, out=b.rs_out, backend="auto")
+
+    return fn
+
+
+def p2p_stage(compact: bool):
+    def stage(c: Ctx, b: Bufs):
+        c.nsa.get_p2p(c.group).reduce_buffer(c.layout, compact).copy_(b.y_cmp if compact else b.y_pad)
+
+    return stage
+
+
 def _nccl_only(what):
     return lambda c: None if c.backend == "nccl" else f"{c.backend} does not support {what}"
 
@@ -289,17 +343,25 @@ METHODS: List[Method] = [
     Method("fpad_ag", "ag", "padded", fpad_ag),
     Method("fpad_ag_compact", "ag", "compact", fpad_ag_compact),
     Method("list_ag", "ag", "compact", list_ag, _nccl_only("uneven all_gather lists")),
-    Method("nsa_ag_padded", "ag", "padded", nsa_ag(False)),
-    Method("nsa_ag_compact", "ag", "compact", nsa_ag(True)),
-    Method("nsa_ag_compact_padded", "ag", "compact", nsa_ag(True, algo="padded")),
-    Method("nsa_ag_compact_coalesced", "ag", "compact", nsa_ag(True, algo="coalesced")),
+    Method("nsa_ag_padded", "ag", "padded", nsa_ag(False, backend="nccl")),
+    Method("nsa_ag_compact", "ag", "compact", nsa_ag(True, backend="nccl")),
+    Method("nsa_ag_compact_padded", "ag", "compact", nsa_ag(True, algo="padded", backend="nccl")),
+    Method("nsa_ag_compact_coalesced", "ag", "compact", nsa_ag(True, algo="coalesced", backend="nccl")),
+    Method("nsa_ag_padded_auto", "ag", "padded", p2p_auto_ag(False), _p2p_needs, _p2p_prepare),
+    Method("nsa_ag_compact_auto", "ag", "compact", p2p_auto_ag(True), _p2p_needs, _p2p_prepare),
+    Method("p2p_ag_padded_sm", "ag", "padded", p2p_ag(False, "sm"), _p2p_needs, _p2p_prepare),
+    Method("p2p_ag_padded_ce", "ag", "padded", p2p_ag(False, "ce"), _p2p_needs, _p2p_prepare),
+    Method("p2p_ag_compact_sm", "ag", "compact", p2p_ag(True, "sm"), _p2p_needs, _p2p_prepare),
+    Method("p2p_ag_compact_ce", "ag", "compact", p2p_ag(True, "ce"), _p2p_needs, _p2p_prepare),
     # ---- reduce-scatter
     Method("even_rs", "rs", "even", even_rs),
     Method("list_rs", "rs", "compact", list_rs),
-    Method("nsa_rs_padded", "rs", "padded", nsa_rs(False)),
-    Method("nsa_rs_compact", "rs", "compact", nsa_rs(True)),
-    Method("nsa_rs_compact_padded", "rs", "compact", nsa_rs(True, algo="padded")),
-    Method("nsa_rs_compact_coalesced", "rs", "compact", nsa_rs(True, algo="coalesced")),
+    Method("nsa_rs_padded", "rs", "padded", nsa_rs(False, backend="nccl")),
+    Method("nsa_rs_compact", "rs", "compact", nsa_rs(True, backend="nccl")),
+    Method("nsa_rs_compact_padded", "rs", "compact", nsa_rs(True, algo="padded", backend="nccl")),
+    Method("nsa_rs_compact_coalesced", "rs", "compact", nsa_rs(True, algo="coalesced", backend="nccl")),
+    Method("nsa_rs_padded_auto", "rs", "padded", p2p_rs(False), _p2p_needs, _p2p_prepare, p2p_stage(False)),
+    Method("nsa_rs_compact_auto", "rs", "compact", p2p_rs(True), _p2p_needs, _p2p_prepare, p2p_stage(True)),
 ]
 EVEN = {"ag": "even_ag", "rs": "even_rs"}
 
@@ -335,9 +397,12 @@ def _expected_outputs(ctx: Ctx, hidden, dtype, seed):
     return ag, acc.to(dtype)
 
 
-def _poison(bufs: Bufs):
+def _poison(ctx: Ctx, bufs: Bufs):
     for t in bufs.outputs():
         t.fill_(float("nan"))
+    transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
+    if transport is not None:  # P2P gathers return views of this buffer
+        transport._gather.fill_(float("nan"))
 
 
 OK, SKIP, BAD = 0, 1, 2
@@ -353,7 +418,9 @@ def check_methods(ctx: Ctx, methods: Sequence[Method], bufs: Bufs, hidden, dtype
     even_rs_out = None
     pristine = [t.clone() for t in (bufs.x_full, bufs.y_cmp, bufs.y_pad)]
     for i, m in enumerate(methods):
-        _poison(bufs)
+        _poison(ctx, bufs)
+        if m.stage is not None:
+            m.stage(ctx, bufs)
         try:
             out = m.fn(ctx, bufs)
         except NotImplementedError as e:
@@ -633,7 +700,7 @@ def worker(rank, world, use_cuda, port, args, configs, result_path):
     try:
         for i, counts in enumerate(configs):
             layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
-            ctx = Ctx(nsa, layout, None, rank, world, device, dist.get_backend())
+            ctx = Ctx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden, DTYPES[args.dtype])
             if result["tags"] is None:
                 result["tags"] = env_tags(ctx)
             rows, skipped = run_config(ctx, methods, args, i, log)

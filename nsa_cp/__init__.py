@@ -6,6 +6,7 @@ Public API (see README.md and ../shared/DESIGN.md for the contract):
 * ``cp_all_gather`` / ``cp_reduce_scatter``: the collectives over any torch.distributed group.
 * ``in_seq_split`` / ``in_seq_positions`` / ``in_seq_restore_index``: the page-aligned zigzag split.
 * ``NSACPLayerCommunicator`` and ``RMSNorm``: the per-layer glue for a FULL-mode MoE.
+* ``init_p2p``: the intranode P2P transport (symmetric memory + nsa_cp._C) for a group.
 """
 
 __version__ = "0.1.0"
@@ -17,6 +18,7 @@ from .communicator import NSACPLayerCommunicator
 from .layout import ShardLayout
 from .norm import RMSNorm
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
+from .transport.p2p import P2PTimeoutError, destroy_p2p, get_p2p, init_p2p
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
@@ -29,5 +31,9 @@ __all__ = [
     "in_seq_restore_index",
     "NSACPLayerCommunicator",
     "RMSNorm",
+    "init_p2p",
+    "get_p2p",
+    "destroy_p2p",
+    "P2PTimeoutError",
     "__version__",
 ]

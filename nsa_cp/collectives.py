@@ -95,6 +95,31 @@ def _row_bytes(t: torch.Tensor) -> int:
     return math.prod(t.shape[1:]) * t.element_size()
 
 
+_BACKENDS = ("auto", "nccl", "p2p")
+
+
+def select_p2p_transport(backend: str, group, name: str, t: torch.Tensor, layout: ShardLayout):
+    """The P2P transport this call uses, or None for NCCL/gloo. Same answer on every rank."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = envs.NSA_CP_BACKEND
+    if backend == "nccl" or (backend == "auto" and not t.is_cuda):
+        return None
+    from .transport import p2p
+
+    transport = p2p.get_p2p(group)
+    if backend == "p2p":
+        if transport is None:
+            raise ValueError("backend: 'p2p' needs nsa_cp.init_p2p(group, max_tokens_per_rank, hidden_size, dtype) first")
+        transport.check_fits(name, t, layout)
+        return transport
+    # auto: the even layout keeps the plain NCCL collective (the contract); P2P when it fits
+    if transport is None or layout.is_even or not transport.fits(t, layout):
+        return None
+    return transport
+
+
 # --------------------------------------------------------------------------- data movement
 def _pack(x: torch.Tensor, slot: torch.Tensor, layout: ShardLayout, rank: int) -> None:
     if x.is_cuda:
@@ -139,6 +164,7 @@ def cp_all_gather(
     compact: bool = False,
     out: Optional[torch.Tensor] = None,
     algo: str = "auto",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Gather every rank's shard.
 
@@ -149,10 +175,13 @@ def cp_all_gather(
         compact: False: padded ``[max_rank_len * cp_size, ...]`` with zero padding rows;
             True: compact ``[total_len, ...]``.
         out: optional contiguous output of exactly that shape, dtype and device.
-        algo: compact only: "auto", "padded" or "coalesced" (see module docstring).
+        algo: compact only, NCCL only: "auto", "padded" or "coalesced" (see module docstring).
+        backend: "auto" (P2P for uneven layouts when ``nsa_cp.init_p2p`` registered a transport that
+            fits, else NCCL/gloo; NSA_CP_BACKEND overrides), "nccl" or "p2p".
 
     Returns:
-        The gathered tensor (``out`` when given).
+        The gathered tensor (``out`` when given). On the P2P backend without ``out`` it is a view of
+        the transport's gather buffer, valid until the next gather on that group.
     """
     rank, size = nccl.group_rank_and_size(group)
     _check_layout(layout, size)
@@ -160,6 +189,13 @@ def cp_all_gather(
     out_shape = (layout.global_len(compact), *x.shape[1:])
     _check_out(out, out_shape, x)
     algo = _resolve_algo(algo, x.is_cuda, layout.max_rank_len * _row_bytes(x)) if compact else None
+    transport = select_p2p_transport(backend, group, "x", x, layout)
+    if transport is not None and layout.total_len:
+        result = transport.all_gather(x, layout, compact=compact)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
     if out is None:
         out = x.new_empty(out_shape)
     if layout.total_len == 0:
@@ -186,13 +222,16 @@ def cp_reduce_scatter(
     compact: bool = False,
     out: Optional[torch.Tensor] = None,
     algo: str = "auto",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Sum every rank's ``y`` and return this rank's rows ``[n_r, ...]``.
 
     Args:
         y: this rank's partials over all tokens: padded ``[max_rank_len * cp_size, ...]`` (values in
             padding rows are ignored) or compact ``[total_len, ...]``.
-        layout, group, compact, algo: as for ``cp_all_gather``.
+        layout, group, compact, algo, backend: as for ``cp_all_gather``. On the P2P backend, pass the
+            transport's ``reduce_buffer(layout, compact)`` (the MoE writes its partials there) to avoid
+            a copy in; the sum is in fp32, in rank order.
         out: optional contiguous ``[n_r, ...]`` output.
 
     Returns:
@@ -207,6 +246,9 @@ def cp_reduce_scatter(
     out_shape = (n, *y.shape[1:])
     _check_out(out, out_shape, y)
     algo = _resolve_algo(algo, y.is_cuda, layout.max_rank_len * _row_bytes(y)) if compact else None
+    transport = select_p2p_transport(backend, group, "y", y, layout)
+    if transport is not None and layout.total_len:
+        return transport.reduce_scatter(y, layout, compact=compact, out=out)
     if layout.total_len == 0:
         return out if out is not None else y.new_empty(out_shape)
     if layout.is_even:

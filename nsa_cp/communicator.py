@@ -20,8 +20,9 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .collectives import cp_all_gather, cp_reduce_scatter
+from .collectives import cp_all_gather, cp_reduce_scatter, select_p2p_transport
 from .layout import ShardLayout
+from .transport import p2p
 from .transport.nccl import group_rank_and_size
 
 __all__ = ["NSACPLayerCommunicator"]
@@ -38,7 +39,11 @@ class NSACPLayerCommunicator:
             ``norm(x, residual) -> (y, x + residual)`` (e.g. ``nsa_cp.RMSNorm``).
         mlp_mode: "full" (gather before the MLP, reduce-scatter after) or "scattered" (local MLP).
         compact: gather into / reduce from the compact layout (no padding rows for the MoE).
-        algo: compact algorithm, see ``cp_all_gather``.
+        algo: compact algorithm on NCCL, see ``cp_all_gather``.
+        backend: "auto", "nccl" or "p2p", see ``cp_all_gather``.
+        p2p_max_tokens_per_rank, hidden_size, dtype: when given, the communicator creates the group's
+            intranode P2P transport up front (collective; before any CUDA-graph capture) with this
+            capacity, unless one that large is registered already. Needs all three.
     """
 
     def __init__(
@@ -50,9 +55,25 @@ class NSACPLayerCommunicator:
         mlp_mode: str = "full",
         compact: bool = False,
         algo: str = "auto",
+        backend: str = "auto",
+        p2p_max_tokens_per_rank: Optional[int] = None,
+        hidden_size: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
     ):
         if mlp_mode not in _MLP_MODES:
             raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
+        self.backend = backend
+        if p2p_max_tokens_per_rank is not None:
+            if hidden_size is None or dtype is None:
+                raise ValueError("hidden_size, dtype: expected both with p2p_max_tokens_per_rank, got None")
+            existing = p2p.get_p2p(group)
+            if (
+                existing is None
+                or existing.max_tokens_per_rank < p2p_max_tokens_per_rank
+                or existing.hidden_size != hidden_size
+                or existing.dtype != dtype
+            ):
+                p2p.init_p2p(group, p2p_max_tokens_per_rank, hidden_size, dtype)
         self.group = group
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
@@ -96,9 +117,20 @@ class NSACPLayerCommunicator:
         hidden_states, residual = self._norm(self.post_attention_layernorm, hidden_states, residual)
         if self.mlp_mode == "full" and layout is not None:
             hidden_states = cp_all_gather(
-                hidden_states, layout, self.group, compact=self.compact, algo=self.algo
+                hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend
             )
         return hidden_states, residual
+
+    def mlp_output_buffer(self, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
+        """Where the MLP should write its partials for ``postprocess_layer``: ``[global_len, H]``.
+
+        With a P2P transport that this call would use, it is the transport's symmetric reduce buffer (no
+        copy before the pull); otherwise a fresh tensor like ``like`` (any tensor works for NCCL).
+        """
+        transport = select_p2p_transport(self.backend, self.group, "like", like, layout)
+        if self.mlp_mode == "full" and transport is not None:
+            return transport.reduce_buffer(layout, self.compact, like.shape[1:])
+        return like.new_empty((layout.global_len(self.compact), *like.shape[1:]))
 
     def postprocess_layer(
         self, hidden_states: torch.Tensor, residual: torch.Tensor, layout: Optional[ShardLayout]
@@ -106,6 +138,6 @@ class NSACPLayerCommunicator:
         """Full mode: reduce-scatter the MLP's partials back to this rank's ``[n_r, H]``."""
         if self.mlp_mode == "full" and layout is not None:
             hidden_states = cp_reduce_scatter(
-                hidden_states, layout, self.group, compact=self.compact, algo=self.algo
+                hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend
             )
         return hidden_states, residual

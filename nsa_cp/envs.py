@@ -69,6 +69,25 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "with NSA_CP_COMPACT_ALGO=auto: a rank slot (max_rank_len rows) of at least this many "
         "bytes takes the coalesced algorithm; smaller ones take the padded one (measured on 2x H200)",
     ),
+    "NSA_CP_BACKEND": (
+        _choice("NSA_CP_BACKEND", "auto", ("auto", "nccl", "p2p")),
+        "transport when a call says backend='auto': 'nccl' always, 'p2p' always (needs "
+        "nsa_cp.init_p2p), or 'auto': P2P for uneven layouts when a transport fits, NCCL otherwise",
+    ),
+    "NSA_CP_P2P_ENGINE": (
+        _choice("NSA_CP_P2P_ENGINE", "auto", ("auto", "sm", "ce")),
+        "P2P gather engine: 'sm' (one CUDA kernel pushes with 16-byte stores), 'ce' (copy engine, "
+        "no SMs busy), or 'auto' (by size, see NSA_CP_P2P_CE_MIN_BYTES)",
+    ),
+    "NSA_CP_P2P_CE_MIN_BYTES": (
+        _int("NSA_CP_P2P_CE_MIN_BYTES", 1 << 62),
+        "with NSA_CP_P2P_ENGINE=auto: a rank slot of at least this many bytes takes the copy engine",
+    ),
+    "NSA_CP_P2P_TIMEOUT_MS": (
+        _int("NSA_CP_P2P_TIMEOUT_MS", 60_000),
+        "how long a P2P call waits for a peer before it gives up and reports P2PTimeoutError "
+        "(0: wait forever)",
+    ),
     "NSA_CP_BUILD_CUDA": (
         _choice("NSA_CP_BUILD_CUDA", "auto", ("auto", "0", "1")),
         "setup.py: build nsa_cp._C with nvcc ('1'), never ('0'), or when nvcc is found ('auto')",

@@ -26,9 +26,13 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def group_rank_and_size(group: Optional[dist.ProcessGroup]):
     """``(rank, size)`` of this process in ``group`` (None: the default group)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("nsa_cp collectives need torch.distributed to be initialized")
-    return dist.get_rank(group), dist.get_world_size(group)
+    if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("nsa_cp collectives need torch.distributed to be initialized")
+        group = dist.group.WORLD
+    # ProcessGroup.rank()/size() are plain C++ getters: dist.get_rank() costs microseconds of checks
+    # on every call, and this runs on every collective.
+    return group.rank(), group.size()
 
 
 def all_gather_equal(out: torch.Tensor, shard: torch.Tensor, group) -> None:

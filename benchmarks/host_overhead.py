@@ -1,0 +1,106 @@
+"""Host-side cost of one call (Python + launches), per piece, on 2 GPUs: where do the microseconds go?
+
+    python benchmarks/host_overhead.py [--M 256] [--calls 300]
+
+Times (perf_counter, median of --calls, GPU kept busy-free by syncing every 20 calls) the public calls
+and their pieces: the input checks, the Triton pack launch, the bare NCCL collective; then prints a
+cProfile of the uneven padded gather. Numbers are host microseconds, not device time.
+"""
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _median_us(fn, calls):
+    samples = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def worker(rank, world, args):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.cuda.set_device(rank)
+    store = dist.FileStore(args.store, world)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    import nsa_cp
+    from nsa_cp import collectives
+    from nsa_cp.kernels import pack
+    from nsa_cp.transport import nccl
+
+    m, h = args.M, 7168
+    counts = [m, int(m * 0.8)][:world] + [m] * max(0, world - 2)
+    layout = nsa_cp.ShardLayout(counts)
+    even = nsa_cp.ShardLayout([m] * world)
+    x = torch.randn(counts[rank], h, device="cuda").bfloat16()
+    xe = torch.randn(m, h, device="cuda").bfloat16()
+    out = torch.empty(layout.padded_len, h, device="cuda", dtype=torch.bfloat16)
+    slot = out[rank * m:(rank + 1) * m]
+    count = layout.device_tensors(x.device)[0][rank]
+    pieces = {
+        "cp_all_gather padded uneven": lambda: nsa_cp.cp_all_gather(x, layout),
+        "cp_all_gather even": lambda: nsa_cp.cp_all_gather(xe, even),
+        "cp_reduce_scatter padded uneven": lambda: nsa_cp.cp_reduce_scatter(out, layout),
+        "triton pack launch": lambda: pack.pack_into_slot(x, slot, count),
+        "torch copy_+zero_ (2 kernels)": lambda: (slot[: counts[rank]].copy_(x), slot[counts[rank]:].zero_()),
+        "bare all_gather_single": lambda: nccl.all_gather_equal(out, slot, None),
+        "F.pad + all_gather": lambda: nccl.all_gather_equal(out, torch.nn.functional.pad(x, (0, 0, 0, m - counts[rank])), None),
+        "group_rank_and_size": lambda: nccl.group_rank_and_size(None),
+        "input checks": lambda: (collectives._check_layout(layout, world), collectives._check_input("x", x, counts[rank], "rows"), collectives._check_out(out, out.shape, x)),
+        "device_tensors lookup": lambda: layout.device_tensors(x.device)[0][rank],
+    }
+    for fn in pieces.values():
+        for _ in range(5):
+            fn()
+    torch.cuda.synchronize()
+    results = {name: _median_us(fn, args.calls) for name, fn in pieces.items()}
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(args.calls):
+        nsa_cp.cp_all_gather(x, layout)
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    prof.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        print(f"host microseconds per call, median of {args.calls} (M={m}, H={h}, bf16, counts {counts})")
+        for name, us in results.items():
+            print(f"  {name:<34}{us:9.1f}")
+        stream = io.StringIO()
+        pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(18)
+        print(stream.getvalue()[-4000:])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--M", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args()
+    import tempfile
+
+    args.store = os.path.join(tempfile.mkdtemp(), "store")
+    world = min(2, torch.cuda.device_count())
+    if world < 2:
+        raise SystemExit("host_overhead.py needs 2 CUDA GPUs")
+    mp.spawn(worker, args=(world, args), nprocs=world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""Intranode P2P transport: move only real rows over NVLink, straight into the peers' buffers.
+
+Design record
+-------------
+Buffers. At construction every rank allocates, through ``torch.distributed._symmetric_memory``, three
+symmetric tensors and exchanges their addresses (``rendezvous``): a gather buffer and a reduce buffer of
+``cp_size * max_tokens_per_rank`` rows of ``hidden_size`` elements each, and a small signal area. All
+sizes are fixed up front (before any CUDA-graph capture) and never regrown: a layout that needs more
+raises ValueError naming both numbers and the setting to raise.
+
+Gather (``all_gather``). Every rank writes its ``n_r`` rows into every rank's gather buffer at its slot
+(padded: ``r*M``; compact: ``offsets[r]``) and zeroes the padding rows of its own buffer locally, so no
+padding crosses the link. Two engines:
+  * "sm": one kernel of nsa_cp._C (csrc/p2p_gather.cu): entry barrier, 16-byte vector stores to all
+    ranks, local zeroing, done barrier. Small calls are a single launch.
+  * "ce": the copy engine (cudaMemcpyAsync through ``Tensor.copy_`` onto the peer's mapped buffer), so no
+    SM is busy moving bytes; two one-block barrier kernels around the copies.
+The result is a view of this rank's gather buffer, valid until the next gather on this transport.
+
+Reduce-scatter (``reduce_scatter``). The MoE writes its partials straight into this rank's reduce
+buffer (``reduce_buffer()`` hands it out; any other tensor is copied in first). One kernel
+(csrc/p2p_reduce_scatter.cu) waits until every rank's partials are complete, pulls this rank's ``n_r``
+rows from every rank, sums them in fp32 in rank order 0..P-1 and writes ``[n_r, H]``; a done barrier
+keeps every rank from overwriting its reduce buffer while a peer still reads it.
+
+Reuse safety. Every call starts with an entry barrier: a rank writes into a peer's buffer only after that
+peer has entered the same call, i.e. after all earlier work on the peer's stream (reading the previous
+result) is done. Epochs live on the device, so CUDA-graph replays stay in step.
+
+Faults. Every wait has a timeout (NSA_CP_P2P_TIMEOUT_MS). A kernel that times out records which call
+and which peer into host-mapped memory and gives up; the next call on the transport (or
+``check_error()``) raises P2PTimeoutError naming them, and the transport stays unusable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _native, envs
+from ..layout import ShardLayout
+
+logger = logging.getLogger("nsa_cp")
+
+__all__ = ["P2PTransport", "P2PTimeoutError", "p2p_unavailable_reason"]
+
+_CHANNEL_GATHER = 0
+_CHANNEL_SCATTER = 1
+_NUM_CHANNELS = 2
+_SIGNAL_WORDS = 256  # >= channels * 2 phases * max world 8; one page of the symmetric signal area
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_ENGINES = ("auto", "sm", "ce")
+_PHASE_NAMES = ("entry barrier", "done barrier")
+_CHANNEL_NAMES = ("all-gather", "reduce-scatter")
+
+
+class P2PTimeoutError(RuntimeError):
+    """A peer never arrived at a P2P call within NSA_CP_P2P_TIMEOUT_MS."""
+
+
+def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=None) -> Optional[str]:
+    """Why the P2P transport cannot serve ``group`` here, or None when it can (collective call).
+
+    Every rank must call it: it exchanges hostnames and device indices with one all_gather_object.
+    """
+    if _native.load() is None:
+        return _native.unavailable_reason()
+    if not torch.cuda.is_available():
+        return "no CUDA device visible"
+    world = dist.get_world_size(group)
+    if world > 8:
+        return f"world size {world} > 8 (the P2P kernels serve up to 8 ranks)"
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    me = (socket.gethostname(), device.index)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, me, group=group)
+    hosts = {host for host, _ in everyone}
+    if len(hosts) != 1:
+        return f"the group spans {len(hosts)} hosts ({sorted(hosts)}); P2P is intranode only"
+    for _, peer_index in everyone:
+        if peer_index != device.index and not torch.cuda.can_device_access_peer(device.index, peer_index):
+            return f"cuda:{device.index} cannot access cuda:{peer_index} (no peer access)"
+    return None
+
+
+def _symmetric(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, group):
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    tensor = symm_mem.empty(*shape, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(tensor, group)
+    return tensor, handle
+
+
+class P2PTransport:
+    """Symmetric-memory buffers of one CP group and the kernels that move rows through them.
+
+    Args:
+        group: the CP process group (None: default group). All ranks on one node.
+        max_tokens_per_rank: capacity, the largest ``max_rank_len`` any call may use.
+        hidden_size: row length in elements (trailing dims flattened).
+        dtype: bf16, fp16 or fp32.
+        device: this rank's CUDA device (default: the current one).
+        timeout_ms: per-wait timeout (default NSA_CP_P2P_TIMEOUT_MS; 0 waits forever).
+    """
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup],
+        max_tokens_per_rank: int,
+        hidden_size: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        *,
+        timeout_ms: Optional[int] = None,
+    ):
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank: expected an int >= 1, got {max_tokens_per_rank}")
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size}")
+        if dtype not in _DTYPE_CODES:
+            raise ValueError(f"dtype: expected one of {list(_DTYPE_CODES)}, got {dtype}")
+        reason = p2p_unavailable_reason(group, device)
+        if reason is not None:
+            raise RuntimeError(f"nsa_cp P2P transport unavailable: {reason}")
+        self._C = _native.load()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self.hidden_size = int(hidden_size)
+        self.dtype = dtype
+        self.timeout_ns = (envs.NSA_CP_P2P_TIMEOUT_MS if timeout_ms is None else int(timeout_ms)) * 1_000_000
+        self.capacity_rows = self.world * self.max_tokens_per_rank
+        self._row_bytes = self.hidden_size * torch.empty((), dtype=dtype).element_size()
+        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._broken: Optional[str] = None
+
+        shape = (self.capacity_rows, self.hidden_size)
+        self._gather, gather_handle = _symmetric(shape, dtype, self.device, group)
+        self._reduce, reduce_handle = _symmetric(shape, dtype, self.device, group)
+        self._signals, signal_handle = _symmetric((_SIGNAL_WORDS,), torch.int32, self.device, group)
+        self._signals.zero_()
+        self._gather_ptrs = torch.tensor(gather_handle.buffer_ptrs, dtype=torch.int64, device=self.device)
+        self._reduce_ptrs = torch.tensor(reduce_handle.buffer_ptrs, dtype=torch.int64, device=self.device)
+        self._pad_ptrs = torch.tensor(signal_handle.buffer_ptrs, dtype=torch.int64, device=self.device)
+        # the copy engine writes into peers' gather buffers through these mapped views
+        self._peer_gather = [
+            gather_handle.get_buffer(peer, list(shape), dtype, 0) for peer in range(self.world)
+        ]
+        self._seq = torch.zeros(_NUM_CHANNELS, dtype=torch.int32, device=self.device)
+        self._arrive = torch.zeros(_NUM_CHANNELS, dtype=torch.int32, device=self.device)
+        self._err_host, self._err_dev = self._C.alloc_host_mapped_u32(4)
+        self._handles = (gather_handle, reduce_handle, signal_handle)  # keep the mappings alive
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)  # every rank's signal area is zero before anyone signals
+        logger.info(
+            "nsa_cp P2P transport: rank %d/%d, %d tokens/rank x %d x %s, %.1f MiB symmetric per buffer",
+            self.rank, self.world, self.max_tokens_per_rank, self.hidden_size, dtype,
+            self._gather.numel() * self._gather.element_size() / 2**20,
+        )
+
+    # ------------------------------------------------------------------ sizing and checks
+    @staticmethod
+    def buffer_bytes(world: int, max_tokens_per_rank: int, hidden_size: int, dtype: torch.dtype) -> int:
+        """Symmetric bytes one rank allocates: gather + reduce buffers + the signal area."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * world * max_tokens_per_rank * hidden_size * element + _SIGNAL_WORDS * 4
+
+    def fits(self, t: torch.Tensor, layout: ShardLayout) -> bool:
+        """Whether a call on ``t`` (rows of this transport's dtype and hidden size) and ``layout`` fits."""
+        return (
+            t.is_cuda
+            and t.device == self.device
+            and t.dtype == self.dtype
+            and math.prod(t.shape[1:]) == self.hidden_size
+            and layout.cp_size == self.world
+            and layout.max_rank_len <= self.max_tokens_per_rank
+        )
+
+    def check_fits(self, name: str, t: torch.Tensor, layout: ShardLayout) -> None:
+        """Raise ValueError saying why ``t`` / ``layout`` cannot use this transport (nothing is written)."""
+        if layout.max_rank_len > self.max_tokens_per_rank:
+            raise ValueError(
+                f"layout: max_rank_len {layout.max_rank_len} exceeds the P2P capacity of "
+                f"{self.max_tokens_per_rank} tokens per rank; raise max_tokens_per_rank "
+                f"(nsa_cp.init_p2p / NSACPLayerCommunicator(p2p_max_tokens_per_rank=...)) to at least "
+                f"{layout.max_rank_len}"
+            )
+        if t.dtype != self.dtype:
+            raise ValueError(f"{name}: expected dtype {self.dtype} (the P2P transport's), got {t.dtype}")
+        if math.prod(t.shape[1:]) != self.hidden_size:
+            raise ValueError(
+                f"{name}: expected rows of {self.hidden_size} elements (the P2P transport's hidden_size), "
+                f"got shape {list(t.shape)}"
+            )
+        if t.device != self.device:
+            raise ValueError(f"{name}: expected device {self.device} (the P2P transport's), got {t.device}")
+
+    def check_error(self) -> None:
+        """Raise P2PTimeoutError if an earlier call timed out (reads host-mapped memory, no sync)."""
+        if self._broken is not None:
+            raise P2PTimeoutError(self._broken)
+        code = self._C.read_u32(self._err_host, 0)
+        if code == 0:
+            return
+        slot, peer, epoch = (self._C.read_u32(self._err_host, i) for i in (1, 2, 3))
+        channel, phase = divmod(slot, 2)
+        call = _CHANNEL_NAMES[channel] if channel < len(_CHANNEL_NAMES) else f"channel {channel}"
+        what = "timed out" if code == 1 else f"failed (code {code})"
+        self._broken = (
+            f"nsa_cp P2P {call} (call #{epoch}, {_PHASE_NAMES[phase]}) on rank {self.rank} {what}: "
+            f"rank {peer} never arrived within {self.timeout_ns / 1e6:.0f} ms (NSA_CP_P2P_TIMEOUT_MS). "
+            f"The transport is unusable; results of that call and later ones are invalid."
+        )
+        raise P2PTimeoutError(self._broken)
+
+    def _view(self, buffer: torch.Tensor, layout: ShardLayout, compact: bool, rest) -> torch.Tensor:
+        rows = layout.global_len(compact)
+        return buffer.view(-1)[: rows * self.hidden_size].view(rows, *rest)
+
+    def _blocks(self, bytes_per_block_target: int, total_bytes: int) -> int:
+        return max(1, min(self._sm_count, -(-total_bytes // bytes_per_block_target)))
+
+    def _signal_args(self, channel: int):
+        return (
+            self._pad_ptrs.data_ptr(),
+            channel,
+            self._seq.data_ptr() + 4 * channel,
+            self._arrive.data_ptr() + 4 * channel,
+            self.timeout_ns,
+            self._err_dev,
+        )
+
+    # ------------------------------------------------------------------ gather
+    def choose_engine(self, engine: str, layout: ShardLayout) -> str:
+        if engine not in _ENGINES:
+            raise ValueError(f"engine: expected one of {_ENGINES}, got {engine!r}")
+        if engine == "auto":
+            engine = envs.NSA_CP_P2P_ENGINE
+        if engine == "auto":
+            slot_bytes = layout.max_rank_len * self._row_bytes
+            engine = "ce" if slot_bytes >= envs.NSA_CP_P2P_CE_MIN_BYTES else "sm"
+        return engine
+
+    def _device_counts(self, layout: ShardLayout, device_counts):
+        if device_counts is None:
+            return layout.device_tensors(self.device)
+        counts, offsets = device_counts
+        for name, t in (("device_counts[0]", counts), ("device_counts[1]", offsets)):
+            if t.dtype != torch.int32 or t.device != self.device or tuple(t.shape) != (self.world,):
+                raise ValueError(
+                    f"{name}: expected int32 [{self.world}] on {self.device}, got {t.dtype} {list(t.shape)} on {t.device}"
+                )
+        return counts, offsets
+
+    def all_gather(
+        self, x: torch.Tensor, layout: ShardLayout, *, compact: bool, engine: str = "auto", device_counts=None
+    ) -> torch.Tensor:
+        """Gather into this rank's gather buffer; returns its ``[global_len, *x.shape[1:]]`` view.
+
+        The view stays valid until the next gather on this transport. Inputs are checked by the caller.
+        ``device_counts=(counts, offsets)`` (int32 ``[cp_size]`` device tensors) replaces the layout's
+        counts on the device, for CUDA graphs captured once per bucket: ``layout`` then gives only the
+        geometry (``max_rank_len``), every count must stay <= it, and the engine must be "sm".
+        """
+        self.check_error()
+        self.check_fits("x", x, layout)
+        engine = self.choose_engine(engine, layout)
+        if device_counts is not None and engine != "sm":
+            raise ValueError(f"engine: device_counts needs the 'sm' engine (the copy engine reads host counts), got {engine!r}")
+        result = self._view(self._gather, layout, compact, x.shape[1:])
+        rows = x.reshape(x.shape[0], self.hidden_size)
+        if rows.shape[0] and rows.stride(1) != 1:
+            rows = rows.contiguous()
+        counts, offsets = self._device_counts(layout, device_counts)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        pads, channel, seq, arrive, timeout, err = self._signal_args(_CHANNEL_GATHER)
+        if engine == "sm":
+            moved = layout.max_rank_len * self._row_bytes * self.world
+            self._C.p2p_gather(
+                rows.data_ptr(), rows.stride(0) * rows.element_size(), self._row_bytes,
+                self._gather_ptrs.data_ptr(), counts.data_ptr(), offsets.data_ptr(),
+                layout.max_rank_len, compact, self.rank, self.world, pads, channel, seq, arrive,
+                timeout, err, self._blocks(256 << 10, moved), stream,
+            )
+            return result
+        # copy engine: entry barrier, one copy per rank, local zeroing of padding, done barrier
+        self._C.barrier(pads, self.rank, self.world, channel, 0, seq, False, timeout, err, stream)
+        start, stop = layout.rows(self.rank, compact)
+        if stop > start:
+            for peer in range(self.world):
+                self._peer_gather[peer][start:stop].copy_(rows)
+        if not compact:
+            m = layout.max_rank_len
+            flat = self._gather.view(-1)
+            for q, n in enumerate(layout.per_rank_actual_token):
+                if n < m:
+                    flat[(q * m + n) * self.hidden_size : (q + 1) * m * self.hidden_size].zero_()
+        self._C.barrier(pads, self.rank, self.world, channel, 1, seq, True, timeout, err, stream)
+        return result
+
+    # ------------------------------------------------------------------ reduce-scatter
+    def reduce_buffer(self, layout: ShardLayout, compact: bool, rest=None) -> torch.Tensor:
+        """This rank's reduce buffer as ``[global_len, hidden]`` (or ``[global_len, *rest]``).
+
+        Write the MoE partials here and pass this tensor to reduce_scatter: no copy in.
+        """
+        if layout.max_rank_len > self.max_tokens_per_rank:
+            self.check_fits("reduce_buffer", self._reduce, layout)
+        return self._view(self._reduce, layout, compact, rest if rest is not None else (self.hidden_size,))
+
+    def reduce_scatter(
+        self,
+        y: torch.Tensor,
+        layout: ShardLayout,
+        *,
+        compact: bool,
+        out: Optional[torch.Tensor] = None,
+        device_counts=None,
+    ) -> torch.Tensor:
+        """Sum every rank's partials for this rank's rows; returns ``[n_r, *y.shape[1:]]``.
+
+        ``device_counts`` as for ``all_gather``: rows past this replay's count are left untouched.
+        """
+        self.check_error()
+        self.check_fits("y", y, layout)
+        staged = self._view(self._reduce, layout, compact, y.shape[1:])
+        if y.data_ptr() != staged.data_ptr() or y.stride() != staged.stride():
+            staged.copy_(y)
+        n = layout.count(self.rank)
+        if out is None:
+            out = y.new_empty((n, *y.shape[1:]))
+        out_rows = out.view(n, self.hidden_size)
+        counts, offsets = self._device_counts(layout, device_counts)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        pads, channel, seq, arrive, timeout, err = self._signal_args(_CHANNEL_SCATTER)
+        moved = layout.max_rank_len * self._row_bytes * self.world
+        self._C.p2p_reduce_scatter(
+            out_rows.data_ptr(), self._row_bytes, self._reduce_ptrs.data_ptr(), counts.data_ptr(),
+            offsets.data_ptr(), layout.max_rank_len, compact, self.hidden_size, _DTYPE_CODES[self.dtype],
+            self.rank, self.world, pads, channel, seq, arrive, timeout, err,
+            self._blocks(128 << 10, moved), stream,
+        )
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_err_host", None):
+            self._C.free_host_mapped(self._err_host)
+            self._err_host = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing useful to do
+            pass
+
+
+# ---------------------------------------------------------------------- one transport per group
+_REGISTRY = {}
+
+
+def _group_key(group):
+    return dist.group.WORLD if group is None else group
+
+
+def init_p2p(
+    group: Optional[dist.ProcessGroup],
+    max_tokens_per_rank: int,
+    hidden_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device=None,
+    *,
+    timeout_ms: Optional[int] = None,
+) -> P2PTransport:
+    """Create (collectively, on every rank of ``group``) and register the P2P transport of ``group``.
+
+    Afterwards ``cp_all_gather`` / ``cp_reduce_scatter`` with ``backend="auto"`` use it for uneven
+    layouts that fit. Creating it again for the same group replaces the old one.
+    """
+    transport = P2PTransport(group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms)
+    old = _REGISTRY.pop(_group_key(group), None)
+    if old is not None:
+        old.close()
+    _REGISTRY[_group_key(group)] = transport
+    return transport
+
+
+def get_p2p(group: Optional[dist.ProcessGroup]) -> Optional[P2PTransport]:
+    """The registered transport of ``group``, or None."""
+    return _REGISTRY.get(_group_key(group))
+
+
+def destroy_p2p(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Unregister and release the transport of ``group`` (no-op when there is none)."""
+    transport = _REGISTRY.pop(_group_key(group), None)
+    if transport is not None:
+        transport.close()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (device tool): build, run the GPU tests, run the benchmark.
+# Logs and result files go under $OUT (default ./gpu_out); a short summary table is printed last.
+#
+#   bash scripts/gpu_run.sh [--tests-only|--bench-only] [extra benchmark args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+# NVLink multicast must stay off on these machines (shared hosts); never override these.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+mode=all
+case "${1:-}" in --tests-only|--bench-only) mode=${1#--}; shift ;; esac
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -12
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee "$OUT/env.txt"
+
+t0=$(date +%s)
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1
+build_rc=$?
+echo "build rc=$build_rc ($(( $(date +%s) - t0 )) s); summary:"; grep -E "^\[nsa_cp\]|nsa_cp build" "$OUT/build.log" | head -20
+
+test_rc=skipped
+if [ "$mode" != bench-only ]; then
+  t0=$(date +%s)
+  NSA_CP_P2P_TIMEOUT_MS=20000 timeout "${TEST_TIMEOUT_S:-330}" python3 -m pytest tests -q -rs -p no:cacheprovider \
+    --junitxml="$OUT/pytest.xml" >"$OUT/pytest.log" 2>&1
+  test_rc=$?
+  echo "tests rc=$test_rc ($(( $(date +%s) - t0 )) s)"; tail -15 "$OUT/pytest.log"
+fi
+
+bench_rc=skipped
+if [ "$mode" != tests-only ]; then
+  t0=$(date +%s)
+  timeout 120 python3 benchmarks/host_overhead.py >"$OUT/host_overhead.log" 2>&1
+  echo "host overhead rc=$?"; head -14 "$OUT/host_overhead.log"
+  timeout "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/gather_scatter.py --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" \
+    >"$OUT/bench.log" 2>&1
+  bench_rc=$?
+  echo "bench rc=$bench_rc ($(( $(date +%s) - t0 )) s)"
+fi
+
+echo "=================== summary ==================="
+echo "build rc=$build_rc  tests rc=$test_rc  bench rc=$bench_rc"
+grep -E "passed|failed|error" "$OUT/pytest.log" 2>/dev/null | tail -1
+[ -f "$OUT/bench.log" ] && tail -60 "$OUT/bench.log"

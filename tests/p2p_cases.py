@@ -1,0 +1,257 @@
+"""Checks of the intranode P2P transport that run inside an NCCL process group (one GPU per rank).
+
+Each check returns None or an error text; ``run_p2p_checks`` runs all of them on every rank and also
+returns measured facts under "__info__" (reduce-scatter error of P2P vs NCCL against fp64).
+Gathered data is compared exactly (torch.equal) with an oracle built from every rank's inputs, which
+every rank derives from seeds; sums against fp64. Outputs are poisoned with NaN before each call.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import nsa_cp
+from nsa_cp.transport import p2p
+
+from dist_cases import _check_sum, _expected_gather, _gen
+
+
+def _random_layout(rng: random.Random, world: int, max_tokens: int) -> "nsa_cp.ShardLayout":
+    kind = rng.choice(["random", "zeros", "even", "empty", "full"])
+    if kind == "random":
+        counts = [rng.randint(0, max_tokens) for _ in range(world)]
+    elif kind == "zeros":
+        counts = [rng.choice([0, rng.randint(1, max_tokens)]) for _ in range(world)]
+    elif kind == "even":
+        counts = [rng.randint(1, max_tokens)] * world
+    elif kind == "empty":
+        counts = [0] * world
+    else:
+        counts = [max_tokens] + [rng.randint(0, max_tokens) for _ in range(world - 1)]
+    return nsa_cp.ShardLayout(counts)
+
+
+def _gather_once(transport, layout, compact, engine, rank, hidden, dtype, seed, device):
+    shards = [_gen(seed, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+    x = shards[rank].to(device)
+    transport._gather.fill_(float("nan"))  # poison: every row of the result must be written this call
+    torch.cuda.synchronize()
+    dist.barrier()
+    got = transport.all_gather(x, layout, compact=compact, engine=engine).clone()
+    return got, _expected_gather(shards, layout, compact)
+
+
+def check_gather_sequence(transport, rank, world, device, engine, compact, calls=7, seed=0) -> Optional[str]:
+    """An odd number of back-to-back gathers with random layouts, each result checked exactly."""
+    rng = random.Random(seed)
+    for i in range(calls):
+        layout = _random_layout(rng, world, transport.max_tokens_per_rank)
+        got, want = _gather_once(transport, layout, compact, engine, rank, transport.hidden_size,
+                                 transport.dtype, seed * 100 + i, device)
+        transport.check_error()
+        if not torch.equal(got.cpu(), want):
+            return f"call {i} {layout}: gathered rows differ ({engine}, compact={compact})"
+    return None
+
+
+def check_reduce_scatter_sequence(transport, rank, world, device, compact, calls=7, seed=0, info=None) -> Optional[str]:
+    rng = random.Random(seed)
+    dtype = transport.dtype
+    errors = {"p2p": 0.0, "nccl": 0.0}
+    for i in range(calls):
+        layout = _random_layout(rng, world, transport.max_tokens_per_rank)
+        rows = layout.global_len(compact)
+        partials = [_gen(seed * 100 + i, q, rows, (transport.hidden_size,), dtype, "cpu") for q in range(world)]
+        start, stop = layout.rows(rank, compact)
+        buf = transport.reduce_buffer(layout, compact)
+        buf.copy_(partials[rank].to(device))  # the MoE writes here
+        out = torch.full((layout.count(rank), transport.hidden_size), float("nan"), dtype=dtype, device=device)
+        got = transport.reduce_scatter(buf, layout, compact=compact, out=out)
+        torch.cuda.synchronize()
+        transport.check_error()
+        problem = _check_sum(got.cpu(), [p[start:stop] for p in partials], dtype)
+        if problem:
+            return f"call {i} {layout}: {problem}"
+        exact = torch.stack([p[start:stop].double() for p in partials]).sum(0)
+        nccl_got = nsa_cp.cp_reduce_scatter(partials[rank].to(device), layout, compact=compact, backend="nccl")
+        if exact.numel():
+            scale = exact.abs().max().item() or 1.0
+            errors["p2p"] = max(errors["p2p"], (got.cpu().double() - exact).abs().max().item() / scale)
+            errors["nccl"] = max(errors["nccl"], (nccl_got.cpu().double() - exact).abs().max().item() / scale)
+    if info is not None:
+        info.setdefault("rs_max_rel_err", {})[f"{dtype}-compact={compact}"] = errors
+    return None
+
+
+def check_stress(transport, rank, world, device, calls=40, seed=7) -> Optional[str]:
+    """Back-to-back gathers and reduce-scatters with random layouts, engines and delays on rank 1."""
+    rng = random.Random(seed)
+    delay_rng = random.Random(seed + rank)
+    hidden, dtype = transport.hidden_size, transport.dtype
+    pending = []
+    for i in range(calls):
+        layout = _random_layout(rng, world, transport.max_tokens_per_rank)
+        compact = rng.random() < 0.5
+        if rank == 1 and delay_rng.random() < 0.5:
+            torch.cuda._sleep(delay_rng.randint(10_000, 2_000_000))  # this rank arrives late on the GPU
+        if rng.random() < 0.5:
+            shards = [_gen(seed * 1000 + i, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+            got = transport.all_gather(shards[rank].to(device), layout, compact=compact,
+                                       engine=rng.choice(["sm", "ce"])).clone()
+            pending.append(("gather", i, layout, got, _expected_gather(shards, layout, compact)))
+        else:
+            rows = layout.global_len(compact)
+            partials = [_gen(seed * 1000 + i, q, rows, (hidden,), dtype, "cpu") for q in range(world)]
+            buf = transport.reduce_buffer(layout, compact)
+            buf.copy_(partials[rank].to(device))
+            got = transport.reduce_scatter(buf, layout, compact=compact)
+            start, stop = layout.rows(rank, compact)
+            pending.append(("scatter", i, layout, got, [p[start:stop] for p in partials]))
+    torch.cuda.synchronize()
+    transport.check_error()
+    for op, i, layout, got, want in pending:
+        if op == "gather" and not torch.equal(got.cpu(), want):
+            return f"stress call {i} (gather, {layout}) differs"
+        if op == "scatter":
+            problem = _check_sum(got.cpu(), want, dtype)
+            if problem:
+                return f"stress call {i} (reduce-scatter, {layout}): {problem}"
+    return None
+
+
+def check_graph_replay(transport, rank, world, device, replays=5, seed=3) -> Optional[str]:
+    """Capture one gather + one reduce-scatter (padded, fixed max_rank_len) in a CUDA graph and replay
+    it an odd number of times with per-rank counts changed in the device tensors the kernels read."""
+    m = transport.max_tokens_per_rank
+    hidden, dtype = transport.hidden_size, transport.dtype
+    bucket = nsa_cp.ShardLayout([m] * world)
+    counts_dev = torch.full((world,), m, dtype=torch.int32, device=device)
+    offsets_dev = torch.arange(world, dtype=torch.int32, device=device) * m
+    x = torch.zeros((m, hidden), dtype=dtype, device=device)
+    y = transport.reduce_buffer(bucket, False)
+    rs_out = torch.zeros((m, hidden), dtype=dtype, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm up (loads kernels) outside capture
+        transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
+        transport.reduce_scatter(y, bucket, compact=False, out=rs_out, device_counts=(counts_dev, offsets_dev))
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gathered = transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
+        transport.reduce_scatter(y, bucket, compact=False, out=rs_out, device_counts=(counts_dev, offsets_dev))
+    rng = random.Random(seed)
+    for replay in range(replays):
+        counts = [rng.randint(0, m) for _ in range(world)]
+        shards = [_gen(seed * 10 + replay, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(counts)]
+        partials = [_gen(seed * 10 + replay + 5, q, world * m, (hidden,), dtype, "cpu") for q in range(world)]
+        counts_dev.copy_(torch.tensor(counts, dtype=torch.int32))
+        x.fill_(float("nan"))
+        x[: counts[rank]].copy_(shards[rank].to(device))
+        y.copy_(partials[rank].to(device))
+        transport._gather.fill_(float("nan"))
+        rs_out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        transport.check_error()
+        # the bucket's geometry (slot size m), this replay's counts, zero padding
+        want = torch.cat([torch.cat([s, torch.zeros((m - s.shape[0], hidden), dtype=dtype)]) for s in shards])
+        if not torch.equal(gathered.cpu(), want):
+            return f"graph replay {replay} counts {counts}: gathered rows differ"
+        problem = _check_sum(rs_out[: counts[rank]].cpu(), [p[rank * m: rank * m + counts[rank]] for p in partials], dtype)
+        if problem:
+            return f"graph replay {replay} counts {counts}: {problem}"
+    return None
+
+
+def check_capacity_errors(transport, rank, world, device) -> Optional[str]:
+    too_big = nsa_cp.ShardLayout([transport.max_tokens_per_rank + 1] + [1] * (world - 1))
+    x = torch.zeros((too_big.count(rank), transport.hidden_size), dtype=transport.dtype, device=device)
+    try:
+        nsa_cp.cp_all_gather(x, too_big, backend="p2p")
+    except ValueError as err:
+        text = str(err)
+        for word in (str(transport.max_tokens_per_rank + 1), str(transport.max_tokens_per_rank), "max_tokens_per_rank"):
+            if word not in text:
+                return f"capacity error {text!r} does not mention {word}"
+    else:
+        return "a layout over capacity did not raise ValueError"
+    # auto backend falls back to NCCL for a layout that does not fit, and stays correct
+    got = nsa_cp.cp_all_gather(x, too_big)
+    if got.shape[0] != too_big.padded_len:
+        return "auto backend did not fall back to NCCL for an oversized layout"
+    return None
+
+
+def check_timeout(rank, world, device) -> Optional[str]:
+    """Rank 0 calls, the others never do: rank 0's call ends in P2PTimeoutError naming the peer."""
+    transport = p2p.P2PTransport(None, 64, 256, torch.bfloat16, device, timeout_ms=1500)
+    layout = nsa_cp.ShardLayout([8] * world)
+    result = None
+    if rank == 0:
+        t0 = time.time()
+        transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False, engine="sm")
+        torch.cuda.synchronize()
+        waited = time.time() - t0
+        try:
+            transport.check_error()
+            result = "no P2PTimeoutError after a peer never arrived"
+        except p2p.P2PTimeoutError as err:
+            text = str(err)
+            if "rank 1" not in text or "all-gather" not in text or "rank 0" not in text:
+                result = f"timeout error does not name the call and ranks: {text}"
+            elif waited > 30:
+                result = f"timed out only after {waited:.1f} s"
+        try:
+            transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False)
+            result = result or "a broken transport accepted another call"
+        except p2p.P2PTimeoutError:
+            pass
+    torch.cuda.synchronize()
+    dist.barrier()
+    transport.close()
+    return result
+
+
+def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
+    device = torch.device("cuda", rank)
+    results: Dict[str, object] = {}
+    info: Dict[str, object] = {}
+    reason = p2p.p2p_unavailable_reason(None, device)
+    if reason is not None:
+        return {"__world__": f"P2P unavailable on this machine: {reason}"}
+
+    def run(name, fn, *args, **kwargs):
+        try:
+            results[name] = fn(*args, **kwargs)
+        except Exception:
+            results[name] = traceback.format_exc()
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    for hidden, dtype in payload["shapes"]:
+        transport = nsa_cp.init_p2p(None, payload["max_tokens"], hidden, dtype, device, timeout_ms=20_000)
+        tag = f"{hidden}-{str(dtype).split('.')[-1]}"
+        for engine in ("sm", "ce"):
+            for compact in (False, True):
+                run(f"gather-{tag}-{engine}-{'compact' if compact else 'padded'}", check_gather_sequence,
+                    transport, rank, world, device, engine, compact, seed=hash((hidden, engine, compact)) % 1000)
+        for compact in (False, True):
+            run(f"scatter-{tag}-{'compact' if compact else 'padded'}", check_reduce_scatter_sequence,
+                transport, rank, world, device, compact, info=info)
+        run(f"stress-{tag}", check_stress, transport, rank, world, device)
+        run(f"graph-{tag}", check_graph_replay, transport, rank, world, device)
+        run(f"capacity-{tag}", check_capacity_errors, transport, rank, world, device)
+        p2p.destroy_p2p(None)
+    run("timeout", check_timeout, rank, world, device)
+    results["__info__"] = info
+    return results
