@@ -53,7 +53,10 @@ Protocol (QuACK style)
     3. Warm-up: ``--warmup`` calls of every method.
     4. ``--rounds`` rounds. Each round: one ``dist.barrier()``, then every method once, in an order
        rotated by one per round, each timed with CUDA events on the current stream (``perf_counter``
-       on CPU). Methods are enqueued back to back without host syncs, as real code runs them; the
+       on CPU). Before a round the GPU sleeps (``torch.cuda._sleep``) long enough for the host to
+       enqueue the whole round, so the events time the device work alone, as in a model whose CPU runs
+       ahead or a CUDA graph; ``--cold`` drops the sleep (then launch-bound methods are timed at their
+       host cost). Methods are enqueued back to back without host syncs, as real code runs them; the
        rotation spreads the first-after-barrier skew over all methods. Input and output buffers
        rotate among several sets (about 4x L2 in all) so L2 does not serve repeated inputs.
     5. Per method: the median over rounds on each rank, then the MAX over ranks (``all_reduce MAX``).
@@ -482,14 +485,22 @@ def _sync(ctx: Ctx):
         torch.cuda.synchronize(ctx.device)
 
 
-def time_round(ctx: Ctx, methods, bufsets, order, call0) -> Dict[str, Tuple[float, float]]:
+AHEAD_CYCLES_PER_METHOD = 2_000_000  # ~1 ms of GPU sleep per method: covers any method's host time
+
+
+def time_round(ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True) -> Dict[str, Tuple[float, float]]:
     """One round: barrier, then each method once in ``order``.
 
     Returns {name: (device ms, host ms)} on this rank: device time between CUDA events around the call
-    (on CPU the host time), and the host time the call took to return (to enqueue, on GPU)."""
+    (on CPU the host time), and the host time the call took to return (to enqueue, on GPU).
+    With ``ahead`` the GPU first sleeps long enough for the host to enqueue the whole round, so the
+    events measure device time alone (as in a model whose CPU runs ahead, or a CUDA graph); without
+    it, a method whose host time exceeds its device time is timed at its host time."""
     nb = len(bufsets)
     cuda = ctx.device.type == "cuda"
     dist.barrier(group=ctx.group)
+    if cuda and ahead:
+        torch.cuda._sleep(AHEAD_CYCLES_PER_METHOD * len(order))
     events, host = [], {}
     for k, i in enumerate(order):
         s = e = None
@@ -508,7 +519,7 @@ def time_round(ctx: Ctx, methods, bufsets, order, call0) -> Dict[str, Tuple[floa
     return {name: (s.elapsed_time(e), host[name]) for name, s, e in events}
 
 
-def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup) -> Dict[str, Dict[str, float]]:
+def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup, ahead: bool = True) -> Dict[str, Dict[str, float]]:
     nm, nb = len(methods), len(bufsets)
     for w in range(warmup):
         for i, m in enumerate(methods):
@@ -518,7 +529,7 @@ def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup) -> Dict[str, Dict[s
     host: Dict[str, List[float]] = {m.name: [] for m in methods}
     for r in range(rounds):
         order = [(r + i) % nm for i in range(nm)]
-        for name, (t, h) in time_round(ctx, methods, bufsets, order, r * nm).items():
+        for name, (t, h) in time_round(ctx, methods, bufsets, order, r * nm, ahead).items():
             samples[name].append(t)
             host[name].append(h)
     # per rank: median, min, IQR/median over rounds, median host time; then MAX over ranks
@@ -641,7 +652,7 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
     bufsets = [make_bufs(ctx, hidden, dtype, _seed(args.seed, cfg_idx, b)) for b in range(nbuf)]
     skipped.update(check_methods(ctx, active, bufsets[0], hidden, dtype, _seed(args.seed, cfg_idx, 0), log))
     active = [m for m in active if m.name not in skipped]
-    stats = time_methods(ctx, active, bufsets, args.rounds, args.warmup)
+    stats = time_methods(ctx, active, bufsets, args.rounds, args.warmup, ahead=not args.cold)
     del bufsets
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -671,6 +682,7 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
                 "x_even": st["ms"] / even["ms"] if even else float("nan"),
                 "rounds": args.rounds,
                 "warmup": args.warmup,
+                "timing": "cold" if args.cold else "ahead",
                 "nbuf": nbuf,
             }
         )
@@ -771,6 +783,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--align", type=int, default=1, help="ShardLayout align")
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--cold", action="store_true",
+                   help="no GPU sleep before a round: launch-bound methods are timed at their host time")
     p.add_argument("--warmup", type=int, default=5, help="calls of every method before timing")
     p.add_argument("--methods", help="comma-separated names or globs (even_ag/even_rs always kept)")
     p.add_argument("--gpus", type=int, help="ranks on GPU (default: every visible GPU)")

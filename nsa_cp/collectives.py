@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import envs, reference
 from .layout import ShardLayout
-from .transport import nccl
+from .transport import nccl, p2p
 
 __all__ = ["cp_all_gather", "cp_reduce_scatter"]
 
@@ -104,10 +104,8 @@ def select_p2p_transport(backend: str, group, name: str, t: torch.Tensor, layout
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = envs.NSA_CP_BACKEND
-    if backend == "nccl" or (backend == "auto" and not t.is_cuda):
-        return None
-    from .transport import p2p
-
+    if backend == "nccl" or (backend == "auto" and (not t.is_cuda or not p2p.any_registered())):
+        return None  # the hot path of every NCCL call: keep it to a few attribute reads
     transport = p2p.get_p2p(group)
     if backend == "p2p":
         if transport is None:

@@ -92,7 +92,7 @@ def _symmetric(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
     from torch.distributed import _symmetric_memory as symm_mem
 
     tensor = symm_mem.empty(*shape, dtype=dtype, device=device)
-    handle = symm_mem.rendezvous(tensor, group)
+    handle = symm_mem.rendezvous(tensor, dist.group.WORLD if group is None else group)
     return tensor, handle
 
 
@@ -389,6 +389,10 @@ def init_p2p(
         old.close()
     _REGISTRY[_group_key(group)] = transport
     return transport
+
+
+def any_registered() -> bool:
+    return bool(_REGISTRY)
 
 
 def get_p2p(group: Optional[dist.ProcessGroup]) -> Optional[P2PTransport]:
