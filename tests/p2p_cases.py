@@ -192,6 +192,35 @@ def check_capacity_errors(transport, rank, world, device) -> Optional[str]:
     return None
 
 
+def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]:
+    """The communicator on the P2P backend: gather, an MoE stand-in writing into the handed-out reduce
+    buffer, reduce-scatter; compared with the NCCL communicator on the same inputs."""
+    hidden, dtype = transport.hidden_size, transport.dtype
+    rng = random.Random(seed)
+    for compact in (False, True):
+        counts = [rng.randint(0, transport.max_tokens_per_rank) for _ in range(world)]
+        counts[0] = max(counts) + (1 if max(counts) < transport.max_tokens_per_rank else 0)  # uneven
+        layout = nsa_cp.ShardLayout(counts)
+        norm = nsa_cp.RMSNorm(hidden).to(device=device, dtype=dtype)
+        results = {}
+        for backend in ("p2p", "nccl"):
+            comm = nsa_cp.NSACPLayerCommunicator(None, norm, norm, compact=compact, backend=backend)
+            h = _gen(seed, rank, counts[rank], (hidden,), dtype, device)
+            r = _gen(seed + 1, rank, counts[rank], (hidden,), dtype, device)
+            full, res = comm.prepare_mlp(h, r, layout)
+            partial = comm.mlp_output_buffer(layout, full)
+            if backend == "p2p" and partial.data_ptr() != transport.reduce_buffer(layout, compact).data_ptr():
+                return "mlp_output_buffer is not the transport's reduce buffer on the P2P backend"
+            torch.mul(full, rank + 1, out=partial)  # the MoE writes its partials in place
+            out, _ = comm.postprocess_layer(partial, res, layout)
+            results[backend] = (full.clone(), out.clone())
+        if not torch.equal(results["p2p"][0], results["nccl"][0]):
+            return f"communicator gather differs between P2P and NCCL ({layout}, compact={compact})"
+        if not torch.allclose(results["p2p"][1].float(), results["nccl"][1].float(), rtol=2e-2, atol=2e-2):
+            return f"communicator reduce-scatter differs between P2P and NCCL ({layout}, compact={compact})"
+    return None
+
+
 def check_timeout(rank, world, device) -> Optional[str]:
     """Rank 0 calls, the others never do: rank 0's call ends in P2PTimeoutError naming the peer."""
     transport = p2p.P2PTransport(None, 64, 256, torch.bfloat16, device, timeout_ms=1500)
@@ -251,6 +280,7 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
         run(f"stress-{tag}", check_stress, transport, rank, world, device)
         run(f"graph-{tag}", check_graph_replay, transport, rank, world, device)
         run(f"capacity-{tag}", check_capacity_errors, transport, rank, world, device)
+        run(f"communicator-{tag}", check_communicator, transport, rank, world, device)
         p2p.destroy_p2p(None)
     run("timeout", check_timeout, rank, world, device)
     results["__info__"] = info

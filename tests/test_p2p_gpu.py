@@ -30,7 +30,7 @@ PAYLOAD = {
 CHECKS = (
     [f"gather-{h}-{str(d).split('.')[-1]}-{e}-{l}" for h, d in PAYLOAD["shapes"] for e in ("sm", "ce") for l in ("padded", "compact")]
     + [f"scatter-{h}-{str(d).split('.')[-1]}-{l}" for h, d in PAYLOAD["shapes"] for l in ("padded", "compact")]
-    + [f"{k}-{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"] for k in ("stress", "graph", "capacity")]
+    + [f"{k}-{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"] for k in ("stress", "graph", "capacity", "communicator")]
     + ["timeout"]
 )
 
