@@ -19,7 +19,7 @@ case "${1:-}" in --tests-only|--bench-only) mode=${1#--}; shift ;; esac
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
   nvidia-smi topo -m 2>/dev/null | head -12
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "triton", triton.__version__, "gpus", torch.cuda.device_count())'
-} 2>&1 | tee "$OUT/env.txt"
+} 2>&1
 
 t0=$(date +%s)
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1
@@ -28,11 +28,21 @@ echo "build rc=$build_rc ($(( $(date +%s) - t0 )) s); summary:"; grep -E "^\[nsa
 
 test_rc=skipped
 if [ "$mode" != bench-only ]; then
+  # the P2P suite first, on its own, with per-rank progress logs (and stack dumps if a rank stalls)
+  export NSA_TEST_LOG_DIR="$OUT/ranklogs" NSA_TEST_STACK_DUMP_S=90 NSA_TEST_PG_TIMEOUT_S=120
   t0=$(date +%s)
-  NSA_CP_P2P_TIMEOUT_MS=20000 timeout "${TEST_TIMEOUT_S:-330}" python3 -m pytest tests -q -rs -p no:cacheprovider \
-    --junitxml="$OUT/pytest.xml" >"$OUT/pytest.log" 2>&1
+  NSA_CP_P2P_TIMEOUT_MS=20000 timeout "${P2P_TEST_TIMEOUT_S:-240}" python3 -m pytest tests/test_p2p_gpu.py -q -rs \
+    -p no:cacheprovider >"$OUT/pytest_p2p.log" 2>&1
+  p2p_rc=$?
+  echo "p2p tests rc=$p2p_rc ($(( $(date +%s) - t0 )) s)"; tail -8 "$OUT/pytest_p2p.log"
+  t0=$(date +%s)
+  timeout "${TEST_TIMEOUT_S:-300}" python3 -m pytest tests -q -rs -p no:cacheprovider --ignore tests/test_p2p_gpu.py \
+    >"$OUT/pytest.log" 2>&1
   test_rc=$?
-  echo "tests rc=$test_rc ($(( $(date +%s) - t0 )) s)"; tail -15 "$OUT/pytest.log"
+  echo "other tests rc=$test_rc ($(( $(date +%s) - t0 )) s)"; tail -6 "$OUT/pytest.log"
+  cat "$OUT"/ranklogs/rank*.log > "$OUT/ranks.log" 2>/dev/null; rm -rf "$OUT/ranklogs"
+  unset NSA_TEST_LOG_DIR
+  test_rc="p2p:$p2p_rc,other:$test_rc"
 fi
 
 bench_rc=skipped

@@ -8,6 +8,8 @@ torch.distributed over a FileStore, calls ``fn(rank, world_size, payload)`` in e
 
 from __future__ import annotations
 
+import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -18,7 +20,25 @@ from typing import Any, Callable, Dict, List
 Results = Dict[str, Any]
 
 
+def rank_log(message: str) -> None:
+    """Progress line into $NSA_TEST_LOG_DIR/rank<R>.log when that is set (GPU runs keep these)."""
+    stream = _LOG.get("file")
+    if stream is not None:
+        stream.write(f"{datetime.datetime.now().strftime('%H:%M:%S.%f')[:-3]} {message}\n")
+        stream.flush()
+
+
+_LOG = {}
+
+
 def _entry(rank, world_size, backend, store_path, fn, payload, results):
+    log_dir = os.environ.get("NSA_TEST_LOG_DIR")
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        _LOG["file"] = open(os.path.join(log_dir, f"rank{rank}.log"), "a")
+        # a rank that stops making progress dumps every thread's stack, then keeps waiting
+        faulthandler.dump_traceback_later(int(os.environ.get("NSA_TEST_STACK_DUMP_S", "120")), repeat=True, file=_LOG["file"])
+        rank_log(f"rank {rank}/{world_size} {backend} start: {getattr(fn, '__name__', fn)}")
     try:
         import torch
         import torch.distributed as dist
@@ -29,13 +49,19 @@ def _entry(rank, world_size, backend, store_path, fn, payload, results):
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
         kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+        # a collective that never completes (a rank left the sequence) fails after this, not never
+        kwargs["timeout"] = datetime.timedelta(seconds=int(os.environ.get("NSA_TEST_PG_TIMEOUT_S", "300")))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
         try:
             results.put((rank, fn(rank, world_size, payload)))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report, never swallow: the parent turns this into a failure
+        rank_log(traceback.format_exc())
         results.put((rank, {"__world__": traceback.format_exc()}))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        rank_log("exit")
 
 
 def run_world(
