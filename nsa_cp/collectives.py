@@ -15,8 +15,10 @@ Design record (what each path does and why):
   - "coalesced": torch's uneven-list collectives, which NCCL runs as grouped broadcasts / reduces
     writing straight into views of the compact buffer (vLLM's all_gatherv / reduce_scatterv). Moves only
     real rows and needs no extra pass; best when bandwidth dominates. NCCL only (gloo lacks it).
-  "auto" takes "coalesced" when a rank slot holds at least NSA_CP_COALESCED_MIN_BYTES, measured on
-  2x H200 (benchmarks/results/): below that the grouped launches cost more than the extra pass.
+  "auto" takes "coalesced" when a rank slot holds at least NSA_CP_COALESCED_GATHER_MIN_BYTES (16 MiB)
+  for gathers, NSA_CP_COALESCED_SCATTER_MIN_BYTES (0) for reduce-scatters, as measured on 2x H200
+  (benchmarks/results/): for small gathers the grouped broadcasts cost more than the extra pass; the
+  grouped reduces won at every size.
 * CPU tensors take the same collectives over gloo with the pure-torch packing of ``reference``.
 """
 
@@ -79,7 +81,7 @@ def _check_out(out: Optional[torch.Tensor], expected_shape, like: torch.Tensor) 
         raise ValueError(f"out: expected a contiguous tensor of shape {_shape_str(expected_shape)}, got strides {tuple(out.stride())}")
 
 
-def _resolve_algo(algo: str, on_cuda: bool, slot_bytes: int) -> str:
+def _resolve_algo(algo: str, on_cuda: bool, slot_bytes: int, coalesced_min_bytes: int) -> str:
     if algo not in _ALGOS:
         raise ValueError(f"algo: expected one of {_ALGOS}, got {algo!r}")
     if algo == "auto":
@@ -87,7 +89,7 @@ def _resolve_algo(algo: str, on_cuda: bool, slot_bytes: int) -> str:
     if not on_cuda:
         return "padded"  # gloo has no uneven-list collectives
     if algo == "auto":
-        algo = "coalesced" if slot_bytes >= envs.NSA_CP_COALESCED_MIN_BYTES else "padded"
+        algo = "coalesced" if slot_bytes >= coalesced_min_bytes else "padded"
     return algo
 
 
@@ -186,7 +188,9 @@ def cp_all_gather(
     _check_input("x", x, layout.count(rank), f"this rank's per_rank_actual_token[{rank}] rows")
     out_shape = (layout.global_len(compact), *x.shape[1:])
     _check_out(out, out_shape, x)
-    algo = _resolve_algo(algo, x.is_cuda, layout.max_rank_len * _row_bytes(x)) if compact else None
+    if compact:
+        slot_bytes = layout.max_rank_len * _row_bytes(x)
+        algo = _resolve_algo(algo, x.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
     transport = select_p2p_transport(backend, group, "x", x, layout)
     if transport is not None and layout.total_len:
         result = transport.all_gather(x, layout, compact=compact)
@@ -243,7 +247,9 @@ def cp_reduce_scatter(
     n = layout.count(rank)
     out_shape = (n, *y.shape[1:])
     _check_out(out, out_shape, y)
-    algo = _resolve_algo(algo, y.is_cuda, layout.max_rank_len * _row_bytes(y)) if compact else None
+    if compact:
+        slot_bytes = layout.max_rank_len * _row_bytes(y)
+        algo = _resolve_algo(algo, y.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
     transport = select_p2p_transport(backend, group, "y", y, layout)
     if transport is not None and layout.total_len:
         return transport.reduce_scatter(y, layout, compact=compact, out=out)

@@ -89,9 +89,9 @@ def test_envs(monkeypatch):
     monkeypatch.setenv("NSA_CP_COMPACT_ALGO", "fastest")
     with pytest.raises(ValueError, match="NSA_CP_COMPACT_ALGO"):
         envs.NSA_CP_COMPACT_ALGO
-    monkeypatch.setenv("NSA_CP_COALESCED_MIN_BYTES", "-3")
-    with pytest.raises(ValueError, match="NSA_CP_COALESCED_MIN_BYTES"):
-        envs.NSA_CP_COALESCED_MIN_BYTES
+    monkeypatch.setenv("NSA_CP_COALESCED_GATHER_MIN_BYTES", "-3")
+    with pytest.raises(ValueError, match="NSA_CP_COALESCED_GATHER_MIN_BYTES"):
+        envs.NSA_CP_COALESCED_GATHER_MIN_BYTES
     assert all(name.startswith("NSA_CP_") for name in envs.ENVIRONMENT_VARIABLES)
     with pytest.raises(AttributeError):
         envs.NSA_CP_NOT_A_VARIABLE

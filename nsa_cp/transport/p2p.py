@@ -224,8 +224,10 @@ class P2PTransport:
         rows = layout.global_len(compact)
         return buffer.view(-1)[: rows * self.hidden_size].view(rows, *rest)
 
-    def _blocks(self, bytes_per_block_target: int, total_bytes: int) -> int:
-        return max(1, min(self._sm_count, -(-total_bytes // bytes_per_block_target)))
+    def _blocks(self, total_bytes: int) -> int:
+        # Every SM from 4 MB up: a small call is latency-bound, and more blocks keep more 16-byte
+        # stores in flight (28 blocks for 7 MB took 26 us on 2x H200, against ~18 us predicted).
+        return max(1, min(self._sm_count, -(-total_bytes // (32 << 10))))
 
     def _signal_args(self, channel: int):
         return (
@@ -287,7 +289,7 @@ class P2PTransport:
                 rows.data_ptr(), rows.stride(0) * rows.element_size(), self._row_bytes,
                 self._gather_ptrs.data_ptr(), counts.data_ptr(), offsets.data_ptr(),
                 layout.max_rank_len, compact, self.rank, self.world, pads, channel, seq, arrive,
-                timeout, err, self._blocks(256 << 10, moved), stream,
+                timeout, err, self._blocks(moved), stream,
             )
             return result
         # copy engine: entry barrier, one copy per rank, local zeroing of padding, done barrier
@@ -345,7 +347,7 @@ class P2PTransport:
             out_rows.data_ptr(), self._row_bytes, self._reduce_ptrs.data_ptr(), counts.data_ptr(),
             offsets.data_ptr(), layout.max_rank_len, compact, self.hidden_size, _DTYPE_CODES[self.dtype],
             self.rank, self.world, pads, channel, seq, arrive, timeout, err,
-            self._blocks(128 << 10, moved), stream,
+            self._blocks(moved), stream,
         )
         return out
 
