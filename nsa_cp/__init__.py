@@ -19,6 +19,7 @@ from .layout import ShardLayout
 from .norm import RMSNorm
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
 from .transport.p2p import P2PTimeoutError, destroy_p2p, get_p2p, init_p2p
+from .validation import LayoutMismatchError
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
@@ -35,5 +36,6 @@ __all__ = [
     "get_p2p",
     "destroy_p2p",
     "P2PTimeoutError",
+    "LayoutMismatchError",
     "__version__",
 ]

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import envs, reference
+from . import envs, reference, validation
 from .layout import ShardLayout
 from .transport import nccl, p2p
 
@@ -156,6 +156,34 @@ def _gather_padded(x: torch.Tensor, layout: ShardLayout, rank: int, out: torch.T
 
 
 # --------------------------------------------------------------------------- public API
+def _comm_device(group, t) -> torch.device:
+    if isinstance(t, torch.Tensor):
+        return t.device
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _checked(call: str, validate: Optional[bool], layout, group, t, checks):
+    """Run ``checks(rank, size)`` (raises ValueError on bad input); with validation, agree first.
+
+    With validation every rank takes part in one small all-reduce whatever its own checks said, so a
+    rank with bad input or another layout makes every rank raise instead of leaving them in a
+    collective (see nsa_cp.validation).
+    """
+    rank, size = nccl.group_rank_and_size(group)
+    if validate is None:
+        validate = envs.NSA_CP_VALIDATE
+    if not validate:
+        return rank, size, checks(rank, size)
+    try:
+        plan, error = checks(rank, size), None
+    except ValueError as err:
+        plan, error = None, err
+    valid_layout = layout if isinstance(layout, ShardLayout) else None
+    validation.agree(call, valid_layout, group, rank, size, _comm_device(group, t), error)
+    return rank, size, plan
+
+
 def cp_all_gather(
     x: torch.Tensor,
     layout: ShardLayout,
@@ -165,6 +193,7 @@ def cp_all_gather(
     out: Optional[torch.Tensor] = None,
     algo: str = "auto",
     backend: str = "auto",
+    validate: Optional[bool] = None,
 ) -> torch.Tensor:
     """Gather every rank's shard.
 
@@ -178,20 +207,33 @@ def cp_all_gather(
         algo: compact only, NCCL only: "auto", "padded" or "coalesced" (see module docstring).
         backend: "auto" (P2P for uneven layouts when ``nsa_cp.init_p2p`` registered a transport that
             fits, else NCCL/gloo; NSA_CP_BACKEND overrides), "nccl" or "p2p".
+        validate: check with one small all-reduce that every rank passed the same layout and valid
+            input, raising on every rank otherwise (None: NSA_CP_VALIDATE, default off).
 
     Returns:
         The gathered tensor (``out`` when given). On the P2P backend without ``out`` it is a view of
         the transport's gather buffer, valid until the next gather on that group.
+
+    Raises:
+        ValueError (LayoutMismatchError with validation) on bad input; nothing is written to ``out``.
     """
-    rank, size = nccl.group_rank_and_size(group)
-    _check_layout(layout, size)
-    _check_input("x", x, layout.count(rank), f"this rank's per_rank_actual_token[{rank}] rows")
-    out_shape = (layout.global_len(compact), *x.shape[1:])
-    _check_out(out, out_shape, x)
-    if compact:
-        slot_bytes = layout.max_rank_len * _row_bytes(x)
-        algo = _resolve_algo(algo, x.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
-    transport = select_p2p_transport(backend, group, "x", x, layout)
+
+    def checks(rank, size):
+        _check_layout(layout, size)
+        _check_input("x", x, layout.count(rank), f"this rank's per_rank_actual_token[{rank}] rows")
+        out_shape = (layout.global_len(compact), *x.shape[1:])
+        _check_out(out, out_shape, x)
+        chosen = None
+        if compact:
+            slot_bytes = layout.max_rank_len * _row_bytes(x)
+            chosen = _resolve_algo(algo, x.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
+        return out_shape, chosen, select_p2p_transport(backend, group, "x", x, layout)
+
+    rank, size, (out_shape, algo, transport) = _checked("cp_all_gather", validate, layout, group, x, checks)
+    return _all_gather(x, layout, group, rank, size, compact, out, out_shape, algo, transport)
+
+
+def _all_gather(x, layout, group, rank, size, compact, out, out_shape, algo, transport) -> torch.Tensor:
     if transport is not None and layout.total_len:
         result = transport.all_gather(x, layout, compact=compact)
         if out is None:
@@ -225,32 +267,40 @@ def cp_reduce_scatter(
     out: Optional[torch.Tensor] = None,
     algo: str = "auto",
     backend: str = "auto",
+    validate: Optional[bool] = None,
 ) -> torch.Tensor:
     """Sum every rank's ``y`` and return this rank's rows ``[n_r, ...]``.
 
     Args:
         y: this rank's partials over all tokens: padded ``[max_rank_len * cp_size, ...]`` (values in
             padding rows are ignored) or compact ``[total_len, ...]``.
-        layout, group, compact, algo, backend: as for ``cp_all_gather``. On the P2P backend, pass the
-            transport's ``reduce_buffer(layout, compact)`` (the MoE writes its partials there) to avoid
-            a copy in; the sum is in fp32, in rank order.
+        layout, group, compact, algo, backend, validate: as for ``cp_all_gather``. On the P2P backend,
+            pass the transport's ``reduce_buffer(layout, compact)`` (the MoE writes its partials there)
+            to avoid a copy in; the sum is in fp32, in rank order.
         out: optional contiguous ``[n_r, ...]`` output.
 
     Returns:
         ``[n_r, ...]``. Without ``out`` on an uneven padded layout this is a view of the first ``n_r``
         rows of an ``[max_rank_len, ...]`` buffer (no copy).
     """
-    rank, size = nccl.group_rank_and_size(group)
-    _check_layout(layout, size)
-    layout_name = "compact [total_len" if compact else "padded [max_rank_len * cp_size"
-    _check_input("y", y, layout.global_len(compact), f"the {layout_name}, ...] layout")
-    n = layout.count(rank)
-    out_shape = (n, *y.shape[1:])
-    _check_out(out, out_shape, y)
-    if compact:
-        slot_bytes = layout.max_rank_len * _row_bytes(y)
-        algo = _resolve_algo(algo, y.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
-    transport = select_p2p_transport(backend, group, "y", y, layout)
+
+    def checks(rank, size):
+        _check_layout(layout, size)
+        layout_name = "compact [total_len" if compact else "padded [max_rank_len * cp_size"
+        _check_input("y", y, layout.global_len(compact), f"the {layout_name}, ...] layout")
+        out_shape = (layout.count(rank), *y.shape[1:])
+        _check_out(out, out_shape, y)
+        chosen = None
+        if compact:
+            slot_bytes = layout.max_rank_len * _row_bytes(y)
+            chosen = _resolve_algo(algo, y.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
+        return out_shape, chosen, select_p2p_transport(backend, group, "y", y, layout)
+
+    rank, size, (out_shape, algo, transport) = _checked("cp_reduce_scatter", validate, layout, group, y, checks)
+    return _reduce_scatter(y, layout, group, rank, size, compact, out, out_shape, algo, transport)
+
+
+def _reduce_scatter(y, layout, group, rank, size, compact, out, out_shape, algo, transport) -> torch.Tensor:
     if transport is not None and layout.total_len:
         return transport.reduce_scatter(y, layout, compact=compact, out=out)
     if layout.total_len == 0:
@@ -274,6 +324,6 @@ def cp_reduce_scatter(
     slot = y.new_empty((layout.max_rank_len, *y.shape[1:]))
     nccl.reduce_scatter_equal(slot, y.contiguous(), group)
     if out is None:
-        return slot[:n]
-    out.copy_(slot[:n])
+        return slot[:out_shape[0]]
+    out.copy_(slot[:out_shape[0]])
     return out

@@ -41,6 +41,7 @@ class NSACPLayerCommunicator:
         compact: gather into / reduce from the compact layout (no padding rows for the MoE).
         algo: compact algorithm on NCCL, see ``cp_all_gather``.
         backend: "auto", "nccl" or "p2p", see ``cp_all_gather``.
+        validate: rank-agreement check on every collective (None: NSA_CP_VALIDATE), see ``cp_all_gather``.
         p2p_max_tokens_per_rank, hidden_size, dtype: when given, the communicator creates the group's
             intranode P2P transport up front (collective; before any CUDA-graph capture) with this
             capacity, unless one that large is registered already. Needs all three.
@@ -56,6 +57,7 @@ class NSACPLayerCommunicator:
         compact: bool = False,
         algo: str = "auto",
         backend: str = "auto",
+        validate: Optional[bool] = None,
         p2p_max_tokens_per_rank: Optional[int] = None,
         hidden_size: Optional[int] = None,
         dtype: Optional[torch.dtype] = None,
@@ -63,6 +65,7 @@ class NSACPLayerCommunicator:
         if mlp_mode not in _MLP_MODES:
             raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
         self.backend = backend
+        self.validate = validate
         if p2p_max_tokens_per_rank is not None:
             if hidden_size is None or dtype is None:
                 raise ValueError("hidden_size, dtype: expected both with p2p_max_tokens_per_rank, got None")
@@ -117,7 +120,8 @@ class NSACPLayerCommunicator:
         hidden_states, residual = self._norm(self.post_attention_layernorm, hidden_states, residual)
         if self.mlp_mode == "full" and layout is not None:
             hidden_states = cp_all_gather(
-                hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend
+                hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend,
+                validate=self.validate,
             )
         return hidden_states, residual
 
@@ -138,6 +142,7 @@ class NSACPLayerCommunicator:
         """Full mode: reduce-scatter the MLP's partials back to this rank's ``[n_r, H]``."""
         if self.mlp_mode == "full" and layout is not None:
             hidden_states = cp_reduce_scatter(
-                hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend
+                hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend,
+                validate=self.validate,
             )
         return hidden_states, residual

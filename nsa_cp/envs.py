@@ -79,6 +79,12 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "transport when a call says backend='auto': 'nccl' always, 'p2p' always (needs "
         "nsa_cp.init_p2p), or 'auto': P2P for uneven layouts when a transport fits, NCCL otherwise",
     ),
+    "NSA_CP_VALIDATE": (
+        _flag("NSA_CP_VALIDATE", False),
+        "check on every call, with one small all-reduce, that all ranks hold the same layout and valid "
+        "input; raise LayoutMismatchError / ValueError on every rank otherwise (calls with "
+        "validate=None follow this)",
+    ),
     "NSA_CP_P2P_ENGINE": (
         _choice("NSA_CP_P2P_ENGINE", "auto", ("auto", "sm", "ce")),
         "P2P gather engine: 'sm' (one CUDA kernel pushes with 16-byte stores), 'ce' (copy engine, "

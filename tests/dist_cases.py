@@ -86,6 +86,8 @@ def make_cases(world: int, seed: int = 0, random_layouts: int = 10, big_layouts:
                                   dtype="fp32", rest=(32,), use_out=False, algo="auto", seed=rng.randrange(1 << 30)))
     cases.append(dict(id="comm-no-layout", op="communicator", mode="full", counts=None, align=1, compact=False,
                       dtype="fp32", rest=(32,), use_out=False, algo="auto", seed=1))
+    cases.append(dict(id="validate", op="validate", counts=[rng.randint(0, 5) for _ in range(world)], align=2,
+                      compact=False, dtype="fp32", rest=(8,), use_out=True, algo="auto", seed=3))
     cases.append(dict(id="errors", op="errors", counts=[2] + [3] * (world - 1), align=1, compact=False,
                       dtype="fp32", rest=(8,), use_out=True, algo="auto", seed=2))
     return cases
@@ -331,6 +333,58 @@ def _run_errors(case, rank, world, group, device, nsa_cp) -> Optional[str]:
     return None
 
 
+def _run_validate(case, rank, world, group, device, nsa_cp) -> Optional[str]:
+    """validate=True: disagreement or one rank's bad input makes EVERY rank raise, nobody hangs."""
+    from nsa_cp.validation import LayoutMismatchError
+
+    base = nsa_cp.ShardLayout(case["counts"], align=2)
+    other = nsa_cp.ShardLayout(case["counts"][:-1] + [case["counts"][-1] + 1], align=2)
+
+    def gather_call(layout, rows, out_rows):
+        x = _gen(5, rank, rows, (8,), torch.float32, device)
+        out = _poison((out_rows, 8), torch.float32, device)
+        return (lambda: nsa_cp.cp_all_gather(x, layout, group, out=out, validate=True)), out
+
+    scenarios = []
+    # 1. the last rank holds another layout: everyone raises LayoutMismatchError
+    if world > 1:
+        mine = other if rank == world - 1 else base
+        fn, out = gather_call(mine, mine.per_rank_actual_token[rank], mine.padded_len)
+        scenarios.append(("layouts differ", fn, out, LayoutMismatchError, ["rank", "ShardLayout"]))
+    # 2. rank 0 passes one row too many: rank 0 raises its ValueError, the others LayoutMismatchError
+    fn, out = gather_call(base, base.per_rank_actual_token[rank] + (1 if rank == 0 else 0), base.padded_len)
+    want = ValueError if rank == 0 else LayoutMismatchError
+    scenarios.append(("bad rows on rank 0", fn, out, want, ["x"] if rank == 0 else ["[0]"]))
+    # 3. the same layout, but rank 0 reduce-scatters while the others gather: a different call
+    if world > 1:
+        if rank == 0:
+            y = _gen(6, rank, base.padded_len, (8,), torch.float32, device)
+            out = _poison((base.per_rank_actual_token[rank], 8), torch.float32, device)
+            fn = lambda: nsa_cp.cp_reduce_scatter(y, base, group, out=out, validate=True)  # noqa: E731
+        else:
+            fn, out = gather_call(base, base.per_rank_actual_token[rank], base.padded_len)
+        scenarios.append(("gather vs reduce-scatter", fn, out, LayoutMismatchError, ["disagree"]))
+    for name, fn, out, expected, words in scenarios:
+        snapshot = out.clone()
+        try:
+            fn()
+        except Exception as err:  # every rank must raise exactly the expected kind
+            if type(err) is not expected:
+                return f"{name}: expected {expected.__name__}, got {type(err).__name__}: {err}"
+            if any(w not in str(err) for w in words):
+                return f"{name}: {type(err).__name__} {err!r} does not mention {words}"
+        else:
+            return f"{name}: nothing raised"
+        if not torch.equal(out.view(torch.uint8), snapshot.view(torch.uint8)):
+            return f"{name}: out was written although the call raised"
+    # 4. agreement: validation passes and the result is right
+    shards = [_gen(7, q, n, (8,), torch.float32, "cpu") for q, n in enumerate(base.per_rank_actual_token)]
+    got = nsa_cp.cp_all_gather(shards[rank].to(device), base, group, validate=True)
+    if not torch.equal(got.cpu(), _expected_gather(shards, base, False)):
+        return "validated gather returned wrong data"
+    return None
+
+
 _RUNNERS = {
     "gather": _run_gather,
     "scatter": _run_scatter,
@@ -338,6 +392,7 @@ _RUNNERS = {
     "even_direct_scatter": _run_even_direct,
     "communicator": _run_communicator,
     "errors": _run_errors,
+    "validate": _run_validate,
 }
 
 
