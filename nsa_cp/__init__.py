@@ -20,6 +20,7 @@ from .norm import RMSNorm
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
 from .transport.p2p import P2PTimeoutError, destroy_p2p, get_p2p, init_p2p
 from .validation import LayoutMismatchError
+from .workspace import workspace_bytes
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
@@ -37,5 +38,6 @@ __all__ = [
     "destroy_p2p",
     "P2PTimeoutError",
     "LayoutMismatchError",
+    "workspace_bytes",
     "__version__",
 ]

@@ -44,7 +44,9 @@ class NSACPLayerCommunicator:
         validate: rank-agreement check on every collective (None: NSA_CP_VALIDATE), see ``cp_all_gather``.
         p2p_max_tokens_per_rank, hidden_size, dtype: when given, the communicator creates the group's
             intranode P2P transport up front (collective; before any CUDA-graph capture) with this
-            capacity, unless one that large is registered already. Needs all three.
+            capacity, unless one that large is registered already. Needs all three. It allocates
+            exactly ``nsa_cp.workspace_bytes(cp_size, p2p_max_tokens_per_rank, hidden_size, dtype)``.
+        workspace_bytes: optional budget for that; a smaller one logs a warning with both numbers.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class NSACPLayerCommunicator:
         p2p_max_tokens_per_rank: Optional[int] = None,
         hidden_size: Optional[int] = None,
         dtype: Optional[torch.dtype] = None,
+        workspace_bytes: Optional[int] = None,
     ):
         if mlp_mode not in _MLP_MODES:
             raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
@@ -76,7 +79,7 @@ class NSACPLayerCommunicator:
                 or existing.hidden_size != hidden_size
                 or existing.dtype != dtype
             ):
-                p2p.init_p2p(group, p2p_max_tokens_per_rank, hidden_size, dtype)
+                p2p.init_p2p(group, p2p_max_tokens_per_rank, hidden_size, dtype, workspace_bytes=workspace_bytes)
         self.group = group
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm

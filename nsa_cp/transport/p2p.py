@@ -42,7 +42,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _native, envs
+from .. import _native, envs, workspace
 from ..layout import ShardLayout
 
 logger = logging.getLogger("nsa_cp")
@@ -51,8 +51,6 @@ __all__ = ["P2PTransport", "P2PTimeoutError", "p2p_unavailable_reason"]
 
 _CHANNEL_GATHER = 0
 _CHANNEL_SCATTER = 1
-_NUM_CHANNELS = 2
-_SIGNAL_WORDS = 256  # >= channels * 2 phases * max world 8; one page of the symmetric signal area
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _ENGINES = ("auto", "sm", "ce")
 _PHASE_NAMES = ("entry barrier", "done barrier")
@@ -106,6 +104,9 @@ class P2PTransport:
         dtype: bf16, fp16 or fp32.
         device: this rank's CUDA device (default: the current one).
         timeout_ms: per-wait timeout (default NSA_CP_P2P_TIMEOUT_MS; 0 waits forever).
+        workspace_bytes: optional budget; the transport always allocates exactly
+            ``nsa_cp.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype)`` and logs a
+            warning (with both numbers and the value to set) when the budget is smaller.
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class P2PTransport:
         device=None,
         *,
         timeout_ms: Optional[int] = None,
+        workspace_bytes: Optional[int] = None,
     ):
         if max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank: expected an int >= 1, got {max_tokens_per_rank}")
@@ -141,22 +143,35 @@ class P2PTransport:
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._broken: Optional[str] = None
 
-        shape = (self.capacity_rows, self.hidden_size)
-        self._gather, gather_handle = _symmetric(shape, dtype, self.device, group)
-        self._reduce, reduce_handle = _symmetric(shape, dtype, self.device, group)
-        self._signals, signal_handle = _symmetric((_SIGNAL_WORDS,), torch.int32, self.device, group)
+        # every device buffer comes from the plan, so nsa_cp.workspace_bytes() is exact
+        plan = workspace.workspace_plan(self.world, self.max_tokens_per_rank, self.hidden_size, dtype)
+        required = workspace.check_budget(
+            workspace_bytes, self.world, self.max_tokens_per_rank, self.hidden_size, dtype
+        )
+        handles = {}
+
+        def symmetric(entry):
+            tensor, handles[entry.name] = _symmetric(entry.shape, entry.dtype, self.device, group)
+            return tensor
+
+        def local(entry):
+            return torch.zeros(entry.shape, dtype=entry.dtype, device=self.device)
+
+        buffers = workspace.allocate(plan, symmetric, local)
+        self.workspace_bytes = required
+        self._gather, self._reduce, self._signals = buffers["gather"], buffers["reduce"], buffers["signals"]
         self._signals.zero_()
-        self._gather_ptrs = torch.tensor(gather_handle.buffer_ptrs, dtype=torch.int64, device=self.device)
-        self._reduce_ptrs = torch.tensor(reduce_handle.buffer_ptrs, dtype=torch.int64, device=self.device)
-        self._pad_ptrs = torch.tensor(signal_handle.buffer_ptrs, dtype=torch.int64, device=self.device)
+        for name, handle in (("gather_ptrs", "gather"), ("reduce_ptrs", "reduce"), ("pad_ptrs", "signals")):
+            buffers[name].copy_(torch.tensor(handles[handle].buffer_ptrs, dtype=torch.int64))
+        self._gather_ptrs, self._reduce_ptrs, self._pad_ptrs = (
+            buffers["gather_ptrs"], buffers["reduce_ptrs"], buffers["pad_ptrs"]
+        )
+        self._seq, self._arrive = buffers["seq"], buffers["arrive"]
         # the copy engine writes into peers' gather buffers through these mapped views
-        self._peer_gather = [
-            gather_handle.get_buffer(peer, list(shape), dtype, 0) for peer in range(self.world)
-        ]
-        self._seq = torch.zeros(_NUM_CHANNELS, dtype=torch.int32, device=self.device)
-        self._arrive = torch.zeros(_NUM_CHANNELS, dtype=torch.int32, device=self.device)
+        shape = list(self._gather.shape)
+        self._peer_gather = [handles["gather"].get_buffer(peer, shape, dtype, 0) for peer in range(self.world)]
         self._err_host, self._err_dev = self._C.alloc_host_mapped_u32(4)
-        self._handles = (gather_handle, reduce_handle, signal_handle)  # keep the mappings alive
+        self._handles = handles  # keep the mappings alive
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # every rank's signal area is zero before anyone signals
         logger.info(
@@ -166,12 +181,6 @@ class P2PTransport:
         )
 
     # ------------------------------------------------------------------ sizing and checks
-    @staticmethod
-    def buffer_bytes(world: int, max_tokens_per_rank: int, hidden_size: int, dtype: torch.dtype) -> int:
-        """Symmetric bytes one rank allocates: gather + reduce buffers + the signal area."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * world * max_tokens_per_rank * hidden_size * element + _SIGNAL_WORDS * 4
-
     def fits(self, t: torch.Tensor, layout: ShardLayout) -> bool:
         """Whether a call on ``t`` (rows of this transport's dtype and hidden size) and ``layout`` fits."""
         return (
@@ -379,13 +388,16 @@ def init_p2p(
     device=None,
     *,
     timeout_ms: Optional[int] = None,
+    workspace_bytes: Optional[int] = None,
 ) -> P2PTransport:
     """Create (collectively, on every rank of ``group``) and register the P2P transport of ``group``.
 
     Afterwards ``cp_all_gather`` / ``cp_reduce_scatter`` with ``backend="auto"`` use it for uneven
     layouts that fit. Creating it again for the same group replaces the old one.
     """
-    transport = P2PTransport(group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms)
+    transport = P2PTransport(
+        group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms, workspace_bytes=workspace_bytes
+    )
     old = _REGISTRY.pop(_group_key(group), None)
     if old is not None:
         old.close()
