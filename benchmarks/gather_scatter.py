@@ -350,6 +350,7 @@ METHODS: List[Method] = [
     Method("nsa_ag_compact", "ag", "compact", nsa_ag(True, backend="nccl")),
     Method("nsa_ag_compact_padded", "ag", "compact", nsa_ag(True, algo="padded", backend="nccl")),
     Method("nsa_ag_compact_coalesced", "ag", "compact", nsa_ag(True, algo="coalesced", backend="nccl")),
+    Method("nsa_ag_padded_validated", "ag", "padded", nsa_ag(False, backend="nccl", validate=True)),
     Method("nsa_ag_padded_auto", "ag", "padded", p2p_auto_ag(False), _p2p_needs, _p2p_prepare),
     Method("nsa_ag_compact_auto", "ag", "compact", p2p_auto_ag(True), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_padded_sm", "ag", "padded", p2p_ag(False, "sm"), _p2p_needs, _p2p_prepare),
@@ -363,6 +364,7 @@ METHODS: List[Method] = [
     Method("nsa_rs_compact", "rs", "compact", nsa_rs(True, backend="nccl")),
     Method("nsa_rs_compact_padded", "rs", "compact", nsa_rs(True, algo="padded", backend="nccl")),
     Method("nsa_rs_compact_coalesced", "rs", "compact", nsa_rs(True, algo="coalesced", backend="nccl")),
+    Method("nsa_rs_padded_validated", "rs", "padded", nsa_rs(False, backend="nccl", validate=True)),
     Method("nsa_rs_padded_auto", "rs", "padded", p2p_rs(False), _p2p_needs, _p2p_prepare, p2p_stage(False)),
     Method("nsa_rs_compact_auto", "rs", "compact", p2p_rs(True), _p2p_needs, _p2p_prepare, p2p_stage(True)),
 ]

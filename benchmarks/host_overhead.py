@@ -55,6 +55,7 @@ def worker(rank, world, args):
     pieces = {
         "cp_all_gather padded uneven": lambda: nsa_cp.cp_all_gather(x, layout),
         "cp_all_gather even": lambda: nsa_cp.cp_all_gather(xe, even),
+        "cp_all_gather uneven, validate=True": lambda: nsa_cp.cp_all_gather(x, layout, validate=True),
         "cp_reduce_scatter padded uneven": lambda: nsa_cp.cp_reduce_scatter(out, layout),
         "triton pack launch": lambda: pack.pack_into_slot(x, slot, count),
         "torch copy_+zero_ (2 kernels)": lambda: (slot[: counts[rank]].copy_(x), slot[counts[rank]:].zero_()),

@@ -25,7 +25,7 @@ Design record (what each path does and why):
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,19 @@ def _check_out(out: Optional[torch.Tensor], expected_shape, like: torch.Tensor) 
         raise ValueError(f"out: expected a contiguous tensor of shape {_shape_str(expected_shape)}, got strides {tuple(out.stride())}")
 
 
+def _check_device_counts(device_counts, layout: ShardLayout, like: torch.Tensor, compact: bool) -> None:
+    if device_counts is None:
+        return
+    if compact:
+        raise ValueError("device_counts: supported for the padded layout only (compact shapes depend on the counts), got compact=True")
+    if not isinstance(device_counts, (tuple, list)) or len(device_counts) != 2:
+        raise ValueError(f"device_counts: expected a (counts, offsets) pair of tensors, got {type(device_counts).__name__}")
+    for name, t in zip(("device_counts[0]", "device_counts[1]"), device_counts):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (layout.cp_size,) or t.device != like.device:
+            got = f"{t.dtype} {_shape_str(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected int32 [{layout.cp_size}] on {like.device}, got {got}")
+
+
 def _resolve_algo(algo: str, on_cuda: bool, slot_bytes: int, coalesced_min_bytes: int) -> str:
     if algo not in _ALGOS:
         raise ValueError(f"algo: expected one of {_ALGOS}, got {algo!r}")
@@ -121,13 +134,14 @@ def select_p2p_transport(backend: str, group, name: str, t: torch.Tensor, layout
 
 
 # --------------------------------------------------------------------------- data movement
-def _pack(x: torch.Tensor, slot: torch.Tensor, layout: ShardLayout, rank: int) -> None:
+def _pack(x: torch.Tensor, slot: torch.Tensor, count: torch.Tensor) -> None:
+    """slot[:n] = x[:n], slot[n:] = 0 with n = count (a device scalar, read on device for CUDA)."""
     if x.is_cuda:
         from .kernels import pack
 
-        pack.pack_into_slot(x, slot, layout.device_tensors(x.device)[0][rank])
+        pack.pack_into_slot(x, slot, count)
     else:
-        reference.pack_into_slot(x, slot)
+        reference.pack_into_slot(x[: int(count)], slot)
 
 
 def _padded_to_compact(padded, layout, compact) -> None:
@@ -148,10 +162,11 @@ def _compact_to_padded(compact, layout, padded) -> None:
         reference.compact_to_padded(compact, layout, padded)
 
 
-def _gather_padded(x: torch.Tensor, layout: ShardLayout, rank: int, out: torch.Tensor, group) -> None:
+def _gather_padded(x: torch.Tensor, layout: ShardLayout, rank: int, out: torch.Tensor, group, device_counts) -> None:
     m = layout.max_rank_len
     slot = out[rank * m : (rank + 1) * m]
-    _pack(x, slot, layout, rank)
+    counts = layout.device_tensors(x.device)[0] if device_counts is None else device_counts[0]
+    _pack(x, slot, counts[rank])
     nccl.all_gather_equal(out, slot, group)
 
 
@@ -194,6 +209,7 @@ def cp_all_gather(
     algo: str = "auto",
     backend: str = "auto",
     validate: Optional[bool] = None,
+    device_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Gather every rank's shard.
 
@@ -209,6 +225,11 @@ def cp_all_gather(
             fits, else NCCL/gloo; NSA_CP_BACKEND overrides), "nccl" or "p2p".
         validate: check with one small all-reduce that every rank passed the same layout and valid
             input, raising on every rank otherwise (None: NSA_CP_VALIDATE, default off).
+        device_counts: ``(counts, offsets)``, int32 ``[cp_size]`` tensors on x's device, for CUDA graphs
+            captured once per bucket: ``layout`` is then the bucket (its ``max_rank_len`` fixed, ``x``
+            has this rank's bucket rows) and the real per-rank counts are read from ``counts`` on the
+            device at run time (update them before a replay; each <= max_rank_len). Padded layout only;
+            rows of ``x`` past the real count are ignored and the padding is zeroed accordingly.
 
     Returns:
         The gathered tensor (``out`` when given). On the P2P backend without ``out`` it is a view of
@@ -217,6 +238,10 @@ def cp_all_gather(
     Raises:
         ValueError (LayoutMismatchError with validation) on bad input; nothing is written to ``out``.
     """
+    if torch.compiler.is_compiling():  # traced: one nsa_cp::cp_all_gather node (nsa_cp/ops.py)
+        from . import ops
+
+        return ops.all_gather(x, layout, group, compact=compact, out=out, algo=algo, backend=backend, validate=validate)
 
     def checks(rank, size):
         _check_layout(layout, size)
@@ -227,15 +252,16 @@ def cp_all_gather(
         if compact:
             slot_bytes = layout.max_rank_len * _row_bytes(x)
             chosen = _resolve_algo(algo, x.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
+        _check_device_counts(device_counts, layout, x, compact)
         return out_shape, chosen, select_p2p_transport(backend, group, "x", x, layout)
 
     rank, size, (out_shape, algo, transport) = _checked("cp_all_gather", validate, layout, group, x, checks)
-    return _all_gather(x, layout, group, rank, size, compact, out, out_shape, algo, transport)
+    return _all_gather(x, layout, group, rank, size, compact, out, out_shape, algo, transport, device_counts)
 
 
-def _all_gather(x, layout, group, rank, size, compact, out, out_shape, algo, transport) -> torch.Tensor:
+def _all_gather(x, layout, group, rank, size, compact, out, out_shape, algo, transport, device_counts):
     if transport is not None and layout.total_len:
-        result = transport.all_gather(x, layout, compact=compact)
+        result = transport.all_gather(x, layout, compact=compact, device_counts=device_counts)
         if out is None:
             return result
         out.copy_(result)
@@ -244,16 +270,16 @@ def _all_gather(x, layout, group, rank, size, compact, out, out_shape, algo, tra
         out = x.new_empty(out_shape)
     if layout.total_len == 0:
         return out  # every rank holds nothing; every rank agrees, so nobody communicates
-    if layout.is_even:
+    if layout.is_even and device_counts is None:
         nccl.all_gather_equal(out, x.contiguous(), group)
     elif not compact:
-        _gather_padded(x, layout, rank, out, group)
+        _gather_padded(x, layout, rank, out, group, device_counts)
     elif algo == "coalesced":
         views = [out[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(size))]
         nccl.all_gather_uneven(views, x.contiguous(), group)
     else:
         workspace = x.new_empty((layout.padded_len, *x.shape[1:]))
-        _gather_padded(x, layout, rank, workspace, group)
+        _gather_padded(x, layout, rank, workspace, group, None)
         _padded_to_compact(workspace, layout, out)
     return out
 
@@ -268,13 +294,15 @@ def cp_reduce_scatter(
     algo: str = "auto",
     backend: str = "auto",
     validate: Optional[bool] = None,
+    device_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Sum every rank's ``y`` and return this rank's rows ``[n_r, ...]``.
 
     Args:
         y: this rank's partials over all tokens: padded ``[max_rank_len * cp_size, ...]`` (values in
             padding rows are ignored) or compact ``[total_len, ...]``.
-        layout, group, compact, algo, backend, validate: as for ``cp_all_gather``. On the P2P backend,
+        layout, group, compact, algo, backend, validate, device_counts: as for ``cp_all_gather`` (with
+            device_counts, rows of the result past this rank's real count are meaningless). On the P2P backend,
             pass the transport's ``reduce_buffer(layout, compact)`` (the MoE writes its partials there)
             to avoid a copy in; the sum is in fp32, in rank order.
         out: optional contiguous ``[n_r, ...]`` output.
@@ -283,6 +311,10 @@ def cp_reduce_scatter(
         ``[n_r, ...]``. Without ``out`` on an uneven padded layout this is a view of the first ``n_r``
         rows of an ``[max_rank_len, ...]`` buffer (no copy).
     """
+    if torch.compiler.is_compiling():  # traced: one nsa_cp::cp_reduce_scatter node (nsa_cp/ops.py)
+        from . import ops
+
+        return ops.reduce_scatter(y, layout, group, compact=compact, out=out, algo=algo, backend=backend, validate=validate)
 
     def checks(rank, size):
         _check_layout(layout, size)
@@ -294,15 +326,17 @@ def cp_reduce_scatter(
         if compact:
             slot_bytes = layout.max_rank_len * _row_bytes(y)
             chosen = _resolve_algo(algo, y.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
+        _check_device_counts(device_counts, layout, y, compact)
         return out_shape, chosen, select_p2p_transport(backend, group, "y", y, layout)
 
     rank, size, (out_shape, algo, transport) = _checked("cp_reduce_scatter", validate, layout, group, y, checks)
-    return _reduce_scatter(y, layout, group, rank, size, compact, out, out_shape, algo, transport)
+    return _reduce_scatter(y, layout, group, rank, size, compact, out, out_shape, algo, transport, device_counts)
 
 
-def _reduce_scatter(y, layout, group, rank, size, compact, out, out_shape, algo, transport) -> torch.Tensor:
+def _reduce_scatter(y, layout, group, rank, size, compact, out, out_shape, algo, transport, device_counts):
+    # NCCL sums whole slots whatever the counts, so device_counts changes nothing on that path
     if transport is not None and layout.total_len:
-        return transport.reduce_scatter(y, layout, compact=compact, out=out)
+        return transport.reduce_scatter(y, layout, compact=compact, out=out, device_counts=device_counts)
     if layout.total_len == 0:
         return out if out is not None else y.new_empty(out_shape)
     if layout.is_even:

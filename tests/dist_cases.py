@@ -86,6 +86,9 @@ def make_cases(world: int, seed: int = 0, random_layouts: int = 10, big_layouts:
                                   dtype="fp32", rest=(32,), use_out=False, algo="auto", seed=rng.randrange(1 << 30)))
     cases.append(dict(id="comm-no-layout", op="communicator", mode="full", counts=None, align=1, compact=False,
                       dtype="fp32", rest=(32,), use_out=False, algo="auto", seed=1))
+    for dtype in ("bf16", "fp32"):  # CUDA graphs on GPUs, direct calls on gloo
+        cases.append(dict(id=f"bucket-{dtype}", op="bucket", counts=None, align=1, compact=False, dtype=dtype,
+                          rest=(64,), use_out=False, algo="auto", seed=rng.randrange(1 << 20)))
     cases.append(dict(id="validate", op="validate", counts=[rng.randint(0, 5) for _ in range(world)], align=2,
                       compact=False, dtype="fp32", rest=(8,), use_out=True, algo="auto", seed=3))
     cases.append(dict(id="errors", op="errors", counts=[2] + [3] * (world - 1), align=1, compact=False,
@@ -385,6 +388,61 @@ def _run_validate(case, rank, world, group, device, nsa_cp) -> Optional[str]:
     return None
 
 
+def _run_bucket(case, rank, world, group, device, nsa_cp) -> Optional[str]:
+    """A bucket (max_rank_len fixed) with per-rank counts changed in device tensors between calls.
+
+    On CUDA the two calls are captured once in a CUDA graph and replayed an odd number of times; on
+    CPU (gloo) they are called directly with the same tensors, which checks the same semantics."""
+    capture = device.type == "cuda"
+    m, hidden, dtype = 24, 64, DTYPES[case["dtype"]]
+    bucket = nsa_cp.ShardLayout([m] * world)
+    counts_dev = torch.full((world,), m, dtype=torch.int32, device=device)
+    offsets_dev = torch.arange(world, dtype=torch.int32, device=device) * m
+    dc = (counts_dev, offsets_dev)
+    x = torch.zeros((m, hidden), dtype=dtype, device=device)
+    y = torch.zeros((bucket.padded_len, hidden), dtype=dtype, device=device)
+
+    def calls():
+        return (nsa_cp.cp_all_gather(x, bucket, group, device_counts=dc, backend="nccl"),
+                nsa_cp.cp_reduce_scatter(y, bucket, group, device_counts=dc, backend="nccl"))
+
+    if capture:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm up outside capture (kernel compilation, NCCL setup)
+            for _ in range(2):
+                calls()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gathered, reduced = calls()
+    rng = random.Random(case["seed"])
+    for replay in range(5):
+        counts = [rng.randint(0, m) for _ in range(world)]
+        shards = [_gen(case["seed"] + replay, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(counts)]
+        partials = [_gen(case["seed"] + 50 + replay, q, bucket.padded_len, (hidden,), dtype, "cpu") for q in range(world)]
+        counts_dev.copy_(torch.tensor(counts, dtype=torch.int32))
+        x.fill_(float("nan"))  # rows past this replay's count must not leak into the result
+        x[: counts[rank]].copy_(shards[rank].to(device))
+        y.copy_(partials[rank].to(device))
+        if capture:
+            gathered.fill_(float("nan"))
+            reduced.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize(device)
+        else:
+            gathered, reduced = calls()
+        want = torch.cat([torch.cat([s, torch.zeros((m - s.shape[0], hidden), dtype=dtype)]) for s in shards])
+        if not torch.equal(gathered.cpu(), want):
+            return f"replay {replay} counts {counts}: gathered rows differ"
+        n = counts[rank]
+        problem = _check_sum(reduced[:n].cpu(), [p[rank * m: rank * m + n] for p in partials], dtype)
+        if problem:
+            return f"replay {replay} counts {counts}: {problem}"
+    return None
+
+
 _RUNNERS = {
     "gather": _run_gather,
     "scatter": _run_scatter,
@@ -393,6 +451,7 @@ _RUNNERS = {
     "communicator": _run_communicator,
     "errors": _run_errors,
     "validate": _run_validate,
+    "bucket": _run_bucket,
 }
 
 
