@@ -112,19 +112,24 @@ class NSACPLayerCommunicator:
         return self._norm(self.input_layernorm, hidden_states, residual)
 
     def prepare_mlp(
-        self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor], layout: Optional[ShardLayout]
+        self,
+        hidden_states: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        layout: Optional[ShardLayout],
+        device_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Residual add + post_attention_layernorm, then (full mode) gather every rank's tokens.
 
         Returns ``(hidden, residual)``: hidden is ``[M*P, H]`` (padded) or ``[T, H]`` (compact) in full
         mode with a layout, else local ``[n_r, H]``; residual is local ``[n_r, H]``.
+        ``device_counts``: for CUDA graphs captured per bucket, see ``cp_all_gather`` (padded only).
         """
         self._check_local("hidden_states", hidden_states, layout)
         hidden_states, residual = self._norm(self.post_attention_layernorm, hidden_states, residual)
         if self.mlp_mode == "full" and layout is not None:
             hidden_states = cp_all_gather(
                 hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend,
-                validate=self.validate,
+                validate=self.validate, device_counts=device_counts,
             )
         return hidden_states, residual
 
@@ -140,12 +145,16 @@ class NSACPLayerCommunicator:
         return like.new_empty((layout.global_len(self.compact), *like.shape[1:]))
 
     def postprocess_layer(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor, layout: Optional[ShardLayout]
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        layout: Optional[ShardLayout],
+        device_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Full mode: reduce-scatter the MLP's partials back to this rank's ``[n_r, H]``."""
         if self.mlp_mode == "full" and layout is not None:
             hidden_states = cp_reduce_scatter(
                 hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend,
-                validate=self.validate,
+                validate=self.validate, device_counts=device_counts,
             )
         return hidden_states, residual
