@@ -37,6 +37,11 @@ from .transport import nccl, p2p
 __all__ = ["cp_all_gather", "cp_reduce_scatter"]
 
 _ALGOS = ("auto", "padded", "coalesced")
+# A reduce-scatter sums: floating dtypes that NCCL and gloo both add. A gather only moves bytes: fp8 is
+# carried as uint8 (same bits), so every dtype either transport carries is accepted.
+_SUM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+_GATHER_DTYPES = _SUM_DTYPES + _FP8_DTYPES + (torch.uint8, torch.int8, torch.int32, torch.int64)
 
 
 # --------------------------------------------------------------------------- input checks
@@ -64,6 +69,12 @@ def _check_input(name: str, t, expected_rows: int, what: str) -> None:
             f"{name}: expected shape {_shape_str((expected_rows, *t.shape[1:]))} ({what}), "
             f"got {_shape_str(t.shape)}"
         )
+
+
+def _check_dtype(name: str, t: torch.Tensor, allowed) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ValueError(f"{name}: expected dtype one of [{names}], got {t.dtype}")
 
 
 def _check_out(out: Optional[torch.Tensor], expected_shape, like: torch.Tensor) -> None:
@@ -95,8 +106,6 @@ def _check_device_counts(device_counts, layout: ShardLayout, like: torch.Tensor,
 
 
 def _resolve_algo(algo: str, on_cuda: bool, slot_bytes: int, coalesced_min_bytes: int) -> str:
-    if algo not in _ALGOS:
-        raise ValueError(f"algo: expected one of {_ALGOS}, got {algo!r}")
     if algo == "auto":
         algo = envs.NSA_CP_COMPACT_ALGO
     if not on_cuda:
@@ -195,8 +204,22 @@ def _checked(call: str, validate: Optional[bool], layout, group, t, checks):
     except ValueError as err:
         plan, error = None, err
     valid_layout = layout if isinstance(layout, ShardLayout) else None
-    validation.agree(call, valid_layout, group, rank, size, _comm_device(group, t), error)
+    signature = plan[-1] if plan is not None else ""
+    validation.agree(call, valid_layout, group, rank, size, _comm_device(group, t), error, signature)
     return rank, size, plan
+
+
+def _signature(t: torch.Tensor, compact: bool, algo, transport, device_counts) -> str:
+    """Everything besides the layout that every rank must agree on for the collectives to match."""
+    return (
+        f"compact={compact}|dtype={t.dtype}|row={tuple(t.shape[1:])}|algo={algo}|"
+        f"p2p={transport is not None}|device_counts={device_counts is not None}"
+    )
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
 def cp_all_gather(
@@ -246,16 +269,24 @@ def cp_all_gather(
     def checks(rank, size):
         _check_layout(layout, size)
         _check_input("x", x, layout.count(rank), f"this rank's per_rank_actual_token[{rank}] rows")
+        _check_dtype("x", x, _GATHER_DTYPES)
         out_shape = (layout.global_len(compact), *x.shape[1:])
         _check_out(out, out_shape, x)
+        _check_choice("algo", algo, _ALGOS)
         chosen = None
         if compact:
             slot_bytes = layout.max_rank_len * _row_bytes(x)
             chosen = _resolve_algo(algo, x.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
         _check_device_counts(device_counts, layout, x, compact)
-        return out_shape, chosen, select_p2p_transport(backend, group, "x", x, layout)
+        transport = select_p2p_transport(backend, group, "x", x, layout)
+        return out_shape, chosen, transport, _signature(x, compact, chosen, transport, device_counts)
 
-    rank, size, (out_shape, algo, transport) = _checked("cp_all_gather", validate, layout, group, x, checks)
+    rank, size, (out_shape, algo, transport, _) = _checked("cp_all_gather", validate, layout, group, x, checks)
+    if x.dtype in _FP8_DTYPES:  # a gather moves bits: carry fp8 as uint8, which every transport has
+        as_bytes = None if out is None else out.view(torch.uint8)
+        result = _all_gather(x.view(torch.uint8), layout, group, rank, size, compact, as_bytes, out_shape, algo,
+                             transport, device_counts)
+        return result.view(x.dtype)
     return _all_gather(x, layout, group, rank, size, compact, out, out_shape, algo, transport, device_counts)
 
 
@@ -320,16 +351,19 @@ def cp_reduce_scatter(
         _check_layout(layout, size)
         layout_name = "compact [total_len" if compact else "padded [max_rank_len * cp_size"
         _check_input("y", y, layout.global_len(compact), f"the {layout_name}, ...] layout")
+        _check_dtype("y", y, _SUM_DTYPES)
         out_shape = (layout.count(rank), *y.shape[1:])
         _check_out(out, out_shape, y)
+        _check_choice("algo", algo, _ALGOS)
         chosen = None
         if compact:
             slot_bytes = layout.max_rank_len * _row_bytes(y)
             chosen = _resolve_algo(algo, y.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
         _check_device_counts(device_counts, layout, y, compact)
-        return out_shape, chosen, select_p2p_transport(backend, group, "y", y, layout)
+        transport = select_p2p_transport(backend, group, "y", y, layout)
+        return out_shape, chosen, transport, _signature(y, compact, chosen, transport, device_counts)
 
-    rank, size, (out_shape, algo, transport) = _checked("cp_reduce_scatter", validate, layout, group, y, checks)
+    rank, size, (out_shape, algo, transport, _) = _checked("cp_reduce_scatter", validate, layout, group, y, checks)
     return _reduce_scatter(y, layout, group, rank, size, compact, out, out_shape, algo, transport, device_counts)
 
 

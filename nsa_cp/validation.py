@@ -5,7 +5,8 @@ first runs its local input checks, then ONE small all-reduce (MAX) of
 
     [fingerprint, -fingerprint, bad_0, bad_1, ..., bad_{P-1}]
 
-where the fingerprint is a 62-bit hash of (per_rank_actual_token, align, call kind) and ``bad_r`` is 1
+where the fingerprint is a 62-bit hash of (per_rank_actual_token, align, call kind, dtype, row shape,
+compact, algorithm, transport) and ``bad_r`` is 1
 when rank r's own checks failed. From the result every rank knows the min and max fingerprint (they
 differ iff some rank holds another layout) and which ranks rejected their input, so all ranks raise
 together: the rank with bad input raises its own ValueError, the others a LayoutMismatchError naming
@@ -29,9 +30,10 @@ class LayoutMismatchError(ValueError):
     """The ranks of a group called a collective with different layouts (or some rejected their input)."""
 
 
-def layout_fingerprint(layout, call: str) -> int:
-    """62-bit fingerprint of a layout and the call kind (0 is reserved for 'no valid layout')."""
-    text = f"{call}|{tuple(layout.per_rank_actual_token)}|{layout.align}".encode()
+def layout_fingerprint(layout, call: str, signature: str = "") -> int:
+    """62-bit fingerprint of a layout, the call kind and the call's signature (dtype, row shape,
+    compact, algorithm, transport); 0 is reserved for 'no valid layout'."""
+    text = f"{call}|{tuple(layout.per_rank_actual_token)}|{layout.align}|{signature}".encode()
     value = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
     return value or 1
 
@@ -44,6 +46,7 @@ def agree(
     size: int,
     device: torch.device,
     local_error: Optional[ValueError],
+    signature: str = "",
 ) -> None:
     """Collective: raise on every rank if any rank's checks failed or the layouts differ.
 
@@ -53,8 +56,9 @@ def agree(
         layout: this rank's ShardLayout, or None when it was not even a layout (then local_error is set).
         device: where the all-reduce runs (the call's tensor device: CUDA for NCCL, CPU for gloo).
         local_error: this rank's ValueError from its own input checks, or None.
+        signature: what else the ranks must agree on (dtype, row shape, compact, algorithm, transport).
     """
-    fingerprint = layout_fingerprint(layout, call) if local_error is None else 0
+    fingerprint = layout_fingerprint(layout, call, signature) if local_error is None else 0
     flags = torch.zeros(2 + size, dtype=torch.int64, device=device)
     flags[0] = fingerprint
     flags[1] = -fingerprint
@@ -72,7 +76,8 @@ def agree(
         )
     if highest != lowest:
         raise LayoutMismatchError(
-            f"{call}: the ranks disagree on the layout (fingerprints range {lowest:#x}..{highest:#x}); "
-            f"this rank {rank} holds {layout!r} (fingerprint {fingerprint:#x}). Every rank of the group "
-            f"must pass the same ShardLayout"
+            f"{call}: the ranks disagree on the layout or the call (fingerprints range "
+            f"{lowest:#x}..{highest:#x}); this rank {rank} holds {layout!r} with {signature} (fingerprint "
+            f"{fingerprint:#x}). Every rank of the group must pass the same ShardLayout, dtype, row shape, "
+            f"compact flag, algo and backend"
         )

@@ -4,6 +4,9 @@
 torch.distributed over a FileStore, calls ``fn(rank, world_size, payload)`` in each (it returns a
 ``{case_id: None | error text}`` dict) and returns the per-rank dicts. A rank that dies or hangs past
 ``timeout_s`` fails the whole world with its traceback, never a hang.
+
+``WorldPool(world_size, backend, handler)`` keeps one such world alive and serves many small requests
+(``pool.run(payload)``), for tests that make hundreds of calls (the property tests).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Dict, List
 
@@ -109,3 +113,188 @@ def case_failures(per_rank: List[Results], case_id: str) -> List[str]:
         elif result[case_id] is not None:
             errors.append(f"rank {rank}: {result[case_id]}")
     return errors
+
+
+# --------------------------------------------------------------------------- persistent worker pool
+class WorldPoolError(RuntimeError):
+    """A request to a WorldPool failed: a rank died, did not answer in time, or its handler raised."""
+
+
+def _pool_entry(rank, world_size, backend, store_path, handler, requests, results, pg_timeout_s):
+    """One rank of a WorldPool: initialise the group once, then serve ``(seq, payload)`` until None."""
+    log_dir = os.environ.get("NSA_TEST_LOG_DIR")
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        _LOG["file"] = open(os.path.join(log_dir, f"pool{world_size}-rank{rank}.log"), "a")
+        faulthandler.dump_traceback_later(int(os.environ.get("NSA_TEST_STACK_DUMP_S", "120")), repeat=True, file=_LOG["file"])
+    initialised = False
+    try:
+        import torch
+        import torch.distributed as dist
+
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+        kwargs["timeout"] = datetime.timedelta(seconds=pg_timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+        initialised = True
+        rank_log(f"pool rank {rank}/{world_size} {backend} ready: {getattr(handler, '__name__', handler)}")
+        results.put(("ready", rank, None))
+        while True:
+            item = requests.get()
+            if item is None:
+                break
+            seq, payload = item
+            rank_log(f"request {seq}")
+            try:
+                answer = ("answer", handler(rank, world_size, payload))
+            except BaseException:  # the handler should catch its own errors; this one is a harness failure
+                answer = ("raised", traceback.format_exc())
+            results.put((seq, rank, answer))
+    except BaseException:
+        rank_log(traceback.format_exc())
+        results.put(("died", rank, traceback.format_exc()))
+    finally:
+        if initialised:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        faulthandler.cancel_dump_traceback_later()
+        rank_log("pool exit")
+
+
+class WorldPool:
+    """``world_size`` ranks spawned ONCE (spawn context, FileStore), serving many requests.
+
+    ``pool.run(payload)`` sends the same payload to every rank through that rank's queue, each rank calls
+    ``handler(rank, world_size, payload)`` (a picklable module-level function), and the per-rank return
+    values come back as a list ordered by rank. A rank that dies, or does not answer within ``timeout_s``,
+    or whose handler raises fails the request with a ``WorldPoolError`` naming the rank, the request and
+    the payload, and marks the pool broken (its ranks may be stuck in a collective, so they are killed):
+    every later ``run`` raises at once, repeating the first failure, instead of hanging. All of these are
+    raised from one place, so that Hypothesis sees one failure, not a flaky one, when it replays examples
+    on a broken pool (the example it then reports need not be the culprit: the message names that one).
+    ``close()`` (also on ``with`` exit) shuts the ranks down; it is idempotent.
+    """
+
+    def __init__(self, world_size: int, backend: str, handler: Callable, timeout_s: float = 60.0,
+                 start_timeout_s: float = 180.0, pg_timeout_s: float = None):
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.broken = None  # the first failure's message once broken
+        self.requests_served = 0
+        self._seq = 0
+        self._closed = False
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        store_path = os.path.join(self._tmp.name, "store")
+        self._requests = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        pg_timeout = int(pg_timeout_s if pg_timeout_s is not None else timeout_s + 30)
+        self._procs = [
+            ctx.Process(
+                target=_pool_entry,
+                args=(rank, world_size, backend, store_path, handler, self._requests[rank], self._results, pg_timeout),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        failure = self._collect("ready", start_timeout_s, "starting the world")[1]
+        if failure is not None:
+            self.close()
+            raise WorldPoolError(failure)
+
+    # ------------------------------------------------------------------ internals
+    def _collect(self, seq, timeout_s: float, what: str):
+        """``(answers by rank, None)``, or ``(None, failure message)``."""
+        answers: Dict[int, Any] = {}
+        name = f"WorldPool({self.world_size}, {self.backend})"
+        deadline = time.monotonic() + timeout_s
+        while len(answers) < self.world_size:
+            try:
+                tag, rank, body = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if r not in answers and not p.is_alive()]
+                if dead:
+                    ranks = ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
+                    return None, f"{name}: {ranks} died while {what}; ranks {sorted(answers)} had answered"
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(answers))
+                    return None, (f"{name}: rank(s) {missing} did not answer within {timeout_s:.0f} s while {what} "
+                                  f"(ranks {sorted(answers)} had answered; a rank stuck in a collective?)")
+                continue
+            if tag == "died":
+                return None, f"{name}: rank {rank} failed while {what}:\n{body}"
+            if tag != seq:
+                continue  # a stale message cannot arrive (a failed request breaks the pool); ignore defensively
+            answers[rank] = body
+        return [answers[r] for r in range(self.world_size)], None
+
+    def _serve(self, payload: Any, timeout_s: float):
+        self._seq += 1
+        seq = self._seq
+        for requests in self._requests:
+            requests.put((seq, payload))
+        what = f"serving request #{seq} (payload {payload!r})"
+        answers, failure = self._collect(seq, timeout_s, what)
+        if failure is not None:
+            return None, failure
+        raised = [(r, body) for r, (kind, body) in enumerate(answers) if kind == "raised"]
+        if raised:
+            text = "\n".join(f"rank {r}:\n{body}" for r, body in raised)
+            return None, f"WorldPool({self.world_size}, {self.backend}): the handler raised while {what}:\n{text}"
+        self.requests_served += 1
+        return [body for _, body in answers], None
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=10)
+
+    # ------------------------------------------------------------------ public
+    def run(self, payload: Any, timeout_s: float = None) -> List[Any]:
+        """Run ``handler(rank, world_size, payload)`` on every rank; the per-rank results, by rank."""
+        if self._closed:
+            message = "WorldPool: run() after close()"
+        elif self.broken is not None:
+            message = f"this WorldPool broke on an earlier request and was not run again; the first failure:\n{self.broken}"
+        else:
+            results, failure = self._serve(payload, self.timeout_s if timeout_s is None else timeout_s)
+            if failure is None:
+                return results
+            self.broken = message = failure
+            self._kill()  # its ranks may sit in a collective forever
+        raise WorldPoolError(message)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for proc, requests in zip(self._procs, self._requests):
+            if proc.is_alive():
+                try:
+                    requests.put(None)
+                except Exception:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=20)
+        self._kill()
+        for q in (*self._requests, self._results):
+            q.close()
+            q.cancel_join_thread()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "WorldPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
