@@ -35,27 +35,39 @@ def rank_log(message: str) -> None:
 _LOG = {}
 
 
-def _entry(rank, world_size, backend, store_path, fn, payload, results):
+def _open_rank_log(name: str) -> None:
+    """Progress log (and stack dumps of a stalled rank) under $NSA_TEST_LOG_DIR, when that is set."""
     log_dir = os.environ.get("NSA_TEST_LOG_DIR")
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-        _LOG["file"] = open(os.path.join(log_dir, f"rank{rank}.log"), "a")
+        _LOG["file"] = open(os.path.join(log_dir, name), "a")
         # a rank that stops making progress dumps every thread's stack, then keeps waiting
         faulthandler.dump_traceback_later(int(os.environ.get("NSA_TEST_STACK_DUMP_S", "120")), repeat=True, file=_LOG["file"])
-        rank_log(f"rank {rank}/{world_size} {backend} start: {getattr(fn, '__name__', fn)}")
+
+
+def _init_group(rank: int, world_size: int, backend: str, store_path: str, pg_timeout_s: float) -> None:
+    """This process's device and process group (multicast kept off, a timeout on every collective)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(store_path, world_size)
+    kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+    # a collective that never completes (a rank left the sequence) fails after this, not never
+    kwargs["timeout"] = datetime.timedelta(seconds=pg_timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+
+
+def _entry(rank, world_size, backend, store_path, fn, payload, results):
+    _open_rank_log(f"rank{rank}.log")
+    rank_log(f"rank {rank}/{world_size} {backend} start: {getattr(fn, '__name__', fn)}")
     try:
-        import torch
         import torch.distributed as dist
 
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        store = dist.FileStore(store_path, world_size)
-        kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
-        # a collective that never completes (a rank left the sequence) fails after this, not never
-        kwargs["timeout"] = datetime.timedelta(seconds=int(os.environ.get("NSA_TEST_PG_TIMEOUT_S", "300")))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+        _init_group(rank, world_size, backend, store_path, int(os.environ.get("NSA_TEST_PG_TIMEOUT_S", "300")))
         try:
             results.put((rank, fn(rank, world_size, payload)))
         finally:
@@ -122,24 +134,12 @@ class WorldPoolError(RuntimeError):
 
 def _pool_entry(rank, world_size, backend, store_path, handler, requests, results, pg_timeout_s):
     """One rank of a WorldPool: initialise the group once, then serve ``(seq, payload)`` until None."""
-    log_dir = os.environ.get("NSA_TEST_LOG_DIR")
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-        _LOG["file"] = open(os.path.join(log_dir, f"pool{world_size}-rank{rank}.log"), "a")
-        faulthandler.dump_traceback_later(int(os.environ.get("NSA_TEST_STACK_DUMP_S", "120")), repeat=True, file=_LOG["file"])
+    _open_rank_log(f"pool{world_size}-rank{rank}.log")
     initialised = False
     try:
-        import torch
         import torch.distributed as dist
 
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        store = dist.FileStore(store_path, world_size)
-        kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
-        kwargs["timeout"] = datetime.timedelta(seconds=pg_timeout_s)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+        _init_group(rank, world_size, backend, store_path, pg_timeout_s)
         initialised = True
         rank_log(f"pool rank {rank}/{world_size} {backend} ready: {getattr(handler, '__name__', handler)}")
         results.put(("ready", rank, None))
