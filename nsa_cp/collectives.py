@@ -264,7 +264,8 @@ def cp_all_gather(
     if torch.compiler.is_compiling():  # traced: one nsa_cp::cp_all_gather node (nsa_cp/ops.py)
         from . import ops
 
-        return ops.all_gather(x, layout, group, compact=compact, out=out, algo=algo, backend=backend, validate=validate)
+        return ops.all_gather(x, layout, group, compact=compact, out=out, algo=algo, backend=backend, validate=validate,
+                              device_counts=device_counts)
 
     def checks(rank, size):
         _check_layout(layout, size)
@@ -345,7 +346,8 @@ def cp_reduce_scatter(
     if torch.compiler.is_compiling():  # traced: one nsa_cp::cp_reduce_scatter node (nsa_cp/ops.py)
         from . import ops
 
-        return ops.reduce_scatter(y, layout, group, compact=compact, out=out, algo=algo, backend=backend, validate=validate)
+        return ops.reduce_scatter(y, layout, group, compact=compact, out=out, algo=algo, backend=backend,
+                                  validate=validate, device_counts=device_counts)
 
     def checks(rank, size):
         _check_layout(layout, size)

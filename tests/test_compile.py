@@ -1,0 +1,117 @@
+"""torch.compile of cp_all_gather / cp_reduce_scatter (nsa_cp/ops.py).
+
+* gloo, world 2, spawned once: ``torch.compile(fullgraph=True)`` with the "eager", "aot_eager" and
+  "inductor" backends (Inductor's C++ backend on CPU) of a function calling cp_all_gather, torch ops and
+  cp_reduce_scatter, for padded and compact, uneven and even layouts and a zero-token rank; one graph, no
+  graph break, the same results as eager; plus dead-code elimination, new layouts, ``out=``, the eager
+  bypass and ``torch.library.opcheck`` (see compile_cases.py).
+* The fake implementations alone, under FakeTensorMode, without a process group.
+* NCCL, world 2, bf16, Inductor: the same checks plus the P2P backend; needs >= 2 CUDA GPUs.
+"""
+
+import contextlib
+import functools
+import os
+import shutil
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import compile_cases
+import nsa_cp
+import nsa_cp.ops  # noqa: F401  registers torch.ops.nsa_cp.*
+from dist_harness import case_failures, run_world
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _inductor_cpu_reason():
+    cxx = os.environ.get("CXX") or "g++"
+    return None if shutil.which(cxx) else f"Inductor on CPU needs a C++ compiler; {cxx!r} not found"
+
+
+CPU_CASES = compile_cases.make_cases(("eager", "aot_eager", "inductor"))
+if _inductor_cpu_reason() is not None:  # reported as skips, not run
+    _SKIPPED_CPU = [c["id"] for c in CPU_CASES if c.get("backend") == "inductor"]
+    CPU_CASES = [c for c in CPU_CASES if c.get("backend") != "inductor"]
+else:
+    _SKIPPED_CPU = []
+GPU_CASES = compile_cases.make_cases(("inductor",), p2p=True)
+
+
+@contextlib.contextmanager
+def _env(**values):
+    """Set environment variables (inherited by the spawned ranks) unless already set; restore after."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@functools.lru_cache(maxsize=None)
+def _world_results(device):
+    # a rank stuck in a collective (a dropped collective on the other rank) fails in 2 minutes, not 5
+    with _env(NSA_TEST_PG_TIMEOUT_S="120"):
+        if device == "cpu":
+            return run_world(2, "gloo", compile_cases.run_compile_cases,
+                             {"device": "cpu", "dtype": "fp32", "cases": CPU_CASES}, timeout_s=300)
+        return run_world(2, "nccl", compile_cases.run_compile_cases,
+                         {"device": "cuda", "dtype": "bf16", "cases": GPU_CASES}, timeout_s=600)
+
+
+def _check(device, case_id):
+    per_rank = _world_results(device)
+    skips = [r.get(case_id) for r in per_rank if isinstance(r.get(case_id), str) and r[case_id].startswith("SKIP:")]
+    if skips and len(skips) == len(per_rank):
+        pytest.skip(skips[0][len("SKIP:"):].strip())
+    failures = case_failures(per_rank, case_id)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CPU_CASES] + [
+    pytest.param(i, marks=pytest.mark.skip(reason=str(_inductor_cpu_reason()))) for i in _SKIPPED_CPU])
+def test_compile_gloo(case_id):
+    _check("cpu", case_id)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 CUDA GPUs for NCCL, found {GPUS}")
+@pytest.mark.parametrize("case_id", [c["id"] for c in GPU_CASES])
+def test_compile_nccl(case_id):
+    _check("cuda", case_id)
+
+
+# --------------------------------------------------------------------------- fakes, no process group
+FAKE_LAYOUTS = [([5, 3], 1), ([5, 3], 4), ([4, 0], 1), ([0, 0, 0], 1), ([4, 4], 1), ([7, 1, 0, 2], 8)]
+
+
+@pytest.mark.parametrize("counts,align", FAKE_LAYOUTS)
+@pytest.mark.parametrize("compact", [False, True])
+def test_fake_shapes(counts, align, compact):
+    layout = nsa_cp.ShardLayout(counts, align=align)
+    with FakeTensorMode():
+        for rank, n in enumerate(counts):
+            x = torch.empty(n, 3, 5, dtype=torch.bfloat16)
+            full = torch.ops.nsa_cp.cp_all_gather(x, counts, align, None, rank, compact, "auto", "auto", None, None, None)
+            assert isinstance(full, FakeTensor)
+            assert tuple(full.shape) == (layout.global_len(compact), 3, 5) and full.dtype == torch.bfloat16
+            y = torch.empty(layout.global_len(compact), 7, dtype=torch.float32)
+            mine = torch.ops.nsa_cp.cp_reduce_scatter(y, counts, align, "any-group", rank, compact, "auto", "auto", None, None, None)
+            assert isinstance(mine, FakeTensor)
+            assert tuple(mine.shape) == (n, 7) and mine.dtype == torch.float32
+
+
+def test_op_schemas():
+    for name in ("cp_all_gather", "cp_reduce_scatter"):
+        schema = str(getattr(torch.ops.nsa_cp, name).default._schema)
+        assert ("SymInt[] counts, SymInt align, str? group_name, SymInt rank, bool compact, str algo, str backend, "
+                "bool? validate, Tensor? device_counts, Tensor? device_offsets) -> Tensor") in schema, schema
+        assert "(a" not in schema and "!" not in schema, schema  # functional: no alias, no mutation
