@@ -1,6 +1,7 @@
 """The intranode P2P transport on real GPUs: both engines, both layouts, back-to-back calls, a stress run
 with injected delays, CUDA-graph replays with changing counts, capacity errors and a peer that never
-arrives. Needs >= 2 CUDA GPUs with peer access and nsa_cp._C; skips cleanly, saying why, otherwise.
+arrives. Needs CUDA GPUs with peer access and nsa_cp._C (on one GPU: one rank, no timeout check); skips
+cleanly, saying why, otherwise.
 """
 
 import functools
@@ -14,11 +15,13 @@ from dist_harness import case_failures, run_world
 from nsa_cp import _native
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-WORLD_SIZES = [w for w in (2, 4, 8) if w <= GPUS]
+# one GPU still runs the transport end to end with a single rank (its own buffers, kernels, graphs);
+# the peer-never-arrives check needs a peer
+WORLD_SIZES = [w for w in (2, 4, 8) if w <= GPUS] or ([1] if GPUS == 1 else [])
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 CUDA GPUs, found {GPUS}"),
+    pytest.mark.skipif(GPUS < 1, reason=f"needs CUDA GPUs, found {GPUS}"),
     pytest.mark.skipif(not _native.available(), reason=f"nsa_cp._C unavailable: {_native.unavailable_reason()}"),
 ]
 
@@ -31,7 +34,6 @@ CHECKS = (
     [f"gather-{h}-{str(d).split('.')[-1]}-{e}-{l}" for h, d in PAYLOAD["shapes"] for e in ("sm", "ce") for l in ("padded", "compact")]
     + [f"scatter-{h}-{str(d).split('.')[-1]}-{l}" for h, d in PAYLOAD["shapes"] for l in ("padded", "compact")]
     + [f"{k}-{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"] for k in ("stress", "graph", "capacity", "communicator")]
-    + ["timeout"]
 )
 
 
@@ -40,7 +42,9 @@ def _world_results(world):
     return run_world(world, "nccl", p2p_cases.run_p2p_checks, PAYLOAD, timeout_s=900)
 
 
-@pytest.mark.parametrize("world,check", [pytest.param(w, c, id=f"w{w}-{c}") for w in (WORLD_SIZES or [2]) for c in CHECKS])
+@pytest.mark.parametrize("world,check", [
+    pytest.param(w, c, id=f"w{w}-{c}") for w in (WORLD_SIZES or [2]) for c in CHECKS + (["timeout"] if w > 1 else [])
+])
 def test_p2p(world, check):
     failures = case_failures(_world_results(world), check)
     assert not failures, "\n".join(failures)
