@@ -193,6 +193,7 @@ def check_capacity_errors(transport, rank, world, device) -> Optional[str]:
     return None
 
 
+@torch.no_grad()  # inference, as in serving: the norm's weight requires grad, the MoE writes with out=
 def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]:
     """The communicator on the P2P backend: gather, an MoE stand-in writing into the handed-out reduce
     buffer, reduce-scatter; compared with the NCCL communicator on the same inputs."""
