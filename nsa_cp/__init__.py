@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 import logging as _logging
 
-from . import ops as _ops  # registers torch.ops.nsa_cp.* (for graphs loaded by torch.export and friends)
+from . import ops as _ops  # noqa: F401  registers torch.ops.nsa_cp.* (for graphs loaded by torch.export and friends)
 from .collectives import cp_all_gather, cp_reduce_scatter
 from .communicator import NSACPLayerCommunicator
 from .layout import ShardLayout

@@ -12,7 +12,7 @@ import random
 import time
 import traceback
 import zlib
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist

@@ -31,8 +31,8 @@ PAYLOAD = {
     "max_tokens": 96,
 }
 CHECKS = (
-    [f"gather-{h}-{str(d).split('.')[-1]}-{e}-{l}" for h, d in PAYLOAD["shapes"] for e in ("sm", "ce") for l in ("padded", "compact")]
-    + [f"scatter-{h}-{str(d).split('.')[-1]}-{l}" for h, d in PAYLOAD["shapes"] for l in ("padded", "compact")]
+    [f"gather-{h}-{str(d).split('.')[-1]}-{e}-{lay}" for h, d in PAYLOAD["shapes"] for e in ("sm", "ce") for lay in ("padded", "compact")]
+    + [f"scatter-{h}-{str(d).split('.')[-1]}-{lay}" for h, d in PAYLOAD["shapes"] for lay in ("padded", "compact")]
     + [f"{k}-{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"] for k in ("stress", "graph", "capacity", "communicator")]
 )
 
