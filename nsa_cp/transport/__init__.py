@@ -1,1 +1,2 @@
-"""How bytes move between ranks: NCCL/gloo through torch.distributed; intranode P2P comes next."""
+"""How bytes move between ranks: nccl.py (NCCL/gloo through torch.distributed), p2p.py (intranode
+symmetric memory + the nsa_cp._C kernels)."""
