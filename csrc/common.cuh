@@ -220,4 +220,38 @@ __device__ __forceinline__ int first_bad_layout_rank(const int* counts, const in
   return -1;
 }
 
+// What every data kernel reads first: every rank's (mapped) buffer base, count and offset, staged in
+// shared memory. They live in device memory and may change between CUDA-graph replays.
+struct Geometry {
+  uint64_t bufs[kMaxWorld];
+  int counts[kMaxWorld];
+  int offsets[kMaxWorld];  // compact only (0 otherwise)
+};
+
+// Stages the geometry into `g` (shared memory; call from all threads) and checks it: counts in range,
+// compact offsets the prefix sum, every buffer non-null and aligned to `word_bytes`, and this rank's
+// own tensor (`local`: the gather's source, the reduce-scatter's output) non-null when it has rows.
+// Returns the first bad rank, or -1. Every block reaches the same verdict; block 0 records the error,
+// and a bad launch skips its data movement but still completes the signal protocol, so no peer hangs.
+__device__ __forceinline__ int stage_geometry(Geometry& g, const uint64_t* bufs, const int* counts,
+                                              const int* offsets, int64_t M, bool compact, int word_bytes,
+                                              const void* local, const SignalArgs& s, uint32_t epoch) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < s.world) {
+    g.bufs[t] = bufs[t];
+    g.counts[t] = counts[t];
+    g.offsets[t] = compact ? offsets[t] : 0;
+  }
+  __syncthreads();
+  int bad = first_bad_layout_rank(g.counts, g.offsets, s.world, M, compact);
+  for (int q = 0; bad < 0 && q < s.world; ++q) {
+    if (g.bufs[q] == 0 || g.bufs[q] % word_bytes != 0) bad = q;
+  }
+  if (bad < 0 && g.counts[s.rank] > 0 && local == nullptr) bad = s.rank;
+  if (bad >= 0 && blockIdx.x == 0 && t == 0) {
+    record_error(s.err, kErrBadDeviceArg, static_cast<uint32_t>(s.channel * 2), static_cast<uint32_t>(bad), epoch);
+  }
+  return bad;
+}
+
 }  // namespace nsa_cp

@@ -33,44 +33,25 @@ __device__ __forceinline__ W load_src(const char* p) {
 template <int VEC>
 __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherParams p, const SignalArgs s) {
   using W = typename Word<VEC>::type;
-  __shared__ uint64_t s_bufs[kMaxWorld];
-  __shared__ int s_counts[kMaxWorld];
-  __shared__ int s_offsets[kMaxWorld];
+  __shared__ Geometry g;
 
   const uint32_t epoch = read_epoch(s);
   // (a) Entered: everything earlier on our stream, the readers of our buffer's previous contents
   // included, has completed, so peers may now write into it.
   if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
 
-  const int t = static_cast<int>(threadIdx.x);
   const int rank = s.rank, world = s.world;
-  if (t < world) {
-    s_bufs[t] = p.bufs[t];
-    s_counts[t] = p.counts[t];
-    s_offsets[t] = p.compact ? p.offsets[t] : 0;
-  }
-  __syncthreads();
-
-  // Device-side arguments (they may change between CUDA-graph replays). Every block reaches the same
-  // verdict; a bad one skips the data movement but still completes the protocol, so no peer hangs.
-  const int64_t n = s_counts[rank];
-  int bad = first_bad_layout_rank(s_counts, s_offsets, world, p.M, p.compact);
-  for (int q = 0; bad < 0 && q < world; ++q) {
-    if (s_bufs[q] == 0 || s_bufs[q] % VEC != 0) bad = q;
-  }
-  if (bad < 0 && n > 0 && p.src == nullptr) bad = rank;
-  if (bad >= 0 && blockIdx.x == 0 && t == 0) {
-    record_error(s.err, kErrBadDeviceArg, static_cast<uint32_t>(s.channel * 2), static_cast<uint32_t>(bad), epoch);
-  }
+  const int bad = stage_geometry(g, p.bufs, p.counts, p.offsets, p.M, p.compact, VEC, p.src, s, epoch);
+  const int64_t n = g.counts[rank];
 
   const int64_t chunks = p.row_bytes / VEC;
 
   // (c) Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer.
   if (bad < 0 && !p.compact) {
-    char* own = reinterpret_cast<char*>(s_bufs[rank]);
+    char* own = reinterpret_cast<char*>(g.bufs[rank]);
     for (int q = 0; q < world; ++q) {
-      const int64_t first = q * p.M + s_counts[q];
-      const int64_t pad_rows = p.M - s_counts[q];
+      const int64_t first = q * p.M + g.counts[q];
+      const int64_t pad_rows = p.M - g.counts[q];
       if (pad_rows <= 0) continue;
       for (RowChunkCursor c(global_thread(), grid_threads(), chunks); c.row < pad_rows; c.advance()) {
         *reinterpret_cast<W*>(own + (first + c.row) * p.row_bytes + c.chunk * VEC) = W{};
@@ -83,13 +64,13 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
 
   // (b) Push our rows to every rank.
   if (ok && n > 0) {
-    const int64_t dst0 = p.compact ? s_offsets[rank] : rank * p.M;
+    const int64_t dst0 = p.compact ? g.offsets[rank] : rank * p.M;
     // Peers first, starting after our own rank, ourselves last: the ranks do not all start on the
     // same destination. Indexed by unrolled constants only, so it stays in registers.
     char* dst[kMaxWorld];
 #pragma unroll
     for (int i = 0; i < kMaxWorld; ++i) {
-      dst[i] = i < world ? reinterpret_cast<char*>(s_bufs[(rank + 1 + i) % world]) + dst0 * p.row_bytes : nullptr;
+      dst[i] = i < world ? reinterpret_cast<char*>(g.bufs[(rank + 1 + i) % world]) + dst0 * p.row_bytes : nullptr;
     }
     RowChunkCursor c(global_thread(), grid_threads(), chunks);
     while (c.row < n) {

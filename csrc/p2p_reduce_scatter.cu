@@ -99,42 +99,25 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
   constexpr int kWordBytes = VECTOR ? 16 : Elem<D>::kBytes;
   constexpr int kElems = kWordBytes / Elem<D>::kBytes;
   using W = typename Word<kWordBytes>::type;
-  __shared__ uint64_t s_bufs[kMaxWorld];
-  __shared__ int s_counts[kMaxWorld];
-  __shared__ int s_offsets[kMaxWorld];
+  __shared__ Geometry g;
 
   const uint32_t epoch = read_epoch(s);
   // Entered: our partials (written earlier on our stream) are complete and may be read by peers.
   if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
 
-  const int t = static_cast<int>(threadIdx.x);
   const int rank = s.rank, world = s.world;
-  if (t < world) {
-    s_bufs[t] = p.bufs[t];
-    s_counts[t] = p.counts[t];
-    s_offsets[t] = p.compact ? p.offsets[t] : 0;
-  }
-  __syncthreads();
-
-  const int64_t n = s_counts[rank];
-  int bad = first_bad_layout_rank(s_counts, s_offsets, world, p.M, p.compact);
-  for (int q = 0; bad < 0 && q < world; ++q) {
-    if (s_bufs[q] == 0 || s_bufs[q] % kWordBytes != 0) bad = q;
-  }
-  if (bad < 0 && n > 0 && p.out == nullptr) bad = rank;
-  if (bad >= 0 && blockIdx.x == 0 && t == 0) {
-    record_error(s.err, kErrBadDeviceArg, static_cast<uint32_t>(s.channel * 2), static_cast<uint32_t>(bad), epoch);
-  }
+  const int bad = stage_geometry(g, p.bufs, p.counts, p.offsets, p.M, p.compact, kWordBytes, p.out, s, epoch);
+  const int64_t n = g.counts[rank];
 
   bool ok = bad < 0;
   if (ok) ok = block_wait_all(s, 0, epoch);
 
   if (ok && n > 0) {
-    const int64_t src0 = p.compact ? s_offsets[rank] : rank * p.M;
+    const int64_t src0 = p.compact ? g.offsets[rank] : rank * p.M;
     const char* src[kMaxWorld];
 #pragma unroll
     for (int q = 0; q < kMaxWorld; ++q) {
-      src[q] = q < world ? reinterpret_cast<const char*>(s_bufs[q]) + src0 * p.row_bytes : nullptr;
+      src[q] = q < world ? reinterpret_cast<const char*>(g.bufs[q]) + src0 * p.row_bytes : nullptr;
     }
     RowChunkCursor c(global_thread(), grid_threads(), p.row_bytes / kWordBytes);
     while (c.row < n) {
