@@ -5,6 +5,7 @@ Usage::
     python benchmarks/gather_scatter.py                          # every visible GPU, default sweep
     python benchmarks/gather_scatter.py --M 8192 --imbalance 0.2 --rounds 50 --csv out.csv
     python benchmarks/gather_scatter.py --counts 4096,4096,7936,8192 --hidden 7168
+    python benchmarks/gather_scatter.py --seq-lens '700*64' --seq-lens '32768,4096*6' --page-size 64
     python benchmarks/gather_scatter.py --cpu-ranks 2 --M 64 --rounds 3   # CPU/gloo smoke run
 
 Methods (see ``METHODS``; adding one is one line; ``--methods`` selects by name or glob)
@@ -566,14 +567,34 @@ def metrics(method: Method, layout, hidden, dtype, ms) -> Dict[str, float]:
     }
 
 
+def parse_seq_lens(spec: str) -> List[int]:
+    """'700*64' -> 64 requests of 700 tokens; '1000,32000,4096*3' -> 5 requests."""
+    lens = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        length, _, repeat = item.partition("*")
+        try:
+            lens += [int(length)] * (int(repeat) if repeat else 1)
+        except ValueError:
+            raise SystemExit(f"--seq-lens {spec!r}: expected items L or L*count, got {item!r}") from None
+    return lens
+
+
 def make_configs(args, world) -> List[Tuple[int, ...]]:
-    if args.counts:
+    if args.counts or args.seq_lens:
         configs = []
-        for spec in args.counts:
+        for spec in args.counts or []:
             counts = tuple(int(v) for v in spec.split(",") if v.strip())
             if len(counts) != world:
                 raise SystemExit(f"--counts {spec!r}: {len(counts)} counts for {world} ranks")
             configs.append(counts)
+        if args.seq_lens:
+            from nsa_cp.split import in_seq_split  # the split rule of the package itself
+
+            for spec in args.seq_lens:  # a prefill batch, split the way a model splits it
+                configs.append(tuple(in_seq_split(parse_seq_lens(spec), world, args.page_size)))
         return configs
     configs = []
     for M in args.M:
@@ -781,6 +802,10 @@ def parse_args(argv=None):
                    help="s: counts [M, round(M*(1-s)), M, ...] cycling over ranks; 0 is the even case")
     p.add_argument("--counts", action="append", metavar="a,b,...",
                    help="explicit per-rank counts (repeatable); replaces the M x imbalance sweep")
+    p.add_argument("--seq-lens", action="append", metavar="L*n,...",
+                   help="a prefill batch (e.g. '700*64' or '32768,1024*8'), split with nsa_cp.in_seq_split over "
+                        "the ranks and --page-size (repeatable); replaces the M x imbalance sweep")
+    p.add_argument("--page-size", type=int, default=64, help="page size of --seq-lens batches")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--align", type=int, default=1, help="ShardLayout align")
