@@ -15,6 +15,7 @@ only, no communication. In "scattered" mode the MLP runs on local tokens and not
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -26,6 +27,8 @@ from .transport import p2p
 from .transport.nccl import group_rank_and_size
 
 __all__ = ["NSACPLayerCommunicator"]
+
+logger = logging.getLogger("nsa_cp")
 
 _MLP_MODES = ("full", "scattered")
 
@@ -44,7 +47,9 @@ class NSACPLayerCommunicator:
         validate: rank-agreement check on every collective (None: NSA_CP_VALIDATE), see ``cp_all_gather``.
         p2p_max_tokens_per_rank, hidden_size, dtype: when given, the communicator creates the group's
             intranode P2P transport up front (collective; before any CUDA-graph capture) with this
-            capacity, unless one that large is registered already. Needs all three. It allocates
+            capacity, unless one that large is registered already. Needs all three. Where P2P is
+            unavailable (no nsa_cp._C, no GPU, ranks on several nodes, no peer access) backend "auto"
+            logs why and uses NCCL; backend "p2p" raises. It allocates
             exactly ``nsa_cp.workspace_bytes(cp_size, p2p_max_tokens_per_rank, hidden_size, dtype)``.
         workspace_bytes: optional budget for that; a smaller one logs a warning with both numbers.
     """
@@ -79,7 +84,13 @@ class NSACPLayerCommunicator:
                 or existing.hidden_size != hidden_size
                 or existing.dtype != dtype
             ):
-                p2p.init_p2p(group, p2p_max_tokens_per_rank, hidden_size, dtype, workspace_bytes=workspace_bytes)
+                # collective; the same verdict on every rank. backend="auto" falls back to NCCL (e.g. a
+                # group spanning nodes), backend="p2p" insists.
+                reason = p2p.p2p_unavailable_reason(group) if backend != "p2p" else None
+                if reason is None:
+                    p2p.init_p2p(group, p2p_max_tokens_per_rank, hidden_size, dtype, workspace_bytes=workspace_bytes)
+                else:
+                    logger.info("nsa_cp communicator: P2P transport unavailable (%s); using NCCL", reason)
         self.group = group
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm

@@ -34,7 +34,9 @@ def _random_counts(rng: random.Random, world: int) -> List[int]:
     return counts
 
 
-def make_cases(world: int, seed: int = 0, random_layouts: int = 10, big_layouts: int = 0) -> List[dict]:
+def make_cases(
+    world: int, seed: int = 0, random_layouts: int = 10, big_layouts: int = 0, gpu: bool = False
+) -> List[dict]:
     """Deterministic case list for one world size."""
     rng = random.Random(seed * 1000 + world)
     layouts = [
@@ -89,6 +91,9 @@ def make_cases(world: int, seed: int = 0, random_layouts: int = 10, big_layouts:
     for dtype in ("bf16", "fp32"):  # CUDA graphs on GPUs, direct calls on gloo
         cases.append(dict(id=f"bucket-{dtype}", op="bucket", counts=None, align=1, compact=False, dtype=dtype,
                           rest=(64,), use_out=False, algo="auto", seed=rng.randrange(1 << 20)))
+    if not gpu:  # on GPUs the transport exists; its own suite (tests/test_p2p_gpu.py) covers it
+        cases.append(dict(id="p2p-fallback", op="p2p_fallback", counts=[rng.randint(0, 4) for _ in range(world)],
+                          align=1, compact=False, dtype="fp32", rest=(16,), use_out=False, algo="auto", seed=4))
     cases.append(dict(id="validate", op="validate", counts=[rng.randint(0, 5) for _ in range(world)], align=2,
                       compact=False, dtype="fp32", rest=(8,), use_out=True, algo="auto", seed=3))
     cases.append(dict(id="errors", op="errors", counts=[2] + [3] * (world - 1), align=1, compact=False,
@@ -443,6 +448,30 @@ def _run_bucket(case, rank, world, group, device, nsa_cp) -> Optional[str]:
     return None
 
 
+def _run_p2p_fallback(case, rank, world, group, device, nsa_cp) -> Optional[str]:
+    """Asking the communicator for a P2P transport where there is none (gloo/CPU here): backend "auto"
+    falls back to the NCCL/gloo path on every rank, backend "p2p" raises RuntimeError with the reason."""
+    norm = nsa_cp.RMSNorm(16)
+    comm = nsa_cp.NSACPLayerCommunicator(group, norm, norm, p2p_max_tokens_per_rank=8, hidden_size=16,
+                                         dtype=torch.float32)
+    if nsa_cp.get_p2p(group) is not None:
+        return "a P2P transport was registered on a CPU group"
+    layout = nsa_cp.ShardLayout(case["counts"])
+    shards = [_gen(9, q, n, (16,), torch.float32, "cpu") for q, n in enumerate(case["counts"])]
+    with torch.no_grad():
+        full, _ = comm.prepare_mlp(shards[rank].to(device), torch.zeros_like(shards[rank]).to(device), layout)
+    if full.shape[0] != layout.padded_len:
+        return f"fallback gather has {full.shape[0]} rows, expected {layout.padded_len}"
+    try:
+        nsa_cp.NSACPLayerCommunicator(group, norm, norm, backend="p2p", p2p_max_tokens_per_rank=8,
+                                      hidden_size=16, dtype=torch.float32)
+    except RuntimeError as err:
+        if "unavailable" not in str(err):
+            return f"backend='p2p' raised without saying why: {err}"
+        return None
+    return "backend='p2p' without a usable transport did not raise"
+
+
 _RUNNERS = {
     "gather": _run_gather,
     "scatter": _run_scatter,
@@ -452,6 +481,7 @@ _RUNNERS = {
     "errors": _run_errors,
     "validate": _run_validate,
     "bucket": _run_bucket,
+    "p2p_fallback": _run_p2p_fallback,
 }
 
 

@@ -24,7 +24,7 @@ pytestmark = [
 
 
 def _cases(world):
-    return dist_cases.make_cases(world, seed=1, random_layouts=16, big_layouts=4)
+    return dist_cases.make_cases(world, seed=1, random_layouts=16, big_layouts=4, gpu=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -64,25 +64,33 @@ class P2PTimeoutError(RuntimeError):
 def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=None) -> Optional[str]:
     """Why the P2P transport cannot serve ``group`` here, or None when it can (collective call).
 
-    Every rank must call it: it exchanges hostnames and device indices with one all_gather_object.
+    Every rank must call it: each rank's own verdict, hostname and device index go round in one
+    all_gather_object, so every rank returns the same answer (never some ranks in a collective and
+    others not, as a rank without a GPU or without nsa_cp._C would otherwise cause).
     """
+    local = None
     if _native.load() is None:
-        return _native.unavailable_reason()
-    if not torch.cuda.is_available():
-        return "no CUDA device visible"
+        local = _native.unavailable_reason()
+    elif not torch.cuda.is_available():
+        local = "no CUDA device visible"
     world = dist.get_world_size(group)
-    if world > 8:
-        return f"world size {world} > 8 (the P2P kernels serve up to 8 ranks)"
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    me = (socket.gethostname(), device.index)
+    if local is None and world > 8:
+        local = f"world size {world} > 8 (the P2P kernels serve up to 8 ranks)"
+    if device is not None:
+        index = torch.device(device).index
+    else:
+        index = torch.cuda.current_device() if local is None else -1
     everyone = [None] * world
-    dist.all_gather_object(everyone, me, group=group)
-    hosts = {host for host, _ in everyone}
+    dist.all_gather_object(everyone, (socket.gethostname(), index, local), group=group)
+    for rank, (_, _, reason) in enumerate(everyone):
+        if reason is not None:
+            return f"rank {rank}: {reason}"
+    hosts = {host for host, _, _ in everyone}
     if len(hosts) != 1:
         return f"the group spans {len(hosts)} hosts ({sorted(hosts)}); P2P is intranode only"
-    for _, peer_index in everyone:
-        if peer_index != device.index and not torch.cuda.can_device_access_peer(device.index, peer_index):
-            return f"cuda:{device.index} cannot access cuda:{peer_index} (no peer access)"
+    for _, peer_index, _ in everyone:
+        if peer_index != index and not torch.cuda.can_device_access_peer(index, peer_index):
+            return f"cuda:{index} cannot access cuda:{peer_index} (no peer access)"
     return None
 
 
