@@ -3,6 +3,10 @@
 # Logs and result files go under $OUT (default ./gpu_out); a short summary table is printed last.
 #
 #   bash scripts/gpu_run.sh [--tests-only|--bench-only] [extra benchmark args...]
+#
+# TESTS="tests/test_compile.py ..." narrows the second test stage (default: every test file but the P2P
+# suite, which always runs first). With one GPU the benchmark (2+ ranks) is skipped, saying so; the
+# P2P suite then runs one rank over NCCL and two ranks sharing the GPU (see tests/test_p2p_gpu.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -36,7 +40,8 @@ if [ "$mode" != bench-only ]; then
   p2p_rc=$?
   echo "p2p tests rc=$p2p_rc ($(( $(date +%s) - t0 )) s)"; tail -8 "$OUT/pytest_p2p.log"
   t0=$(date +%s)
-  timeout "${TEST_TIMEOUT_S:-300}" python3 -m pytest tests -q -rs -p no:cacheprovider --ignore tests/test_p2p_gpu.py \
+  # shellcheck disable=SC2086  # TESTS is a list of paths
+  timeout "${TEST_TIMEOUT_S:-300}" python3 -m pytest ${TESTS:-tests} -q -rs -p no:cacheprovider --ignore tests/test_p2p_gpu.py \
     >"$OUT/pytest.log" 2>&1
   test_rc=$?
   echo "other tests rc=$test_rc ($(( $(date +%s) - t0 )) s)"; tail -6 "$OUT/pytest.log"
@@ -50,13 +55,21 @@ if [ "$mode" != tests-only ]; then
   t0=$(date +%s)
   timeout 120 python3 benchmarks/host_overhead.py >"$OUT/host_overhead.log" 2>&1
   echo "host overhead rc=$?"; head -14 "$OUT/host_overhead.log"
-  timeout "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/gather_scatter.py --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" \
-    >"$OUT/bench.log" 2>&1
-  bench_rc=$?
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  if [ "$gpus" -ge 2 ]; then
+    timeout "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/gather_scatter.py --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" \
+      >"$OUT/bench.log" 2>&1
+    bench_rc=$?
+  else
+    bench_rc="not run: $gpus GPU(s), the benchmark needs 2+"
+  fi
   echo "bench rc=$bench_rc ($(( $(date +%s) - t0 )) s)"
 fi
 
 echo "=================== summary ==================="
 echo "build rc=$build_rc  tests rc=$test_rc  bench rc=$bench_rc"
-grep -E "passed|failed|error" "$OUT/pytest.log" 2>/dev/null | tail -1
+for log in pytest_p2p pytest; do
+  printf '%-11s %s\n' "$log:" "$(grep -E "passed|failed|error" "$OUT/$log.log" 2>/dev/null | tail -1)"
+done
+grep -h "rs-accuracy" "$OUT/pytest_p2p.log" 2>/dev/null
 [ -f "$OUT/bench.log" ] && tail -60 "$OUT/bench.log"

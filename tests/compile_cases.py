@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import nsa_cp
+from dist_harness import rank_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HIDDEN = 16
@@ -301,7 +302,7 @@ def run_compile_cases(rank: int, world: int, payload: dict) -> Dict[str, Optiona
     """Entry point in every rank."""
     import nsa_cp.ops  # noqa: F401  registers torch.ops.nsa_cp.* for the direct calls
 
-    device = torch.device("cuda", rank) if payload["device"] == "cuda" else torch.device("cpu")
+    device = rank_device(rank) if payload["device"] == "cuda" else torch.device("cpu")
     dtype = DTYPES[payload["dtype"]]
     group = dist.group.WORLD
     results: Dict[str, Optional[str]] = {}

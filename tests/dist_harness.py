@@ -5,6 +5,11 @@ torch.distributed over a FileStore, calls ``fn(rank, world_size, payload)`` in e
 ``{case_id: None | error text}`` dict) and returns the per-rank dicts. A rank that dies or hangs past
 ``timeout_s`` fails the whole world with its traceback, never a hang.
 
+Backends: "gloo" (CPU tensors), "nccl" (rank r on cuda:r) and "gloo-shared-gpu": a gloo group whose
+ranks all use cuda:0, for checks of the P2P transport across processes on a machine with one GPU (symmetric
+memory maps the peers' buffers through CUDA IPC; the GPU time-slices the ranks' kernels). Cases ask
+``rank_device(rank)`` for their device and ``shared_gpu()`` whether NCCL is out of reach.
+
 ``WorldPool(world_size, backend, handler)`` keeps one such world alive and serves many small requests
 (``pool.run(payload)``), for tests that make hundreds of calls (the property tests).
 """
@@ -33,6 +38,19 @@ def rank_log(message: str) -> None:
 
 
 _LOG = {}
+_WORLD = {"shared_gpu": False}
+
+
+def shared_gpu() -> bool:
+    """Whether this rank's world shares one GPU (backend "gloo-shared-gpu": no NCCL between the ranks)."""
+    return _WORLD["shared_gpu"]
+
+
+def rank_device(rank: int):
+    """This rank's CUDA device: cuda:rank, or cuda:0 when the world shares one GPU."""
+    import torch
+
+    return torch.device("cuda", 0 if _WORLD["shared_gpu"] else rank)
 
 
 def _open_rank_log(name: str) -> None:
@@ -52,6 +70,10 @@ def _init_group(rank: int, world_size: int, backend: str, store_path: str, pg_ti
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if backend == "gloo-shared-gpu":
+        _WORLD["shared_gpu"] = True
+        backend = "gloo"
+        torch.cuda.set_device(0)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, world_size)

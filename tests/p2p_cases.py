@@ -1,4 +1,6 @@
-"""Checks of the intranode P2P transport that run inside an NCCL process group (one GPU per rank).
+"""Checks of the intranode P2P transport that run inside a process group: NCCL with one GPU per rank, or
+gloo with every rank on one shared GPU ("gloo-shared-gpu", see dist_harness), where the NCCL comparisons
+(reduce-scatter error, the auto fallback) cannot run and are left out by the caller.
 
 Each check returns None or an error text; ``run_p2p_checks`` runs all of them on every rank and also
 returns measured facts under "__info__" (reduce-scatter error of P2P vs NCCL against fp64).
@@ -21,7 +23,7 @@ import nsa_cp
 from nsa_cp.transport import p2p
 
 from dist_cases import _check_sum, _expected_gather, _gen
-from dist_harness import rank_log
+from dist_harness import rank_device, rank_log, shared_gpu
 
 
 def _random_layout(rng: random.Random, world: int, max_tokens: int) -> "nsa_cp.ShardLayout":
@@ -65,14 +67,16 @@ def check_gather_sequence(transport, rank, world, device, engine, compact, calls
 def check_reduce_scatter_sequence(transport, rank, world, device, compact, calls=7, seed=0, info=None) -> Optional[str]:
     rng = random.Random(seed)
     dtype = transport.dtype
-    errors = {"p2p": 0.0, "nccl": 0.0}
+    with_nccl = not shared_gpu()
+    errors = {"p2p": 0.0, "nccl": 0.0 if with_nccl else "not measured: ranks share one GPU"}
     problems = []  # keep going after a failure: every rank must make the same NCCL calls
     for i in range(calls):
         layout = _random_layout(rng, world, transport.max_tokens_per_rank)
         rows = layout.global_len(compact)
         partials = [_gen(seed * 100 + i, q, rows, (transport.hidden_size,), dtype, "cpu") for q in range(world)]
         start, stop = layout.rows(rank, compact)
-        nccl_got = nsa_cp.cp_reduce_scatter(partials[rank].to(device), layout, compact=compact, backend="nccl")
+        if with_nccl:
+            nccl_got = nsa_cp.cp_reduce_scatter(partials[rank].to(device), layout, compact=compact, backend="nccl")
         buf = transport.reduce_buffer(layout, compact)
         buf.copy_(partials[rank].to(device))  # the MoE writes here
         out = torch.full((layout.count(rank), transport.hidden_size), float("nan"), dtype=dtype, device=device)
@@ -86,7 +90,8 @@ def check_reduce_scatter_sequence(transport, rank, world, device, compact, calls
         if exact.numel():
             scale = exact.abs().max().item() or 1.0
             errors["p2p"] = max(errors["p2p"], (got.cpu().double() - exact).abs().max().item() / scale)
-            errors["nccl"] = max(errors["nccl"], (nccl_got.cpu().double() - exact).abs().max().item() / scale)
+            if with_nccl:
+                errors["nccl"] = max(errors["nccl"], (nccl_got.cpu().double() - exact).abs().max().item() / scale)
     if info is not None:
         info.setdefault("rs_max_rel_err", {})[f"{dtype}-compact={compact}"] = errors
     return problems[0] if problems else None
@@ -174,9 +179,13 @@ def check_graph_replay(transport, rank, world, device, replays=5, seed=3) -> Opt
     return None
 
 
-def check_capacity_errors(transport, rank, world, device) -> Optional[str]:
+def _over_capacity(transport, rank, world, device):
     too_big = nsa_cp.ShardLayout([transport.max_tokens_per_rank + 1] + [1] * (world - 1))
-    x = torch.zeros((too_big.count(rank), transport.hidden_size), dtype=transport.dtype, device=device)
+    return too_big, torch.zeros((too_big.count(rank), transport.hidden_size), dtype=transport.dtype, device=device)
+
+
+def check_capacity_errors(transport, rank, world, device) -> Optional[str]:
+    too_big, x = _over_capacity(transport, rank, world, device)
     try:
         nsa_cp.cp_all_gather(x, too_big, backend="p2p")
     except ValueError as err:
@@ -186,17 +195,25 @@ def check_capacity_errors(transport, rank, world, device) -> Optional[str]:
                 return f"capacity error {text!r} does not mention {word}"
     else:
         return "a layout over capacity did not raise ValueError"
-    # auto backend falls back to NCCL for a layout that does not fit, and stays correct
+    return None
+
+
+def check_capacity_fallback(transport, rank, world, device) -> Optional[str]:
+    """Backend auto falls back to NCCL for a layout over capacity, and stays exact (needs NCCL)."""
+    too_big, x = _over_capacity(transport, rank, world, device)
+    x.copy_(_gen(5, rank, x.shape[0], (transport.hidden_size,), transport.dtype, device))
+    shards = [_gen(5, q, n, (transport.hidden_size,), transport.dtype, "cpu") for q, n in enumerate(too_big.per_rank_actual_token)]
     got = nsa_cp.cp_all_gather(x, too_big)
-    if got.shape[0] != too_big.padded_len:
-        return "auto backend did not fall back to NCCL for an oversized layout"
+    if not torch.equal(got.cpu(), _expected_gather(shards, too_big, False)):
+        return "auto backend's fallback to NCCL for an oversized layout gathered the wrong rows"
     return None
 
 
 @torch.no_grad()  # inference, as in serving: the norm's weight requires grad, the MoE writes with out=
 def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]:
     """The communicator on the P2P backend: gather, an MoE stand-in writing into the handed-out reduce
-    buffer, reduce-scatter; compared with the NCCL communicator on the same inputs."""
+    buffer, reduce-scatter. The oracle: every rank's locally normed rows (the same communicator without a
+    layout, so no communication) exchanged on the host, packed by the pure-torch rule; sums against fp64."""
     hidden, dtype = transport.hidden_size, transport.dtype
     rng = random.Random(seed)
     for compact in (False, True):
@@ -204,22 +221,26 @@ def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]
         counts[0] = max(counts) + (1 if max(counts) < transport.max_tokens_per_rank else 0)  # uneven
         layout = nsa_cp.ShardLayout(counts)
         norm = nsa_cp.RMSNorm(hidden).to(device=device, dtype=dtype)
-        results = {}
-        for backend in ("nccl", "p2p"):  # NCCL first: a P2P failure must not skip a collective
-            comm = nsa_cp.NSACPLayerCommunicator(None, norm, norm, compact=compact, backend=backend)
-            h = _gen(seed, rank, counts[rank], (hidden,), dtype, device)
-            r = _gen(seed + 1, rank, counts[rank], (hidden,), dtype, device)
-            full, res = comm.prepare_mlp(h, r, layout)
-            partial = comm.mlp_output_buffer(layout, full)
-            if backend == "p2p" and partial.data_ptr() != transport.reduce_buffer(layout, compact).data_ptr():
-                return "mlp_output_buffer is not the transport's reduce buffer on the P2P backend"
-            torch.mul(full, rank + 1, out=partial)  # the MoE writes its partials in place
-            out, _ = comm.postprocess_layer(partial, res, layout)
-            results[backend] = (full.clone(), out.clone())
-        if not torch.equal(results["p2p"][0], results["nccl"][0]):
-            return f"communicator gather differs between P2P and NCCL ({layout}, compact={compact})"
-        if not torch.allclose(results["p2p"][1].float(), results["nccl"][1].float(), rtol=2e-2, atol=2e-2):
-            return f"communicator reduce-scatter differs between P2P and NCCL ({layout}, compact={compact})"
+        comm = nsa_cp.NSACPLayerCommunicator(None, norm, norm, compact=compact, backend="p2p")
+        h = _gen(seed, rank, counts[rank], (hidden,), dtype, device)
+        r = _gen(seed + 1, rank, counts[rank], (hidden,), dtype, device)
+        local, _ = comm.prepare_mlp(h, r, None)
+        shards = [None] * world
+        dist.all_gather_object(shards, local.cpu())
+        want = _expected_gather(shards, layout, compact)
+        transport._gather.fill_(float("nan"))
+        full, res = comm.prepare_mlp(h, r, layout)
+        partial = comm.mlp_output_buffer(layout, full)
+        if partial.data_ptr() != transport.reduce_buffer(layout, compact).data_ptr():
+            return "mlp_output_buffer is not the transport's reduce buffer on the P2P backend"
+        if not torch.equal(full.cpu(), want):
+            return f"communicator gather differs from the oracle ({layout}, compact={compact})"
+        torch.mul(full, rank + 1, out=partial)  # the MoE writes its partials in place
+        out, _ = comm.postprocess_layer(partial, res, layout)
+        start, stop = layout.rows(rank, compact)
+        problem = _check_sum(out.cpu(), [want[start:stop] * (q + 1) for q in range(world)], dtype)
+        if problem:
+            return f"communicator reduce-scatter ({layout}, compact={compact}): {problem}"
     return None
 
 
@@ -254,7 +275,7 @@ def check_timeout(rank, world, device) -> Optional[str]:
 
 
 def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     results: Dict[str, object] = {}
     info: Dict[str, object] = {}
     reason = p2p.p2p_unavailable_reason(None, device)
@@ -284,6 +305,8 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
         run(f"stress-{tag}", check_stress, transport, rank, world, device)
         run(f"graph-{tag}", check_graph_replay, transport, rank, world, device)
         run(f"capacity-{tag}", check_capacity_errors, transport, rank, world, device)
+        if not shared_gpu():
+            run(f"capacity-fallback-{tag}", check_capacity_fallback, transport, rank, world, device)
         run(f"communicator-{tag}", check_communicator, transport, rank, world, device)
         p2p.destroy_p2p(None)
     if world > 1:

@@ -7,6 +7,7 @@
   bypass and ``torch.library.opcheck`` (see compile_cases.py).
 * The fake implementations alone, under FakeTensorMode, without a process group.
 * NCCL, world 2, bf16, Inductor: the same checks plus the P2P backend; needs >= 2 CUDA GPUs.
+* On a machine with one GPU: the P2P cases (bf16, Inductor) with two ranks sharing the GPU over gloo.
 """
 
 import contextlib
@@ -38,6 +39,7 @@ if _inductor_cpu_reason() is not None:  # reported as skips, not run
 else:
     _SKIPPED_CPU = []
 GPU_CASES = compile_cases.make_cases(("inductor",), p2p=True)
+SHARED_GPU_CASES = [c for c in GPU_CASES if c["op"] == "p2p"]
 
 
 @contextlib.contextmanager
@@ -63,6 +65,9 @@ def _world_results(device):
         if device == "cpu":
             return run_world(2, "gloo", compile_cases.run_compile_cases,
                              {"device": "cpu", "dtype": "fp32", "cases": CPU_CASES}, timeout_s=300)
+        if device == "shared-gpu":
+            return run_world(2, "gloo-shared-gpu", compile_cases.run_compile_cases,
+                             {"device": "cuda", "dtype": "bf16", "cases": SHARED_GPU_CASES}, timeout_s=600)
         return run_world(2, "nccl", compile_cases.run_compile_cases,
                          {"device": "cuda", "dtype": "bf16", "cases": GPU_CASES}, timeout_s=600)
 
@@ -87,6 +92,13 @@ def test_compile_gloo(case_id):
 @pytest.mark.parametrize("case_id", [c["id"] for c in GPU_CASES])
 def test_compile_nccl(case_id):
     _check("cuda", case_id)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS != 1, reason=f"for a machine with exactly one CUDA GPU (found {GPUS}); more run test_compile_nccl")
+@pytest.mark.parametrize("case_id", [c["id"] for c in SHARED_GPU_CASES])
+def test_compile_p2p_shared_gpu(case_id):
+    _check("shared-gpu", case_id)
 
 
 # --------------------------------------------------------------------------- fakes, no process group

@@ -1,7 +1,7 @@
 """The intranode P2P transport on real GPUs: both engines, both layouts, back-to-back calls, a stress run
 with injected delays, CUDA-graph replays with changing counts, capacity errors and a peer that never
-arrives. Needs CUDA GPUs with peer access and nsa_cp._C (on one GPU: one rank, no timeout check); skips
-cleanly, saying why, otherwise.
+arrives. Needs CUDA GPUs with peer access and nsa_cp._C (on one GPU: one rank over NCCL, and two ranks
+sharing the GPU over gloo); skips cleanly, saying why, otherwise.
 """
 
 import functools
@@ -15,9 +15,11 @@ from dist_harness import case_failures, run_world
 from nsa_cp import _native
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-# one GPU still runs the transport end to end with a single rank (its own buffers, kernels, graphs);
-# the peer-never-arrives check needs a peer
-WORLD_SIZES = [w for w in (2, 4, 8) if w <= GPUS] or ([1] if GPUS == 1 else [])
+# (world size, process-group backend). One GPU per rank where there are enough GPUs; on a machine with one
+# GPU, one rank over NCCL (its own buffers, kernels, graphs) and two ranks sharing the GPU over gloo: the
+# cross-process protocol (symmetric memory through CUDA IPC, signals, reuse safety under a delayed rank,
+# the peer-never-arrives timeout) without NVLink and without the NCCL comparisons.
+WORLDS = [(w, "nccl") for w in (2, 4, 8) if w <= GPUS] or ([(1, "nccl"), (2, "gloo-shared-gpu")] if GPUS == 1 else [])
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,32 +32,42 @@ PAYLOAD = {
     "shapes": [(7168, torch.bfloat16), (36, torch.bfloat16), (35, torch.bfloat16), (100, torch.float32)],
     "max_tokens": 96,
 }
+_TAGS = [f"{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"]]
 CHECKS = (
-    [f"gather-{h}-{str(d).split('.')[-1]}-{e}-{lay}" for h, d in PAYLOAD["shapes"] for e in ("sm", "ce") for lay in ("padded", "compact")]
-    + [f"scatter-{h}-{str(d).split('.')[-1]}-{lay}" for h, d in PAYLOAD["shapes"] for lay in ("padded", "compact")]
-    + [f"{k}-{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"] for k in ("stress", "graph", "capacity", "communicator")]
+    [f"gather-{t}-{e}-{lay}" for t in _TAGS for e in ("sm", "ce") for lay in ("padded", "compact")]
+    + [f"scatter-{t}-{lay}" for t in _TAGS for lay in ("padded", "compact")]
+    + [f"{k}-{t}" for t in _TAGS for k in ("stress", "graph", "capacity", "communicator")]
 )
+NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling back to NCCL
+
+
+def _params():
+    for world, backend in WORLDS or [(2, "nccl")]:
+        name = f"w{world}" + ("-shared-gpu" if backend != "nccl" else "")
+        for check in CHECKS + (["timeout"] if world > 1 else []):
+            yield pytest.param(world, backend, check, id=f"{name}-{check}")
+        for check in NCCL_ONLY:
+            marks = [] if backend == "nccl" else [pytest.mark.skip(reason="needs NCCL; the ranks share one GPU")]
+            yield pytest.param(world, backend, check, id=f"{name}-{check}", marks=marks)
 
 
 @functools.lru_cache(maxsize=None)
-def _world_results(world):
-    return run_world(world, "nccl", p2p_cases.run_p2p_checks, PAYLOAD, timeout_s=900)
+def _world_results(world, backend):
+    return run_world(world, backend, p2p_cases.run_p2p_checks, PAYLOAD, timeout_s=900)
 
 
-@pytest.mark.parametrize("world,check", [
-    pytest.param(w, c, id=f"w{w}-{c}") for w in (WORLD_SIZES or [2]) for c in CHECKS + (["timeout"] if w > 1 else [])
-])
-def test_p2p(world, check):
-    failures = case_failures(_world_results(world), check)
+@pytest.mark.parametrize("world,backend,check", list(_params()))
+def test_p2p(world, backend, check):
+    failures = case_failures(_world_results(world, backend), check)
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES or [2])
-def test_report_reduce_scatter_accuracy(world, capsys):
+@pytest.mark.parametrize("world,backend", WORLDS or [(2, "nccl")])
+def test_report_reduce_scatter_accuracy(world, backend, capsys):
     """Not a pass/fail on accuracy beyond the bound checked above: prints P2P (fp32 accumulation) vs
     NCCL (bf16) max relative error against fp64, for the GPU run record."""
-    per_rank = _world_results(world)
+    per_rank = _world_results(world, backend)
     assert all("__world__" not in r for r in per_rank), per_rank
     with capsys.disabled():
         for rank, result in enumerate(per_rank):
-            print(f"\n[rs-accuracy] world {world} rank {rank}: {json.dumps(result['__info__'])}")
+            print(f"\n[rs-accuracy] world {world} {backend} rank {rank}: {json.dumps(result['__info__'])}")
