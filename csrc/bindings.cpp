@@ -62,6 +62,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("can_access_peer", &nsa_cp::can_access_peer, py::arg("device"), py::arg("peer"),
         "True if `device` can map memory of `peer` (cudaDeviceCanAccessPeer; a device reaches itself).\n"
         "Raises RuntimeError without a GPU, ValueError for negative indices.");
+  m.def("enable_peer_access", &nsa_cp::enable_peer_access, py::arg("device"), py::arg("peer"),
+        "Let kernels on `device` access memory of `peer` (cudaDeviceEnablePeerAccess; idempotent, a no-op\n"
+        "for device == peer). Raises RuntimeError without a GPU, ValueError for negative indices.");
   m.def("runtime_version", &nsa_cp::runtime_version,
         "CUDA runtime linked into the module (statically), e.g. 13000 for 13.0.");
   m.def("driver_version", &nsa_cp::driver_version, "CUDA version the driver supports, e.g. 13000; 0 without one.");

@@ -50,6 +50,7 @@ void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t buf
 int device_count();                 // 0 when there is no driver or no device; throws on other errors
 std::string device_status();        // "ok", or why device_count() is 0 / failed ("cudaErrorNoDevice: ...")
 bool can_access_peer(int device, int peer);
+void enable_peer_access(int device, int peer);  // kernels on `device` may touch `peer`'s memory; idempotent
 std::pair<uint64_t, uint64_t> alloc_host_mapped_u32(int64_t n);  // (host pointer, device pointer), zeroed
 void free_host_mapped(uint64_t host_ptr);
 uint32_t read_u32(uint64_t host_ptr, int64_t index);

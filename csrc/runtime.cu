@@ -68,6 +68,20 @@ bool can_access_peer(int device, int peer) {
   return ok != 0;
 }
 
+void enable_peer_access(int device, int peer) {
+  constexpr const char* fn = "enable_peer_access";
+  require(device >= 0 && peer >= 0, fn,
+          "device indices must be >= 0, got " + std::to_string(device) + ", " + std::to_string(peer));
+  if (device == peer) return;
+  int previous = 0;
+  check_cuda(cudaGetDevice(&previous), fn, "cudaGetDevice");
+  check_cuda(cudaSetDevice(device), fn, "cudaSetDevice");
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();  // idempotent; clear the (non-sticky) error
+  cudaSetDevice(previous);
+  if (e != cudaErrorPeerAccessAlreadyEnabled) check_cuda(e, fn, "cudaDeviceEnablePeerAccess");
+}
+
 std::pair<uint64_t, uint64_t> alloc_host_mapped_u32(int64_t n) {
   constexpr const char* fn = "alloc_host_mapped_u32";
   require(n > 0 && n <= (int64_t{1} << 30), fn, "n must be in [1, 2^30], got " + std::to_string(n));

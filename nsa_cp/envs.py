@@ -94,6 +94,12 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         _int("NSA_CP_P2P_CE_MIN_BYTES", 1 << 62),
         "with NSA_CP_P2P_ENGINE=auto: a rank slot of at least this many bytes takes the copy engine",
     ),
+    "NSA_CP_P2P_MEMORY": (
+        _choice("NSA_CP_P2P_MEMORY", "auto", ("auto", "symm_mem", "cuda_ipc")),
+        "how the P2P transport maps its peers' buffers: 'symm_mem' (torch symmetric memory), 'cuda_ipc' "
+        "(CUDA IPC handles of ordinary allocations, as torch.multiprocessing shares them; also serves "
+        "ranks that share a GPU), or 'auto': symm_mem unless two ranks of the group share a GPU",
+    ),
     "NSA_CP_P2P_TIMEOUT_MS": (
         _int("NSA_CP_P2P_TIMEOUT_MS", 60_000),
         "how long a P2P call waits for a peer before it gives up and reports P2PTimeoutError "

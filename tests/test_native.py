@@ -127,6 +127,7 @@ FUNCTIONS = [
     "device_count",
     "device_status",
     "can_access_peer",
+    "enable_peer_access",
     "runtime_version",
     "driver_version",
     "kernel_info",
@@ -178,7 +179,8 @@ def test_without_gpu_queries_fail_cleanly():
     assert _C.device_count() == 0
     assert _C.device_status().startswith("cudaError")
     assert _C.driver_version() >= 0
-    for call in (lambda: _C.alloc_host_mapped_u32(4), lambda: _C.can_access_peer(0, 1), _C.kernel_info):
+    for call in (lambda: _C.alloc_host_mapped_u32(4), lambda: _C.can_access_peer(0, 1),
+                 lambda: _C.enable_peer_access(0, 1), _C.kernel_info):
         with pytest.raises(RuntimeError, match="cudaError"):
             call()
 
@@ -192,7 +194,10 @@ def test_host_mapped_checks_need_no_gpu():
             call()
     with pytest.raises(ValueError, match=">= 0"):
         _C.can_access_peer(-1, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        _C.enable_peer_access(0, -1)
     assert _C.can_access_peer(3, 3) is True  # a device reaches itself: no CUDA call
+    assert _C.enable_peer_access(3, 3) is None  # nothing to enable
 
 
 # Valid-looking arguments (fake addresses: validation never dereferences them).

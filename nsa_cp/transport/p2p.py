@@ -2,11 +2,14 @@
 
 Design record
 -------------
-Buffers. At construction every rank allocates, through ``torch.distributed._symmetric_memory``, three
-symmetric tensors and exchanges their addresses (``rendezvous``): a gather buffer and a reduce buffer of
-``cp_size * max_tokens_per_rank`` rows of ``hidden_size`` elements each, and a small signal area. All
-sizes are fixed up front (before any CUDA-graph capture) and never regrown: a layout that needs more
-raises ValueError naming both numbers and the setting to raise.
+Buffers. At construction every rank allocates three peer-mapped tensors and exchanges their addresses:
+a gather buffer and a reduce buffer of ``cp_size * max_tokens_per_rank`` rows of ``hidden_size``
+elements each, and a small signal area. They come from ``torch.distributed._symmetric_memory``
+(``empty`` + ``rendezvous``), or, with NSA_CP_P2P_MEMORY=cuda_ipc or when two ranks share a GPU (which
+symmetric memory refuses), from ordinary allocations whose CUDA IPC handles go round the group (as
+torch.multiprocessing shares CUDA tensors). The kernels see raw pointers either way. All sizes are fixed
+up front (before any CUDA-graph capture) and never regrown: a layout that needs more raises ValueError
+naming both numbers and the setting to raise.
 
 Gather (``all_gather``). Every rank writes its ``n_r`` rows into every rank's gather buffer at its slot
 (padded: ``r*M``; compact: ``offsets[r]``) and zeroes the padding rows of its own buffer locally, so no
@@ -95,11 +98,64 @@ def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=Non
 
 
 def _symmetric(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, group):
+    """A symmetric-memory tensor and its handle (``buffer_ptrs``, ``get_buffer``)."""
     from torch.distributed import _symmetric_memory as symm_mem
 
     tensor = symm_mem.empty(*shape, dtype=dtype, device=device)
     handle = symm_mem.rendezvous(tensor, dist.group.WORLD if group is None else group)
     return tensor, handle
+
+
+class _IpcPeers:
+    """The peers' copies of one allocation, opened from their CUDA IPC handles; the same two members
+    of a symmetric-memory handle that the transport uses (``buffer_ptrs``, ``get_buffer``)."""
+
+    def __init__(self, tensors):
+        self._tensors = tensors  # rank -> tensor; keeps the peers' mappings open
+        self.buffer_ptrs = [t.data_ptr() for t in tensors]
+
+    def get_buffer(self, peer: int, shape, dtype: torch.dtype, offset: int) -> torch.Tensor:
+        flat = self._tensors[peer].view(-1).view(torch.uint8)[offset:]
+        return flat[: math.prod(shape) * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+
+
+def _cuda_ipc(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, group):
+    """An ordinary allocation shared through CUDA IPC: torch.multiprocessing's reduction of a CUDA
+    tensor (IPC handle, offset in its allocator block, a ref counter) goes round the group and each rank
+    rebuilds its peers' tensors, mapped into its own address space. Peer access to the peers' devices
+    is enabled first (a rank sharing our GPU needs none)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, reduce_tensor(tensor), group=group)
+    rank = dist.get_rank(group)
+    peers = []
+    with torch.cuda.device(device):
+        for q, (rebuild, args) in enumerate(everyone):
+            if q != rank:
+                _native.load().enable_peer_access(device.index, _rebuild_device_index(rebuild, args))
+            peers.append(tensor if q == rank else rebuild(*args))
+    return tensor, _IpcPeers(peers)
+
+
+def _rebuild_device_index(rebuild, args) -> int:
+    """The owner's device index among torch.multiprocessing's rebuild_cuda_tensor arguments (found by
+    name, so a reordering across torch versions fails loudly rather than picking another field)."""
+    import inspect
+
+    return int(args[list(inspect.signature(rebuild).parameters).index("storage_device")])
+
+
+def _memory_kind(group, device: torch.device) -> str:
+    """'symm_mem' or 'cuda_ipc' (collective): NSA_CP_P2P_MEMORY, with 'auto' taking CUDA IPC only when
+    two ranks share a GPU, which symmetric memory refuses."""
+    setting = envs.NSA_CP_P2P_MEMORY
+    indices = [None] * dist.get_world_size(group)
+    dist.all_gather_object(indices, device.index, group=group)
+    if setting == "auto":
+        return "cuda_ipc" if len(set(indices)) < len(indices) else "symm_mem"
+    return setting
 
 
 class P2PTransport:
@@ -157,9 +213,11 @@ class P2PTransport:
             workspace_bytes, self.world, self.max_tokens_per_rank, self.hidden_size, dtype
         )
         handles = {}
+        self.memory = _memory_kind(group, self.device)
+        share = _symmetric if self.memory == "symm_mem" else _cuda_ipc
 
         def symmetric(entry):
-            tensor, handles[entry.name] = _symmetric(entry.shape, entry.dtype, self.device, group)
+            tensor, handles[entry.name] = share(entry.shape, entry.dtype, self.device, group)
             return tensor
 
         def local(entry):
@@ -183,9 +241,9 @@ class P2PTransport:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # every rank's signal area is zero before anyone signals
         logger.info(
-            "nsa_cp P2P transport: rank %d/%d, %d tokens/rank x %d x %s, %.1f MiB symmetric per buffer",
+            "nsa_cp P2P transport: rank %d/%d, %d tokens/rank x %d x %s, %.1f MiB per buffer (%s)",
             self.rank, self.world, self.max_tokens_per_rank, self.hidden_size, dtype,
-            self._gather.numel() * self._gather.element_size() / 2**20,
+            self._gather.numel() * self._gather.element_size() / 2**20, self.memory,
         )
 
     # ------------------------------------------------------------------ sizing and checks
