@@ -34,6 +34,14 @@ def _median_us(fn, calls):
     return statistics.median(samples)
 
 
+def _flags_setitem(world, rank, device):
+    flags = torch.zeros(2 + world, dtype=torch.int64, device=device)
+    flags[0] = 1
+    flags[1] = -1
+    flags[2 + rank] = 0
+    return flags
+
+
 def worker(rank, world, args):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -41,7 +49,7 @@ def worker(rank, world, args):
     store = dist.FileStore(args.store, world)
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import nsa_cp
-    from nsa_cp import collectives
+    from nsa_cp import collectives, validation
     from nsa_cp.kernels import pack
     from nsa_cp.transport import nccl
 
@@ -57,6 +65,7 @@ def worker(rank, world, args):
     out = torch.empty(layout.padded_len, h, device="cuda", dtype=torch.bfloat16)
     slot = out[rank * m:(rank + 1) * m]
     count = layout.device_tensors(x.device)[0][rank]
+    flags = torch.zeros(2 + world, dtype=torch.int64, device=x.device)
     pieces = {
         "cp_all_gather padded uneven": lambda: nsa_cp.cp_all_gather(x, layout),
         "cp_all_gather even": lambda: nsa_cp.cp_all_gather(xe, even),
@@ -69,6 +78,12 @@ def worker(rank, world, args):
         "group_rank_and_size": lambda: nccl.group_rank_and_size(None),
         "input checks": lambda: (collectives._check_layout(layout, world), collectives._check_input("x", x, counts[rank], "rows"), collectives._check_out(out, out.shape, x)),
         "device_tensors lookup": lambda: layout.device_tensors(x.device)[0][rank],
+        # the pieces of validate=True (nsa_cp/validation.py): what one agreement costs on the host
+        "validation.agree alone": lambda: validation.agree("cp_all_gather", layout, None, rank, world, x.device, None, "sig"),
+        "  flags: zeros + 3 setitems": lambda: _flags_setitem(world, rank, x.device),
+        "  flags: host list, one copy": lambda: torch.tensor([1, -1] + [0] * world, dtype=torch.int64).to(x.device),
+        "  all_reduce int64[2+P]": lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX),
+        "  .tolist() of int64[2+P]": lambda: flags.tolist(),
     }
     for fn in pieces.values():
         for _ in range(5):
