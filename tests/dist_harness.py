@@ -103,8 +103,11 @@ def _entry(rank, world_size, backend, store_path, fn, payload, results):
 
 
 def run_world(
-    world_size: int, backend: str, fn: Callable, payload: Any, timeout_s: float = 600.0
+    world_size: int, backend: str, fn: Callable, payload: Any, timeout_s: float = 600.0, may_exit=()
 ) -> List[Results]:
+    """Run ``fn`` on every rank; ``timeout_s`` is the longest wait for the next rank's result. A rank in
+    ``may_exit`` may leave without a result (a test of a dying peer): its result is then
+    ``{"__exited__": exit code}``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,9 +124,19 @@ def run_world(
             proc.start()
         per_rank: Dict[int, Results] = {}
         try:
+            deadline = time.monotonic() + timeout_s
             while len(per_rank) < world_size:
-                rank, result = results.get(timeout=timeout_s)
+                try:
+                    rank, result = results.get(timeout=1.0 if may_exit else timeout_s)
+                except queue.Empty:
+                    for rank in may_exit:
+                        if rank not in per_rank and procs[rank].exitcode is not None:
+                            per_rank[rank] = {"__exited__": procs[rank].exitcode}
+                    if time.monotonic() < deadline:
+                        continue
+                    raise
                 per_rank[rank] = result
+                deadline = time.monotonic() + timeout_s
         except queue.Empty:
             missing = sorted(set(range(world_size)) - set(per_rank))
             for rank in missing:

@@ -248,30 +248,60 @@ def check_timeout(rank, world, device) -> Optional[str]:
     """Rank 0 calls, the others never do: rank 0's call ends in P2PTimeoutError naming the peer."""
     transport = p2p.P2PTransport(None, 64, 256, torch.bfloat16, device, timeout_ms=1500)
     layout = nsa_cp.ShardLayout([8] * world)
-    result = None
-    if rank == 0:
-        t0 = time.time()
-        transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False, engine="sm")
-        torch.cuda.synchronize()
-        waited = time.time() - t0
-        try:
-            transport.check_error()
-            result = "no P2PTimeoutError after a peer never arrived"
-        except p2p.P2PTimeoutError as err:
-            text = str(err)
-            if "rank 1" not in text or "all-gather" not in text or "rank 0" not in text:
-                result = f"timeout error does not name the call and ranks: {text}"
-            elif waited > 30:
-                result = f"timed out only after {waited:.1f} s"
-        try:
-            transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False)
-            result = result or "a broken transport accepted another call"
-        except p2p.P2PTimeoutError:
-            pass
+    result = _expect_timeout(transport, layout, device) if rank == 0 else None
     torch.cuda.synchronize()
     dist.barrier()
     transport.close()
     return result
+
+
+def _expect_timeout(transport, layout, device, waited_limit_s=30.0) -> Optional[str]:
+    """Rank 0's gather whose peer never comes: P2PTimeoutError naming the call and both ranks, in time;
+    then the broken transport refuses the next call."""
+    t0 = time.time()
+    transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False, engine="sm")
+    torch.cuda.synchronize()
+    waited = time.time() - t0
+    result = None
+    try:
+        transport.check_error()
+        result = "no P2PTimeoutError after a peer never arrived"
+    except p2p.P2PTimeoutError as err:
+        text = str(err)
+        if "rank 1" not in text or "all-gather" not in text or "rank 0" not in text:
+            result = f"timeout error does not name the call and ranks: {text}"
+        elif waited > waited_limit_s:
+            result = f"timed out only after {waited:.1f} s"
+    try:
+        transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False)
+        result = result or "a broken transport accepted another call"
+    except p2p.P2PTimeoutError:
+        pass
+    return result
+
+
+def run_peer_dies(rank: int, world: int, payload: dict) -> Dict[str, object]:
+    """World 2: one good gather, then rank 1's process exits without a word (os._exit) and rank 0's next
+    gather must end in P2PTimeoutError, not hang or crash. Only rank 0 reports (under "peer-dies")."""
+    import os
+
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    transport = p2p.P2PTransport(None, 64, 256, torch.bfloat16, device, timeout_ms=1500)
+    layout = nsa_cp.ShardLayout([8] * world)
+    shards = [_gen(21, q, 8, (256,), torch.bfloat16, "cpu") for q in range(world)]
+    got = transport.all_gather(shards[rank].to(device), layout, compact=False, engine="sm").cpu()
+    transport.check_error()
+    first = None if torch.equal(got, _expected_gather(shards, layout, False)) else "the first gather (both alive) differs"
+    rank_log(f"peer-dies: memory {transport.memory}, first gather {'ok' if first is None else first}")
+    dist.barrier()
+    if rank == 1:
+        rank_log("peer-dies: exiting now")
+        os._exit(0)
+    time.sleep(1.0)  # the peer is gone
+    problem = first or _expect_timeout(transport, layout, device)
+    rank_log(f"peer-dies: {'ok' if problem is None else 'FAILED ' + problem}")
+    return {"peer-dies": problem, "__info__": {"memory": transport.memory}}
 
 
 def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:

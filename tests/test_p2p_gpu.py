@@ -62,6 +62,19 @@ def test_p2p(world, backend, check):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.skipif(not any(w == 2 for w, _ in WORLDS), reason="needs a 2-rank world")
+def test_peer_dies():
+    """A peer process that exits mid-run: the survivor's next call ends in P2PTimeoutError. The group is
+    gloo either way, so that the dead rank cannot take a NCCL communicator down with it."""
+    backend = dict((w, b) for w, b in WORLDS)[2]
+    per_rank = run_world(2, "gloo" if backend == "nccl" else backend, p2p_cases.run_peer_dies, {},
+                         timeout_s=300, may_exit=(1,))
+    assert per_rank[1] == {"__exited__": 0}, per_rank[1]
+    failures = case_failures(per_rank[:1], "peer-dies")
+    assert not failures, "\n".join(failures)
+    print(f"peer-dies: peers' buffers mapped through {per_rank[0]['__info__']['memory']}")
+
+
 @pytest.mark.parametrize("world,backend", WORLDS or [(2, "nccl")])
 def test_report_reduce_scatter_accuracy(world, backend, capsys):
     """Not a pass/fail on accuracy beyond the bound checked above: prints P2P (fp32 accumulation) vs
