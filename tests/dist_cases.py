@@ -450,27 +450,40 @@ def _run_bucket(case, rank, world, group, device, nsa_cp) -> Optional[str]:
 
 
 def _run_p2p_fallback(case, rank, world, group, device, nsa_cp) -> Optional[str]:
-    """Asking the communicator for a P2P transport where there is none (gloo/CPU here): backend "auto"
-    falls back to the NCCL/gloo path on every rank, backend "p2p" raises RuntimeError with the reason."""
+    """The communicator asked for a P2P transport on a gloo group with CPU tensors. Where P2P is
+    unavailable (no GPU or no nsa_cp._C: CI) nothing is registered, backend "auto" falls back on every
+    rank and backend "p2p" raises RuntimeError with the reason. Where it is available (a GPU machine:
+    the ranks then share cuda:0 through CUDA IPC) the transport is registered and the CPU tensors still
+    take the gloo path. Either way the gathered rows are exact."""
+    from nsa_cp.transport import p2p
+
+    reason = p2p.p2p_unavailable_reason(group)  # collective: the same verdict on every rank
     norm = nsa_cp.RMSNorm(16)
-    comm = nsa_cp.NSACPLayerCommunicator(group, norm, norm, p2p_max_tokens_per_rank=8, hidden_size=16,
-                                         dtype=torch.float32)
-    if nsa_cp.get_p2p(group) is not None:
-        return "a P2P transport was registered on a CPU group"
-    layout = nsa_cp.ShardLayout(case["counts"])
-    shards = [_gen(9, q, n, (16,), torch.float32, "cpu") for q, n in enumerate(case["counts"])]
-    with torch.no_grad():
-        full, _ = comm.prepare_mlp(shards[rank].to(device), torch.zeros_like(shards[rank]).to(device), layout)
-    if full.shape[0] != layout.padded_len:
-        return f"fallback gather has {full.shape[0]} rows, expected {layout.padded_len}"
     try:
-        nsa_cp.NSACPLayerCommunicator(group, norm, norm, backend="p2p", p2p_max_tokens_per_rank=8,
-                                      hidden_size=16, dtype=torch.float32)
-    except RuntimeError as err:
-        if "unavailable" not in str(err):
-            return f"backend='p2p' raised without saying why: {err}"
-        return None
-    return "backend='p2p' without a usable transport did not raise"
+        comm = nsa_cp.NSACPLayerCommunicator(group, norm, norm, p2p_max_tokens_per_rank=8, hidden_size=16,
+                                             dtype=torch.float32)
+        registered = nsa_cp.get_p2p(group) is not None
+        if registered != (reason is None):
+            return f"P2P unavailable reason {reason!r}, yet a transport registered: {registered}"
+        layout = nsa_cp.ShardLayout(case["counts"])
+        shards = [_gen(9, q, n, (16,), torch.float32, "cpu") for q, n in enumerate(case["counts"])]
+        with torch.no_grad():
+            full, _ = comm.prepare_mlp(shards[rank].to(device), torch.zeros_like(shards[rank]).to(device), layout)
+            want = _expected_gather([norm(s) for s in shards], layout, False)
+        if not torch.equal(full.cpu(), want):
+            return f"fallback gather differs from the oracle ({layout})"
+        if reason is None:
+            return None
+        try:
+            nsa_cp.NSACPLayerCommunicator(group, norm, norm, backend="p2p", p2p_max_tokens_per_rank=8,
+                                          hidden_size=16, dtype=torch.float32)
+        except RuntimeError as err:
+            if "unavailable" not in str(err):
+                return f"backend='p2p' raised without saying why: {err}"
+            return None
+        return "backend='p2p' without a usable transport did not raise"
+    finally:
+        nsa_cp.destroy_p2p(group)  # later cases expect no transport
 
 
 def _run_p2p_memory_kind(case, rank, world, group, device, nsa_cp) -> Optional[str]:
