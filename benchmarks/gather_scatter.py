@@ -681,7 +681,9 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
     stats = {}
     for group in ([m for m in active if not m.syncs_host], [m for m in active if m.syncs_host]):
         if group:
-            stats.update(time_methods(ctx, group, bufsets, args.rounds, args.warmup, ahead=not args.cold))
+            # a syncing method cannot run ahead: no head-start sleep, which it would only wait out
+            ahead = not args.cold and not group[0].syncs_host
+            stats.update(time_methods(ctx, group, bufsets, args.rounds, args.warmup, ahead=ahead))
     del bufsets
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()

@@ -42,6 +42,15 @@ def _flags_setitem(world, rank, device):
     return flags
 
 
+def _pack_and_gather(x, layout, rank, count, pack, nccl):
+    """What the uneven padded gather does, without the API around it."""
+    m = layout.max_rank_len
+    out = x.new_empty((layout.padded_len, *x.shape[1:]))
+    pack.pack_into_slot(x, out[rank * m:(rank + 1) * m], count)
+    nccl.all_gather_equal(out, out[rank * m:(rank + 1) * m], None)
+    return out
+
+
 def worker(rank, world, args):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -70,6 +79,8 @@ def worker(rank, world, args):
         "cp_all_gather padded uneven": lambda: nsa_cp.cp_all_gather(x, layout),
         "cp_all_gather even": lambda: nsa_cp.cp_all_gather(xe, even),
         "cp_all_gather uneven, validate=True": lambda: nsa_cp.cp_all_gather(x, layout, validate=True),
+        "cp_all_gather padded uneven, out=": lambda: nsa_cp.cp_all_gather(x, layout, out=out),
+        "new_empty + pack + bare all_gather": lambda: _pack_and_gather(x, layout, rank, count, pack, nccl),
         "cp_reduce_scatter padded uneven": lambda: nsa_cp.cp_reduce_scatter(out, layout),
         "triton pack launch": lambda: pack.pack_into_slot(x, slot, count),
         "torch copy_+zero_ (2 kernels)": lambda: (slot[: counts[rank]].copy_(x), slot[counts[rank]:].zero_()),
@@ -104,7 +115,8 @@ def worker(rank, world, args):
             print(f"  {name:<34}{us:9.1f}")
         stream = io.StringIO()
         pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(18)
-        print(stream.getvalue()[-4000:])
+        pstats.Stats(prof, stream=stream).sort_stats("cumulative").print_stats(25)
+        print(stream.getvalue()[-9000:])
     dist.barrier()
     dist.destroy_process_group()
 
