@@ -36,8 +36,8 @@ def worker(rank, world, args):
     layout = nsa_cp.ShardLayout([m] * world)
     x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
     out = torch.empty(world * m, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    zeros = (torch.zeros(world, dtype=torch.int32, device="cuda"),
-             torch.arange(world, dtype=torch.int32, device="cuda") * m)
+    zeros = (torch.zeros(world, dtype=torch.int32, device="cuda"),  # compact counts and offsets: all 0
+             torch.zeros(world, dtype=torch.int32, device="cuda"))
     chosen = transport._blocks(m * transport._row_bytes * world)
     default_blocks = transport._blocks
 
