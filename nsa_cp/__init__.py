@@ -19,7 +19,7 @@ from .communicator import NSACPLayerCommunicator
 from .layout import ShardLayout
 from .norm import RMSNorm
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
-from .transport.p2p import P2PTimeoutError, destroy_p2p, get_p2p, init_p2p
+from .transport.p2p import P2PError, P2PTimeoutError, destroy_p2p, get_p2p, init_p2p
 from .validation import LayoutMismatchError
 from .workspace import workspace_bytes
 
@@ -37,6 +37,7 @@ __all__ = [
     "init_p2p",
     "get_p2p",
     "destroy_p2p",
+    "P2PError",
     "P2PTimeoutError",
     "LayoutMismatchError",
     "workspace_bytes",

@@ -50,7 +50,7 @@ from ..layout import ShardLayout
 
 logger = logging.getLogger("nsa_cp")
 
-__all__ = ["P2PTransport", "P2PTimeoutError", "p2p_unavailable_reason"]
+__all__ = ["P2PTransport", "P2PError", "P2PTimeoutError", "p2p_unavailable_reason", "describe_error"]
 
 _CHANNEL_GATHER = 0
 _CHANNEL_SCATTER = 1
@@ -60,8 +60,32 @@ _PHASE_NAMES = ("entry barrier", "done barrier")
 _CHANNEL_NAMES = ("all-gather", "reduce-scatter")
 
 
-class P2PTimeoutError(RuntimeError):
+class P2PError(RuntimeError):
+    """A P2P call failed on the device (its error record was set); the transport is unusable after it."""
+
+
+class P2PTimeoutError(P2PError):
     """A peer never arrived at a P2P call within NSA_CP_P2P_TIMEOUT_MS."""
+
+
+_ERR_TIMEOUT, _ERR_BAD_DEVICE_ARG = 1, 2  # csrc/ops.h kErrTimeout, kErrBadDeviceArg
+
+
+def describe_error(code: int, slot: int, peer: int, epoch: int, rank: int, timeout_ms: float) -> str:
+    """The message of a P2P call's device-side error record (csrc/common.cuh): what failed, where, why."""
+    channel, phase = divmod(slot, 2)
+    call = _CHANNEL_NAMES[channel] if channel < len(_CHANNEL_NAMES) else f"channel {channel}"
+    where = f"nsa_cp P2P {call} (call #{epoch}"
+    if code == _ERR_TIMEOUT:
+        what = (f"{where}, {_PHASE_NAMES[phase]}) on rank {rank} timed out: rank {peer} never arrived within "
+                f"{timeout_ms:.0f} ms (NSA_CP_P2P_TIMEOUT_MS).")
+    elif code == _ERR_BAD_DEVICE_ARG:
+        what = (f"{where}) on rank {rank} rejected the device-side geometry of rank {peer}: a count outside "
+                f"[0, max_rank_len], compact offsets that are not the prefix sum of the counts, or a null or "
+                f"misaligned buffer (check device_counts). No rows were moved.")
+    else:
+        what = f"{where}) on rank {rank} failed with unknown error code {code} (peer {peer})."
+    return what + " The transport is unusable; results of that call and later ones are invalid."
 
 
 def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=None) -> Optional[str]:
@@ -205,7 +229,7 @@ class P2PTransport:
         self.capacity_rows = self.world * self.max_tokens_per_rank
         self._row_bytes = self.hidden_size * torch.empty((), dtype=dtype).element_size()
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._broken: Optional[str] = None
+        self._broken = None  # (exception class, message) once a call failed on the device
 
         # every device buffer comes from the plan, so nsa_cp.workspace_bytes() is exact
         plan = workspace.workspace_plan(self.world, self.max_tokens_per_rank, self.hidden_size, dtype)
@@ -278,22 +302,17 @@ class P2PTransport:
             raise ValueError(f"{name}: expected device {self.device} (the P2P transport's), got {t.device}")
 
     def check_error(self) -> None:
-        """Raise P2PTimeoutError if an earlier call timed out (reads host-mapped memory, no sync)."""
+        """Raise if an earlier call failed on the device: P2PTimeoutError when a peer never arrived,
+        P2PError for a rejected device-side geometry (reads host-mapped memory, no sync)."""
         if self._broken is not None:
-            raise P2PTimeoutError(self._broken)
+            raise self._broken[0](self._broken[1])
         code = self._C.read_u32(self._err_host, 0)
         if code == 0:
             return
         slot, peer, epoch = (self._C.read_u32(self._err_host, i) for i in (1, 2, 3))
-        channel, phase = divmod(slot, 2)
-        call = _CHANNEL_NAMES[channel] if channel < len(_CHANNEL_NAMES) else f"channel {channel}"
-        what = "timed out" if code == 1 else f"failed (code {code})"
-        self._broken = (
-            f"nsa_cp P2P {call} (call #{epoch}, {_PHASE_NAMES[phase]}) on rank {self.rank} {what}: "
-            f"rank {peer} never arrived within {self.timeout_ns / 1e6:.0f} ms (NSA_CP_P2P_TIMEOUT_MS). "
-            f"The transport is unusable; results of that call and later ones are invalid."
-        )
-        raise P2PTimeoutError(self._broken)
+        error = P2PTimeoutError if code == _ERR_TIMEOUT else P2PError
+        self._broken = (error, describe_error(code, slot, peer, epoch, self.rank, self.timeout_ns / 1e6))
+        raise error(self._broken[1])
 
     def _view(self, buffer: torch.Tensor, layout: ShardLayout, compact: bool, rest) -> torch.Tensor:
         rows = layout.global_len(compact)

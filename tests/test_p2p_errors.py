@@ -1,0 +1,41 @@
+"""P2P error records turned into messages (no GPU needed): each code says what failed and why."""
+
+import pathlib
+import re
+
+import pytest
+
+import nsa_cp
+from nsa_cp.transport import p2p
+
+OPS_H = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "ops.h"
+
+
+def test_codes_match_the_native_header():
+    header = OPS_H.read_text()
+    codes = dict(re.findall(r"constexpr uint32_t (kErr\w+) = (\d+);", header))
+    assert int(codes["kErrTimeout"]) == p2p._ERR_TIMEOUT
+    assert int(codes["kErrBadDeviceArg"]) == p2p._ERR_BAD_DEVICE_ARG
+
+
+def test_timeout_names_the_call_the_phase_and_both_ranks():
+    text = p2p.describe_error(p2p._ERR_TIMEOUT, slot=1 * 2 + 1, peer=3, epoch=17, rank=0, timeout_ms=1500)
+    for word in ("reduce-scatter", "call #17", "done barrier", "rank 0", "rank 3 never arrived", "1500 ms",
+                 "NSA_CP_P2P_TIMEOUT_MS", "unusable"):
+        assert word in text, (word, text)
+
+
+def test_bad_device_geometry_is_not_reported_as_a_timeout():
+    text = p2p.describe_error(p2p._ERR_BAD_DEVICE_ARG, slot=0, peer=1, epoch=2, rank=0, timeout_ms=60000)
+    assert "never arrived" not in text and "NSA_CP_P2P_TIMEOUT_MS" not in text
+    for word in ("all-gather", "call #2", "rank 0", "rank 1", "device_counts", "No rows were moved"):
+        assert word in text, (word, text)
+
+
+def test_unknown_code_is_reported_as_such():
+    assert "unknown error code 9" in p2p.describe_error(9, slot=0, peer=0, epoch=1, rank=1, timeout_ms=1)
+
+
+@pytest.mark.parametrize("cls", [nsa_cp.P2PError, nsa_cp.P2PTimeoutError])
+def test_error_classes(cls):
+    assert issubclass(cls, RuntimeError) and issubclass(nsa_cp.P2PTimeoutError, nsa_cp.P2PError)
