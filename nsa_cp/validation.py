@@ -61,7 +61,8 @@ def agree(
     fingerprint = layout_fingerprint(layout, call, signature) if local_error is None else 0
     values = [fingerprint, -fingerprint] + [0] * size
     values[2 + rank] = 1 if local_error is not None else 0
-    # built on the host and copied once: 19 us on an H200 against 41 us for zeros + three setitems
+    # built on the host and copied once rather than four device writes (19 vs 41 us of host time for
+    # this piece on an H200; the agreement as a whole gained only 3 us, as it waits for its all-reduce)
     flags = torch.tensor(values, dtype=torch.int64).to(device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     highest, lowest, *bad = flags.tolist()

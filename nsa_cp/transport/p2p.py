@@ -103,9 +103,8 @@ def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=Non
     world = dist.get_world_size(group)
     if local is None and world > 8:
         local = f"world size {world} > 8 (the P2P kernels serve up to 8 ranks)"
-    if device is not None:
-        index = torch.device(device).index
-    else:
+    index = torch.device(device).index if device is not None else None
+    if index is None:  # no device, or "cuda": the current one
         index = torch.cuda.current_device() if local is None else -1
     everyone = [None] * world
     dist.all_gather_object(everyone, (socket.gethostname(), index, local), group=group)
@@ -183,7 +182,8 @@ def _memory_kind(group, device: torch.device) -> str:
 
 
 class P2PTransport:
-    """Symmetric-memory buffers of one CP group and the kernels that move rows through them.
+    """Peer-mapped buffers of one CP group (symmetric memory or CUDA IPC) and the kernels that move rows
+    through them.
 
     Args:
         group: the CP process group (None: default group). All ranks on one node.
@@ -221,7 +221,9 @@ class P2PTransport:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.index is None:  # "cuda": the current device, so that tensors' devices compare equal
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_tokens_per_rank = int(max_tokens_per_rank)
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
