@@ -255,6 +255,37 @@ def check_timeout(rank, world, device) -> Optional[str]:
     return result
 
 
+def check_bad_geometry(rank, world, device) -> Optional[str]:
+    """Device counts above max_rank_len (a CUDA-graph bucket misused): the kernel moves nothing and the
+    next check raises P2PError (not a timeout) naming the rejected geometry. The transport is made with
+    device "cuda", which must mean this rank's current device."""
+    transport = p2p.P2PTransport(None, 8, 64, torch.bfloat16, "cuda", timeout_ms=20_000)
+    try:
+        if transport.device != device:
+            return f"device 'cuda' became {transport.device}, expected {device}"
+        layout = nsa_cp.ShardLayout([8] * world)
+        x = torch.randn(8, 64, device=device).bfloat16()
+        if not transport.fits(x, layout):
+            return "a tensor on the transport's device does not fit"
+        counts = torch.full((world,), 9, dtype=torch.int32, device=device)
+        offsets = torch.arange(world, dtype=torch.int32, device=device) * 8
+        transport.all_gather(x, layout, compact=False, engine="sm", device_counts=(counts, offsets))
+        torch.cuda.synchronize()
+        try:
+            transport.check_error()
+        except p2p.P2PTimeoutError as err:
+            return f"a bad geometry was reported as a timeout: {err}"
+        except p2p.P2PError as err:
+            if "device_counts" not in str(err) or "No rows were moved" not in str(err):
+                return f"the geometry error does not say what was wrong: {err}"
+            return None
+        return "counts above max_rank_len raised nothing"
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier()
+        transport.close()
+
+
 def _expect_timeout(transport, layout, device, waited_limit_s=30.0) -> Optional[str]:
     """Rank 0's gather whose peer never comes: P2PTimeoutError naming the call and both ranks, in time;
     then the broken transport refuses the next call."""
@@ -339,6 +370,7 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
             run(f"capacity-fallback-{tag}", check_capacity_fallback, transport, rank, world, device)
         run(f"communicator-{tag}", check_communicator, transport, rank, world, device)
         p2p.destroy_p2p(None)
+    run("bad-geometry", check_bad_geometry, rank, world, device)
     if world > 1:
         run("timeout", check_timeout, rank, world, device)
     results["__info__"] = info

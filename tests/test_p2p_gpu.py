@@ -44,7 +44,7 @@ NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling ba
 def _params():
     for world, backend in WORLDS or [(2, "nccl")]:
         name = f"w{world}" + ("-shared-gpu" if backend != "nccl" else "")
-        for check in CHECKS + (["timeout"] if world > 1 else []):
+        for check in CHECKS + ["bad-geometry"] + (["timeout"] if world > 1 else []):
             yield pytest.param(world, backend, check, id=f"{name}-{check}")
         for check in NCCL_ONLY:
             marks = [] if backend == "nccl" else [pytest.mark.skip(reason="needs NCCL; the ranks share one GPU")]
