@@ -12,15 +12,14 @@ peer, so its row is a lower bound of the cost on 2 GPUs.
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from _ranks import init_nccl_rank, spawn_ranks
 
 def _median_us(fn, calls):
     samples = []
@@ -52,11 +51,7 @@ def _pack_and_gather(x, layout, rank, count, pack, nccl):
 
 
 def worker(rank, world, args):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.cuda.set_device(rank)
-    store = dist.FileStore(args.store, world)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    init_nccl_rank(rank, world, args.store)
     import nsa_cp
     from nsa_cp import collectives, validation
     from nsa_cp.kernels import pack
@@ -125,14 +120,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--M", type=int, default=256)
     parser.add_argument("--calls", type=int, default=300)
-    args = parser.parse_args()
-    import tempfile
-
-    args.store = os.path.join(tempfile.mkdtemp(), "store")
-    world = min(2, torch.cuda.device_count())
-    if world < 1:
-        raise SystemExit("host_overhead.py needs a CUDA GPU")
-    mp.spawn(worker, args=(world, args), nprocs=world)
+    spawn_ranks(worker, parser.parse_args(), "host_overhead.py", min_gpus=1)
 
 
 if __name__ == "__main__":

@@ -12,23 +12,18 @@ A diagnostic for the small-size latency target, not part of the results tables.
 """
 
 import argparse
-import os
 import statistics
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _ranks import init_nccl_rank, spawn_ranks
 
 HIDDEN = 7168
 
 
 def worker(rank, world, args):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", store=dist.FileStore(args.store, world), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    init_nccl_rank(rank, world, args.store)
     import nsa_cp
 
     m = args.M
@@ -95,12 +90,7 @@ def main():
     parser.add_argument("--M", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    args = parser.parse_args()
-    args.store = os.path.join(tempfile.mkdtemp(), "store")
-    world = min(2, torch.cuda.device_count())
-    if world < 2:
-        raise SystemExit("p2p_latency.py needs 2 CUDA GPUs")
-    mp.spawn(worker, args=(world, args), nprocs=world)
+    spawn_ranks(worker, parser.parse_args(), "p2p_latency.py", min_gpus=2)
 
 
 if __name__ == "__main__":
