@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from _ranks import init_nccl_rank, spawn_ranks
 
+
 def _median_us(fn, calls):
     samples = []
     for i in range(calls):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from _ranks import init_nccl_rank, spawn_ranks
 
+
 HIDDEN = 7168
 
 
