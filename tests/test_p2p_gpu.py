@@ -1,6 +1,6 @@
 """The intranode P2P transport on real GPUs: both engines, both layouts, back-to-back calls, a stress run
-with injected delays, CUDA-graph replays with changing counts, capacity errors and a peer that never
-arrives. Needs CUDA GPUs with peer access and nsa_cp._C (on one GPU: one rank over NCCL, and two ranks
+with injected delays, CUDA-graph replays with changing counts, capacity and geometry errors, a peer that never
+arrives and a peer that dies. Needs CUDA GPUs with peer access and nsa_cp._C (on one GPU: one rank over NCCL, and two ranks
 sharing the GPU over gloo); skips cleanly, saying why, otherwise.
 """
 
@@ -17,7 +17,7 @@ from nsa_cp import _native
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 # (world size, process-group backend). One GPU per rank where there are enough GPUs; on a machine with one
 # GPU, one rank over NCCL (its own buffers, kernels, graphs) and two ranks sharing the GPU over gloo: the
-# cross-process protocol (symmetric memory through CUDA IPC, signals, reuse safety under a delayed rank,
+# cross-process protocol (peer buffers mapped through CUDA IPC, signals, reuse safety under a delayed rank,
 # the peer-never-arrives timeout) without NVLink and without the NCCL comparisons.
 WORLDS = [(w, "nccl") for w in (2, 4, 8) if w <= GPUS] or ([(1, "nccl"), (2, "gloo-shared-gpu")] if GPUS == 1 else [])
 
