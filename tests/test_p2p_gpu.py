@@ -1,7 +1,7 @@
 """The intranode P2P transport on real GPUs: both engines, both layouts, back-to-back calls, a stress run
-with injected delays, CUDA-graph replays with changing counts, capacity and geometry errors, a peer that never
-arrives and a peer that dies. Needs CUDA GPUs with peer access and nsa_cp._C (on one GPU: one rank over NCCL, and two ranks
-sharing the GPU over gloo); skips cleanly, saying why, otherwise.
+with injected delays, CUDA-graph replays with changing counts, capacity and geometry errors, a peer that
+never arrives and a peer that dies. Needs CUDA GPUs with peer access and nsa_cp._C (on one GPU: one rank
+over NCCL, and two ranks sharing the GPU over gloo); skips cleanly, saying why, otherwise.
 """
 
 import functools
