@@ -1,4 +1,5 @@
-"""P2P error records turned into messages (no GPU needed): each code says what failed and why."""
+"""Pieces of the P2P transport that need no GPU: error records turned into messages (each code says what
+failed and why), and the CUDA IPC handle's views of peer buffers."""
 
 import pathlib
 import re
@@ -39,3 +40,20 @@ def test_unknown_code_is_reported_as_such():
 @pytest.mark.parametrize("cls", [nsa_cp.P2PError, nsa_cp.P2PTimeoutError])
 def test_error_classes(cls):
     assert issubclass(cls, RuntimeError) and issubclass(nsa_cp.P2PTimeoutError, nsa_cp.P2PError)
+
+
+def test_ipc_peer_views():
+    """The CUDA IPC handle's views of a peer's buffer (the copy engine writes through them): the right
+    bytes, shape and dtype from an offset, on plain CPU tensors standing in for the mapped ones."""
+    import torch
+
+    buffers = [torch.arange(64, dtype=torch.float32) + 100 * q for q in range(3)]
+    peers = p2p._IpcPeers(buffers)
+    assert peers.buffer_ptrs == [b.data_ptr() for b in buffers]
+    view = peers.get_buffer(2, (4, 3), torch.float32, offset=8)  # 8 bytes: skip two floats
+    assert view.shape == (4, 3) and view.dtype == torch.float32
+    assert torch.equal(view.flatten(), buffers[2][2:14])
+    view.fill_(-1)  # a view, not a copy: writes land in the peer's buffer
+    assert torch.equal(buffers[2][2:14], torch.full((12,), -1.0))
+    halves = peers.get_buffer(0, (8,), torch.bfloat16, offset=0)
+    assert halves.data_ptr() == buffers[0].data_ptr() and halves.numel() == 8
