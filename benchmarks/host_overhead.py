@@ -42,12 +42,10 @@ def _flags_setitem(world, rank, device):
     return flags
 
 
-def _pack_and_gather(x, layout, rank, count, pack, nccl):
-    """What the uneven padded gather does, without the API around it."""
-    m = layout.max_rank_len
+def _pack_and_gather(x, layout, rank, collectives):
+    """What the uneven padded gather does, without the API around it (checks, backend choice)."""
     out = x.new_empty((layout.padded_len, *x.shape[1:]))
-    pack.pack_into_slot(x, out[rank * m:(rank + 1) * m], count)
-    nccl.all_gather_equal(out, out[rank * m:(rank + 1) * m], None)
+    collectives._gather_padded(x, layout, rank, out, None, None)
     return out
 
 
@@ -76,7 +74,7 @@ def worker(rank, world, args):
         "cp_all_gather even": lambda: nsa_cp.cp_all_gather(xe, even),
         "cp_all_gather uneven, validate=True": lambda: nsa_cp.cp_all_gather(x, layout, validate=True),
         "cp_all_gather padded uneven, out=": lambda: nsa_cp.cp_all_gather(x, layout, out=out),
-        "new_empty + pack + bare all_gather": lambda: _pack_and_gather(x, layout, rank, count, pack, nccl),
+        "new_empty + pack + bare all_gather": lambda: _pack_and_gather(x, layout, rank, collectives),
         "cp_reduce_scatter padded uneven": lambda: nsa_cp.cp_reduce_scatter(out, layout),
         "triton pack launch": lambda: pack.pack_into_slot(x, slot, count),
         "torch copy_+zero_ (2 kernels)": lambda: (slot[: counts[rank]].copy_(x), slot[counts[rank]:].zero_()),

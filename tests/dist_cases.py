@@ -94,7 +94,6 @@ def make_cases(
     if not gpu:  # on GPUs the transport exists; its own suite (tests/test_p2p_gpu.py) covers it
         cases.append(dict(id="p2p-fallback", op="p2p_fallback", counts=[rng.randint(0, 4) for _ in range(world)],
                           align=1, compact=False, dtype="fp32", rest=(16,), use_out=False, algo="auto", seed=4))
-        cases.append(dict(id="p2p-memory-kind", op="p2p_memory_kind", counts=None))
     cases.append(dict(id="validate", op="validate", counts=[rng.randint(0, 5) for _ in range(world)], align=2,
                       compact=False, dtype="fp32", rest=(8,), use_out=True, algo="auto", seed=3))
     cases.append(dict(id="errors", op="errors", counts=[2] + [3] * (world - 1), align=1, compact=False,
@@ -486,40 +485,6 @@ def _run_p2p_fallback(case, rank, world, group, device, nsa_cp) -> Optional[str]
         nsa_cp.destroy_p2p(group)  # later cases expect no transport
 
 
-def _run_p2p_memory_kind(case, rank, world, group, device, nsa_cp) -> Optional[str]:
-    """How the P2P transport would map its peers' buffers, decided from every rank's device index (no
-    device is touched): symmetric memory for one GPU per rank, CUDA IPC when ranks share a GPU (which
-    symmetric memory refuses), NSA_CP_P2P_MEMORY forcing either."""
-    import os
-
-    from nsa_cp.transport import p2p
-
-    own, shared = torch.device("cuda", rank), torch.device("cuda", 0)
-    expected = [(own, None, "symm_mem"), (shared, None, "cuda_ipc" if world > 1 else "symm_mem"),
-                (own, "cuda_ipc", "cuda_ipc"), (shared, "symm_mem", "symm_mem"), (own, "auto", "symm_mem")]
-    saved = os.environ.pop("NSA_CP_P2P_MEMORY", None)
-    try:
-        for dev, setting, want in expected:
-            if setting is not None:
-                os.environ["NSA_CP_P2P_MEMORY"] = setting
-            got = p2p._memory_kind(group, dev)
-            if got != want:
-                return f"devices like {dev}, NSA_CP_P2P_MEMORY={setting}: got {got!r}, expected {want!r}"
-        os.environ["NSA_CP_P2P_MEMORY"] = "nvshmem"
-        try:
-            p2p._memory_kind(group, own)
-        except ValueError as err:
-            if "NSA_CP_P2P_MEMORY" not in str(err):
-                return f"a bad NSA_CP_P2P_MEMORY raised without naming it: {err}"
-        else:
-            return "NSA_CP_P2P_MEMORY=nvshmem was accepted"
-    finally:
-        os.environ.pop("NSA_CP_P2P_MEMORY", None)
-        if saved is not None:
-            os.environ["NSA_CP_P2P_MEMORY"] = saved
-    return None
-
-
 _RUNNERS = {
     "gather": _run_gather,
     "scatter": _run_scatter,
@@ -530,7 +495,6 @@ _RUNNERS = {
     "validate": _run_validate,
     "bucket": _run_bucket,
     "p2p_fallback": _run_p2p_fallback,
-    "p2p_memory_kind": _run_p2p_memory_kind,
 }
 
 

@@ -1,5 +1,6 @@
 """Pieces of the P2P transport that need no GPU: error records turned into messages (each code says what
-failed and why), and the CUDA IPC handle's views of peer buffers."""
+failed and why), the CUDA IPC handle's views of peer buffers, and the choice between symmetric memory
+and CUDA IPC."""
 
 import pathlib
 import re
@@ -57,3 +58,25 @@ def test_ipc_peer_views():
     assert torch.equal(buffers[2][2:14], torch.full((12,), -1.0))
     halves = peers.get_buffer(0, (8,), torch.bfloat16, offset=0)
     assert halves.data_ptr() == buffers[0].data_ptr() and halves.numel() == 8
+
+
+@pytest.mark.parametrize("indices,setting,want", [
+    ([0, 1], None, "symm_mem"),  # one GPU per rank
+    ([0, 0], None, "cuda_ipc"),  # ranks share a GPU: symmetric memory would refuse
+    ([0], None, "symm_mem"),
+    ([0, 1], "cuda_ipc", "cuda_ipc"),
+    ([0, 0], "symm_mem", "symm_mem"),
+    ([0, 1, 2, 3], "auto", "symm_mem"),
+])
+def test_memory_kind(indices, setting, want, monkeypatch):
+    """How the transport maps its peers' buffers, from every rank's device index and NSA_CP_P2P_MEMORY."""
+    monkeypatch.delenv("NSA_CP_P2P_MEMORY", raising=False)
+    if setting is not None:
+        monkeypatch.setenv("NSA_CP_P2P_MEMORY", setting)
+    assert p2p._memory_kind(indices) == want
+
+
+def test_memory_kind_rejects_an_unknown_setting(monkeypatch):
+    monkeypatch.setenv("NSA_CP_P2P_MEMORY", "nvshmem")
+    with pytest.raises(ValueError, match="NSA_CP_P2P_MEMORY"):
+        p2p._memory_kind([0, 1])

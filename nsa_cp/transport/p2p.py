@@ -95,6 +95,11 @@ def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=Non
     all_gather_object, so every rank returns the same answer (never some ranks in a collective and
     others not, as a rank without a GPU or without nsa_cp._C would otherwise cause).
     """
+    return _survey(group, device)[0]
+
+
+def _survey(group, device) -> Tuple[Optional[str], list]:
+    """``(p2p_unavailable_reason, every rank's device index)`` from one all_gather_object (collective)."""
     local = None
     if _native.load() is None:
         local = _native.unavailable_reason()
@@ -108,16 +113,17 @@ def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=Non
         index = torch.cuda.current_device() if local is None else -1
     everyone = [None] * world
     dist.all_gather_object(everyone, (socket.gethostname(), index, local), group=group)
+    indices = [peer_index for _, peer_index, _ in everyone]
     for rank, (_, _, reason) in enumerate(everyone):
         if reason is not None:
-            return f"rank {rank}: {reason}"
+            return f"rank {rank}: {reason}", indices
     hosts = {host for host, _, _ in everyone}
     if len(hosts) != 1:
-        return f"the group spans {len(hosts)} hosts ({sorted(hosts)}); P2P is intranode only"
-    for _, peer_index, _ in everyone:
+        return f"the group spans {len(hosts)} hosts ({sorted(hosts)}); P2P is intranode only", indices
+    for peer_index in indices:
         if peer_index != index and not torch.cuda.can_device_access_peer(index, peer_index):
-            return f"cuda:{index} cannot access cuda:{peer_index} (no peer access)"
-    return None
+            return f"cuda:{index} cannot access cuda:{peer_index} (no peer access)", indices
+    return None, indices
 
 
 def _symmetric(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, group):
@@ -170,12 +176,10 @@ def _rebuild_device_index(rebuild, args) -> int:
     return int(args[list(inspect.signature(rebuild).parameters).index("storage_device")])
 
 
-def _memory_kind(group, device: torch.device) -> str:
-    """'symm_mem' or 'cuda_ipc' (collective): NSA_CP_P2P_MEMORY, with 'auto' taking CUDA IPC only when
-    two ranks share a GPU, which symmetric memory refuses."""
+def _memory_kind(indices) -> str:
+    """'symm_mem' or 'cuda_ipc' for ranks on these device indices: NSA_CP_P2P_MEMORY, with 'auto'
+    taking CUDA IPC only when two ranks share a GPU, which symmetric memory refuses."""
     setting = envs.NSA_CP_P2P_MEMORY
-    indices = [None] * dist.get_world_size(group)
-    dist.all_gather_object(indices, device.index, group=group)
     if setting == "auto":
         return "cuda_ipc" if len(set(indices)) < len(indices) else "symm_mem"
     return setting
@@ -214,7 +218,7 @@ class P2PTransport:
             raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size}")
         if dtype not in _DTYPE_CODES:
             raise ValueError(f"dtype: expected one of {list(_DTYPE_CODES)}, got {dtype}")
-        reason = p2p_unavailable_reason(group, device)
+        reason, indices = _survey(group, device)
         if reason is not None:
             raise RuntimeError(f"nsa_cp P2P transport unavailable: {reason}")
         self._C = _native.load()
@@ -239,7 +243,7 @@ class P2PTransport:
             workspace_bytes, self.world, self.max_tokens_per_rank, self.hidden_size, dtype
         )
         handles = {}
-        self.memory = _memory_kind(group, self.device)
+        self.memory = _memory_kind(indices)
         share = _symmetric if self.memory == "symm_mem" else _cuda_ipc
 
         def symmetric(entry):
