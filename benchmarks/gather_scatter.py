@@ -410,8 +410,13 @@ def _poison(ctx: Ctx, bufs: Bufs):
     for t in bufs.outputs():
         t.fill_(float("nan"))
     transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
-    if transport is not None:  # P2P gathers return views of this buffer
-        transport._gather.fill_(float("nan"))
+    if transport is not None:  # P2P gathers return views of these buffers
+        for t in transport._gathers:
+            t.fill_(float("nan"))
+    # every rank's fill is done before any rank starts the next call: a double-buffered P2P gather
+    # writes into a peer's buffer without waiting for that peer to enter the call
+    _sync(ctx)
+    dist.barrier(group=ctx.group)
 
 
 OK, SKIP, BAD = 0, 1, 2

@@ -4,9 +4,12 @@
 
 Times on the device (CUDA events; the GPU sleeps first so the host has enqueued the whole round; methods
 interleaved; median over rounds, max over ranks), for bf16 rows of 7168:
-  * one-block barrier pair (entry + done): the cross-GPU signalling alone;
-  * the gather kernel with zero rows (device counts 0): launch + geometry + both barriers at full grid;
-  * the gather of M rows per rank at several grid sizes (the transport's choice marked);
+  * an empty kernel between two events: the floor of any method here;
+  * one one-block barrier (one signal round trip), and a pair of them (entry + done);
+  * the gather kernel with zero rows (device counts 0): launch + geometry + the barriers at full grid,
+    on a single-buffered transport (entry wait every call) and a double-buffered one (no entry wait);
+  * the gather of M rows per rank, single- and double-buffered, at the transport's grid size and at
+    half and twice of it;
   * NCCL's even all-gather of M rows, for scale.
 A diagnostic for the small-size latency target, not part of the results tables.
 """
@@ -26,33 +29,45 @@ HIDDEN = 7168
 def worker(rank, world, args):
     init_nccl_rank(rank, world, args.store)
     import nsa_cp
+    from nsa_cp.transport import p2p
 
     m = args.M
-    transport = nsa_cp.init_p2p(None, m, HIDDEN, torch.bfloat16)
+    double = nsa_cp.init_p2p(None, m, HIDDEN, torch.bfloat16, double_buffer_tokens=m)
+    single = p2p.P2PTransport(None, m, HIDDEN, torch.bfloat16, double_buffer_tokens=0)
     layout = nsa_cp.ShardLayout([m] * world)
     x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
     out = torch.empty(world * m, HIDDEN, device="cuda", dtype=torch.bfloat16)
     zeros = (torch.zeros(world, dtype=torch.int32, device="cuda"),  # compact counts and offsets: all 0
              torch.zeros(world, dtype=torch.int32, device="cuda"))
-    chosen = transport._blocks(m * transport._row_bytes * world)
-    default_blocks = transport._blocks
+    chosen = double._blocks(m * double._row_bytes * world)
 
-    def pair():
-        pads, channel, seq, arrive, timeout, err = transport._signal_args(0)
-        stream = torch.cuda.current_stream().cuda_stream
-        transport._C.barrier(pads, rank, world, channel, 0, seq, False, timeout, err, stream)
-        transport._C.barrier(pads, rank, world, channel, 1, seq, True, timeout, err, stream)
-
-    def gather_with(blocks, device_counts=None):
+    def barriers(phases):
         def call():
-            transport._blocks = (lambda total: blocks) if blocks else default_blocks
-            transport.all_gather(x, layout, compact=True, engine="sm", device_counts=device_counts)
+            pads, channel, seq, arrive, timeout, err = double._signal_args(0)
+            stream = torch.cuda.current_stream().cuda_stream
+            for phase in phases:
+                double._C.barrier(pads, rank, world, channel, phase, seq, phase == phases[-1], timeout, err, stream)
         return call
 
-    methods = {"barrier pair, 1 block": pair,
-               f"gather 0 rows, {chosen} blocks": gather_with(None, zeros)}
-    for blocks in sorted({8, 16, 33, 66, chosen, 2 * chosen}):
-        methods[f"gather {m} rows, {blocks} blocks" + (" (chosen)" if blocks == chosen else "")] = gather_with(blocks)
+    def gather_with(transport, blocks=None, device_counts=None):
+        def call():
+            default = type(transport)._blocks.__get__(transport)
+            transport._blocks = (lambda total: blocks) if blocks else default
+            transport.all_gather(x, layout, compact=True, engine="sm", device_counts=device_counts)
+            transport._blocks = default
+        return call
+
+    methods = {
+        "empty kernel": lambda: torch.cuda._sleep(0),
+        "one barrier, 1 block": barriers((1,)),
+        "barrier pair, 1 block": barriers((0, 1)),
+        "gather 0 rows, single buffer": gather_with(single, None, zeros),
+        "gather 0 rows, double buffer": gather_with(double, None, zeros),
+    }
+    for blocks in sorted({max(1, chosen // 2), chosen, 2 * chosen}):
+        mark = " (chosen)" if blocks == chosen else ""
+        methods[f"gather {m} rows, {blocks} blocks, single{mark}"] = gather_with(single, blocks)
+        methods[f"gather {m} rows, {blocks} blocks, double{mark}"] = gather_with(double, blocks)
     methods[f"NCCL even all-gather, {m} rows"] = lambda: dist.all_gather_into_tensor(out, x)
 
     names = list(methods)
@@ -69,7 +84,8 @@ def worker(rank, world, args):
             stop.record()
             events.append((name, start, stop))
         torch.cuda.synchronize()
-        transport.check_error()
+        single.check_error()
+        double.check_error()
         if r >= args.warmup:
             for name, start, stop in events:
                 samples[name].append(start.elapsed_time(stop) * 1e3)
@@ -79,8 +95,8 @@ def worker(rank, world, args):
         print(f"device microseconds, median of {args.rounds} rounds, max over {world} ranks "
               f"(M={m}, H={HIDDEN}, bf16, {m * HIDDEN * 2 / 1e6:.2f} MB pushed to each peer)")
         for name, us in zip(names, medians.tolist()):
-            print(f"  {name:<40}{us:8.1f}")
-    transport._blocks = default_blocks
+            print(f"  {name:<48}{us:8.1f}")
+    single.close()
     nsa_cp.destroy_p2p(None)
     dist.barrier()
     dist.destroy_process_group()

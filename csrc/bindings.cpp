@@ -119,8 +119,8 @@ uint32 epoch counter. advance: store seq = epoch at the end. timeout_ns: wait bo
   m.def("p2p_gather", &nsa_cp::p2p_gather, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("row_bytes"),
         py::arg("bufs"), py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"),
         py::arg("rank"), py::arg("world"), py::arg("pads"), py::arg("channel"), py::arg("seq"), py::arg("arrive"),
-        py::arg("timeout_ns"), py::arg("err"), py::arg("num_blocks"), py::arg("stream"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("timeout_ns"), py::arg("err"), py::arg("num_blocks"), py::arg("stream"), py::arg("buffer") = 0,
+        py::arg("last_buffer") = 0, py::call_guard<py::gil_scoped_release>(),
         R"doc(Enqueue an all-gather of uneven shards that pushes this rank's rows into every rank's buffer.
 
 One launch: entered barrier (phase 0: no peer still reads its buffer from the previous call); copy
@@ -139,7 +139,13 @@ aligned to the width used. bufs: device address of uint64[world], every rank's g
 and may be 0, when compact is False). max_rank_len: M, rows per rank slot, >= every count.
 compact: compact (True) or padded (False) layout. rank, world, pads, channel, seq, arrive,
 timeout_ns, err: the signal protocol (module doc). num_blocks: grid size, 1..65535, 512 threads
-each. stream: cudaStream_t as int.)doc");
+each. stream: cudaStream_t as int.
+
+Double buffering: buffer (0 or 1) tags the buffers bufs points at, the same tag on every rank;
+last_buffer is the device address of this rank's uint32 holding the tag the previous gather of this
+channel wrote (local memory, zero-initialised, updated by every launch). When the tags differ the
+entered barrier waits for nobody: the previous gather's done barrier already proved every peer
+finished with the results that buffer holds. last_buffer = 0: always wait (single buffer).)doc");
 
   m.def("p2p_reduce_scatter", &nsa_cp::p2p_reduce_scatter, py::arg("out"), py::arg("out_row_stride_bytes"),
         py::arg("bufs"), py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"),

@@ -127,8 +127,9 @@ __device__ __forceinline__ bool block_wait_all(const SignalArgs& s, int phase, u
 // The "done" half of every multi-block kernel. Each block calls it once, from all threads, after its
 // share of the data movement. The last block to arrive signals phase 1 to every rank, waits for every
 // rank's phase-1 signal (skipped if any block of this launch failed: the launch is already in error),
-// then resets `arrive` and publishes seq = epoch for the next launch.
-__device__ __forceinline__ void grid_done_barrier(const SignalArgs& s, uint32_t epoch, bool block_failed) {
+// then resets `arrive` and publishes seq = epoch for the next launch. Returns true in that last block
+// (after every other block has passed its start: state read at the start may now be rewritten).
+__device__ __forceinline__ bool grid_done_barrier(const SignalArgs& s, uint32_t epoch, bool block_failed) {
   __shared__ uint32_t s_total;
   // Our writes (remote stores into peers' buffers, or loads from them that must finish before a peer
   // may reuse its buffer) are ordered before the arrive count that the last block observes.
@@ -140,7 +141,7 @@ __device__ __forceinline__ void grid_done_barrier(const SignalArgs& s, uint32_t 
   }
   __syncthreads();
   const uint32_t total = s_total;
-  if ((total & kArriveCountMask) != gridDim.x) return;  // not the last block
+  if ((total & kArriveCountMask) != gridDim.x) return false;  // not the last block
 
   // Last block: the fence pairs with the other blocks' fences before their arrive (observed through
   // the atomic), so their writes are ordered before our release stores below.
@@ -152,6 +153,7 @@ __device__ __forceinline__ void grid_done_barrier(const SignalArgs& s, uint32_t 
     *s.arrive = 0;
     *reinterpret_cast<volatile uint32_t*>(s.seq) = epoch;
   }
+  return true;
 }
 
 // ---- row-chunk iteration ---------------------------------------------------------------------------

@@ -6,6 +6,14 @@
 // chunk once and storing it world times; (c) padded layout only: zero the padding rows of every slot
 // of OUR OWN buffer, so padding never crosses a link (done before the wait: nobody else writes them);
 // (d) "done" barrier, phase 1: every rank's rows have landed in our buffer.
+//
+// Double buffering: the caller tags the buffers `bufs` points at (`buffer`, 0 or 1, the same on every
+// rank) and keeps, per rank, the tag the previous gather of this channel wrote (`last_buffer`, local
+// device memory, updated at the end of each launch). When the tags differ, (a) waits for nothing:
+// the previous gather's done barrier already proved that every peer had entered it, so every peer's
+// readers of results older than that (the only ones that can live in this buffer) have finished. The
+// entered signal is still sent, so a rank that waits never misses it. The decision is made on the
+// device because CUDA-graph replays and eager calls interleave without the host seeing the replays.
 #include "common.cuh"
 #include "launch.h"
 
@@ -23,6 +31,8 @@ struct GatherParams {
   const int* offsets;  // compact only
   int64_t M;           // max_rank_len (padded layout)
   bool compact;
+  uint32_t buffer;        // tag of the buffers `bufs` points at
+  uint32_t* last_buffer;  // local: tag the previous gather wrote (null: always wait at entry)
 };
 
 template <typename W>
@@ -39,6 +49,7 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   // (a) Entered: everything earlier on our stream, the readers of our buffer's previous contents
   // included, has completed, so peers may now write into it.
   if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
+  const bool wait_entry = p.last_buffer == nullptr || ld_relaxed_gpu(p.last_buffer) == p.buffer;
 
   const int rank = s.rank, world = s.world;
   const int bad = stage_geometry(g, p.bufs, p.counts, p.offsets, p.M, p.compact, VEC, p.src, s, epoch);
@@ -60,7 +71,7 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   }
 
   bool ok = bad < 0;
-  if (ok) ok = block_wait_all(s, 0, epoch);
+  if (ok && wait_entry) ok = block_wait_all(s, 0, epoch);
 
   // (b) Push our rows to every rank.
   if (ok && n > 0) {
@@ -96,7 +107,9 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   }
 
   // (d) Done: the last block signals once every block's stores are fenced, then waits for all ranks.
-  grid_done_barrier(s, epoch, !ok);
+  if (grid_done_barrier(s, epoch, !ok) && threadIdx.x == 0 && p.last_buffer != nullptr) {
+    *reinterpret_cast<volatile uint32_t*>(p.last_buffer) = p.buffer;
+  }
 }
 
 }  // namespace
@@ -104,7 +117,7 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
 void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
                 uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
                 int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
-                uint64_t stream) {
+                uint64_t stream, int buffer, uint64_t last_buffer) {
   constexpr const char* fn = "p2p_gather";
   const SignalArgs s =
       make_signal_args(fn, pads, rank, world, channel, seq, arrive, /*need_arrive=*/true, timeout_ns, err);
@@ -121,9 +134,11 @@ void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, u
               src_row_stride_bytes <= INT64_MAX / (max_rank_len + 1),
           fn, "buffer size in bytes overflows int64");
   require_blocks(fn, num_blocks);
+  require(buffer == 0 || buffer == 1, fn, "buffer must be 0 or 1, got " + std::to_string(buffer));
 
   const GatherParams p{as_ptr<const char>(src), src_row_stride_bytes, row_bytes,  as_ptr<const uint64_t>(bufs),
-                       as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact};
+                       as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact,
+                       static_cast<uint32_t>(buffer),    as_ptr<uint32_t>(last_buffer)};
   const cudaStream_t st = as_stream(stream);
   switch (common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes)})) {
     case 16:

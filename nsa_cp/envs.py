@@ -100,6 +100,12 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "(CUDA IPC handles of ordinary allocations, as torch.multiprocessing shares them; also serves "
         "ranks that share a GPU), or 'auto': symm_mem unless two ranks of the group share a GPU",
     ),
+    "NSA_CP_P2P_DOUBLE_BUFFER_TOKENS": (
+        _int("NSA_CP_P2P_DOUBLE_BUFFER_TOKENS", 1024),
+        "P2P transports created without double_buffer_tokens=: tokens per rank of the second gather "
+        "buffer (capped at max_tokens_per_rank; 0: none). Back-to-back gathers of up to this many rows "
+        "per rank alternate between the two buffers and skip the entry barrier",
+    ),
     "NSA_CP_P2P_TIMEOUT_MS": (
         _int("NSA_CP_P2P_TIMEOUT_MS", 60_000),
         "how long a P2P call waits for a peer before it gives up and reports P2PTimeoutError "

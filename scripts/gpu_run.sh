@@ -60,6 +60,9 @@ if [ "$mode" != tests-only ]; then
     timeout "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/gather_scatter.py --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" \
       >"$OUT/bench.log" 2>&1
     bench_rc=$?
+    # where a small gather's microseconds go: sync floor, entry barrier, push (diagnostic)
+    timeout 120 python3 benchmarks/p2p_latency.py --M "${LATENCY_M:-256}" >"$OUT/p2p_latency.log" 2>&1
+    echo "p2p latency rc=$?"
   else
     bench_rc="not run: $gpus GPU(s), the benchmark needs 2+"
   fi
@@ -72,4 +75,5 @@ for log in pytest_p2p pytest; do
   printf '%-11s %s\n' "$log:" "$(grep -E "passed|failed|error" "$OUT/$log.log" 2>/dev/null | tail -1)"
 done
 grep -h "rs-accuracy" "$OUT/pytest_p2p.log" 2>/dev/null
+[ -f "$OUT/p2p_latency.log" ] && tail -14 "$OUT/p2p_latency.log"
 [ -f "$OUT/bench.log" ] && tail -60 "$OUT/bench.log"

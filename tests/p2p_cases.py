@@ -41,12 +41,21 @@ def _random_layout(rng: random.Random, world: int, max_tokens: int) -> "nsa_cp.S
     return nsa_cp.ShardLayout(counts)
 
 
+def _poison(*tensors) -> None:
+    """Fill with NaN, so that every row of the next result must be written by that call. Then every
+    rank syncs and meets on the host: with double buffering a peer may write into our gather buffer
+    without waiting for our entry signal (nothing of ours reads it any more), so a fill still queued on
+    our stream could land on its rows. Real callers never write into the gather buffers."""
+    for t in tensors:
+        t.fill_(float("nan"))
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
 def _gather_once(transport, layout, compact, engine, rank, hidden, dtype, seed, device):
     shards = [_gen(seed, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
     x = shards[rank].to(device)
-    # poison: every row of the result must be written this call. No host barrier is needed: peers
-    # write into this buffer only after our entry signal, which follows the fill on our stream.
-    transport._gather.fill_(float("nan"))
+    _poison(*transport._gathers)
     got = transport.all_gather(x, layout, compact=compact, engine=engine).clone()
     return got, _expected_gather(shards, layout, compact)
 
@@ -164,8 +173,7 @@ def check_graph_replay(transport, rank, world, device, replays=5, seed=3) -> Opt
         x.fill_(float("nan"))
         x[: counts[rank]].copy_(shards[rank].to(device))
         y.copy_(partials[rank].to(device))
-        transport._gather.fill_(float("nan"))
-        rs_out.fill_(float("nan"))
+        _poison(gathered, rs_out)
         graph.replay()
         torch.cuda.synchronize()
         transport.check_error()
@@ -176,6 +184,64 @@ def check_graph_replay(transport, rank, world, device, replays=5, seed=3) -> Opt
         problem = _check_sum(rs_out[: counts[rank]].cpu(), [p[rank * m: rank * m + counts[rank]] for p in partials], dtype)
         if problem:
             return f"graph replay {replay} counts {counts}: {problem}"
+    return None
+
+
+def check_slow_readers(transport, rank, world, device, calls=9, seed=5) -> Optional[str]:
+    """Reuse safety of the gather buffers against a slow reader: rank 1 sleeps before it reads each
+    result (a clone queued behind the sleep), so rank 0 runs ahead into the next gathers. First eager
+    gathers back to back, then CUDA-graph replays of a captured gather alternating with eager gathers:
+    the host never sees the replays, so its choice of buffer and the device's record of the last one
+    written disagree, and only the device-side check keeps a peer from writing into a buffer whose
+    result rank 1 has not read yet. Fresh random rows every call, so a clobbered result shows."""
+    m = transport.max_tokens_per_rank
+    if transport.double_buffer_tokens:  # small enough to alternate buffers (the case under test)
+        m = min(m, transport.double_buffer_tokens)
+    hidden, dtype = transport.hidden_size, transport.dtype
+    rng = random.Random(seed)
+    pending = []
+
+    def read_late(tag, result, want):
+        if rank == 1:
+            torch.cuda._sleep(1_000_000)  # ~0.5 ms on the GPU before this rank reads its result
+        pending.append((tag, result.clone(), want))
+
+    def eager(tag, i):
+        layout = nsa_cp.ShardLayout([rng.randint(0, m) for _ in range(world)])
+        compact = rng.random() < 0.5
+        shards = [_gen(seed * 1000 + i, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+        got = transport.all_gather(shards[rank].to(device), layout, compact=compact, engine="sm")
+        read_late(f"{tag} {layout} compact={compact}", got, _expected_gather(shards, layout, compact))
+
+    for i in range(calls):
+        eager(f"eager call {i}", i)
+
+    bucket = nsa_cp.ShardLayout([m] * world)
+    counts_dev = torch.full((world,), m, dtype=torch.int32, device=device)
+    offsets_dev = torch.arange(world, dtype=torch.int32, device=device) * m
+    x = torch.zeros((m, hidden), dtype=dtype, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gathered = transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
+    for j in range(calls):
+        counts = [rng.randint(0, m) for _ in range(world)]
+        shards = [_gen(seed * 1000 + calls + j, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(counts)]
+        counts_dev.copy_(torch.tensor(counts, dtype=torch.int32))
+        x[: counts[rank]].copy_(shards[rank].to(device))
+        graph.replay()
+        want = torch.cat([torch.cat([s, torch.zeros((m - s.shape[0], hidden), dtype=dtype)]) for s in shards])
+        read_late(f"replay {j} counts {counts}", gathered, want)
+        eager(f"eager call after replay {j}", 2 * calls + j)
+    torch.cuda.synchronize()
+    transport.check_error()
+    for tag, got, want in pending:
+        if not torch.equal(got.cpu(), want):
+            return f"{tag}: the result read late differs (a peer overwrote it before rank 1 read it)"
     return None
 
 
@@ -228,7 +294,7 @@ def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]
         shards = [None] * world
         dist.all_gather_object(shards, local.cpu())
         want = _expected_gather(shards, layout, compact)
-        transport._gather.fill_(float("nan"))
+        _poison(*transport._gathers)
         full, res = comm.prepare_mlp(h, r, layout)
         partial = comm.mlp_output_buffer(layout, full)
         if partial.data_ptr() != transport.reduce_buffer(layout, compact).data_ptr():
@@ -354,8 +420,9 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
         dist.barrier()
 
     for hidden, dtype in payload["shapes"]:
-        transport = nsa_cp.init_p2p(None, payload["max_tokens"], hidden, dtype, device, timeout_ms=20_000)
         tag = f"{hidden}-{str(dtype).split('.')[-1]}"
+        transport = nsa_cp.init_p2p(None, payload["max_tokens"], hidden, dtype, device, timeout_ms=20_000,
+                                    double_buffer_tokens=payload.get("double_buffer_tokens", {}).get(tag))
         for engine in ("sm", "ce"):
             for compact in (False, True):
                 run(f"gather-{tag}-{engine}-{'compact' if compact else 'padded'}", check_gather_sequence,
@@ -365,6 +432,7 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
                 transport, rank, world, device, compact, info=info)
         run(f"stress-{tag}", check_stress, transport, rank, world, device)
         run(f"graph-{tag}", check_graph_replay, transport, rank, world, device)
+        run(f"slow-readers-{tag}", check_slow_readers, transport, rank, world, device)
         run(f"capacity-{tag}", check_capacity_errors, transport, rank, world, device)
         if not shared_gpu():
             run(f"capacity-fallback-{tag}", check_capacity_fallback, transport, rank, world, device)

@@ -708,6 +708,62 @@ def test_gpu_barrier_and_timeout_record():
 
 
 @needs_gpu
+def test_gpu_double_buffer_entry_wait():
+    """The entry wait is skipped exactly when the previous gather wrote the other buffer. Rank 0 calls
+    alone, so the phase that times out (in the error record) shows whether it waited at entry; then both
+    ranks alternate buffers, and results and the recorded tags are checked."""
+    import torch
+
+    world, M, hidden, dtype = 2, 8, 16, torch.bfloat16
+    ranks = _Ranks(world, world * M, hidden, dtype)
+    try:
+        last = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(world)]
+        alt = [torch.full((world * M, hidden), 7, dtype=dtype, device="cuda") for _ in range(world)]
+        ptrs = [ranks.buf_ptrs, torch.tensor([b.data_ptr() for b in alt], dtype=torch.int64, device="cuda")]
+        bufs = [ranks.bufs, alt]
+        dc = torch.tensor([M, M - 3], dtype=torch.int32, device="cuda")
+
+        def call(r, shard, buffer, timeout_ns=TIMEOUT_NS):
+            kw = ranks.sig(r, 0)
+            kw["timeout_ns"] = timeout_ns
+            with torch.cuda.stream(ranks.streams[r]):
+                _C.p2p_gather(src=shard.data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
+                              bufs=ptrs[buffer].data_ptr(), counts=dc.data_ptr(), offsets=0, max_rank_len=M,
+                              compact=False, num_blocks=4, stream=ranks.streams[r].cuda_stream, buffer=buffer,
+                              last_buffer=last[r].data_ptr(), **kw)
+
+        shard = torch.randn(M, hidden, device="cuda").to(dtype)
+        # last 0, buffer 1: no entry wait, so the done barrier is what times out (slot 0*2 + 1), epoch 1
+        call(0, shard, 1, timeout_ns=2_000_000)
+        torch.cuda.synchronize()
+        assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 1, 1, 1]
+        assert int(last[0]) == 1
+        _C.write_u32(ranks.err[0][0], 0, 0)
+        # last 1, buffer 1: the entry wait (slot 0) times out first, epoch 2
+        call(0, shard, 1, timeout_ns=2_000_000)
+        torch.cuda.synchronize()
+        assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 0, 1, 2]
+        _C.write_u32(ranks.err[0][0], 0, 0)
+
+        # both ranks in step again (rank 1 catches up to epoch 2), then alternate 0, 1, 0, 1, 1
+        for t in ranks.pads + ranks.seq + last:  # the pads hold rank 0's signals of epochs 1 and 2
+            t.zero_()
+        for buffer in (0, 1, 0, 1, 1):
+            shards = [torch.randn(M, hidden, device="cuda").to(dtype) for _ in range(world)]
+            torch.cuda.synchronize()
+            for r in range(world):
+                call(r, shards[r], buffer)
+            torch.cuda.synchronize()
+            assert ranks.errors() == [[0, 0, 0, 0]] * world
+            expected = _expected_gather(shards, [M, M - 3], M, False, hidden, dtype)
+            for r in range(world):
+                assert torch.equal(bufs[buffer][r], expected), (r, buffer)
+                assert int(last[r]) == buffer
+    finally:
+        ranks.close()
+
+
+@needs_gpu
 def test_gpu_graph_replay_with_new_counts():
     """Each rank's gather captured once; replays (an odd number) read new counts from device memory."""
     import torch

@@ -31,12 +31,15 @@ PAYLOAD = {
     # (hidden, dtype): production rows (16-byte vectors), and rows of 72 / 70 bytes for the narrow paths
     "shapes": [(7168, torch.bfloat16), (36, torch.bfloat16), (35, torch.bfloat16), (100, torch.float32)],
     "max_tokens": 96,
+    # second gather buffer: unset = the default (every call fits: always double buffered); 48 = layouts
+    # on both sides of it, so calls mix double buffering with entry waits; 0 = none (always wait)
+    "double_buffer_tokens": {"36-bfloat16": 48, "35-bfloat16": 0},
 }
 _TAGS = [f"{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"]]
 CHECKS = (
     [f"gather-{t}-{e}-{lay}" for t in _TAGS for e in ("sm", "ce") for lay in ("padded", "compact")]
     + [f"scatter-{t}-{lay}" for t in _TAGS for lay in ("padded", "compact")]
-    + [f"{k}-{t}" for t in _TAGS for k in ("stress", "graph", "capacity", "communicator")]
+    + [f"{k}-{t}" for t in _TAGS for k in ("stress", "graph", "slow-readers", "capacity", "communicator")]
 )
 NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling back to NCCL
 

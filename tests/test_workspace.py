@@ -27,21 +27,42 @@ def _recording_allocators(record):
     (2, 32768, 7168, torch.bfloat16), (8, 4096, 7168, torch.bfloat16), (1, 1, 1, torch.float32),
     (3, 96, 35, torch.float16), (4, 513, 100, torch.float32),
 ])
-def test_workspace_bytes_is_what_is_allocated(cp_size, tokens, hidden, dtype):
+@pytest.mark.parametrize("double_buffer_tokens", [0, 1, 100, 1024, None])
+def test_workspace_bytes_is_what_is_allocated(cp_size, tokens, hidden, dtype, double_buffer_tokens, monkeypatch):
+    monkeypatch.setenv("NSA_CP_P2P_DOUBLE_BUFFER_TOKENS", "7")  # what None means
     record = []
-    plan = workspace.workspace_plan(cp_size, tokens, hidden, dtype)
+    plan = workspace.workspace_plan(cp_size, tokens, hidden, dtype, double_buffer_tokens)
     tensors = workspace.allocate(plan, *_recording_allocators(record))
     allocated = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert allocated == sum(nbytes for _, _, nbytes in record) == nsa_cp.workspace_bytes(cp_size, tokens, hidden, dtype)
+    assert allocated == sum(nbytes for _, _, nbytes in record) == nsa_cp.workspace_bytes(
+        cp_size, tokens, hidden, dtype, double_buffer_tokens)
     element = torch.empty((), dtype=dtype).element_size()
     assert tensors["gather"].shape == (cp_size * tokens, hidden) and tensors["reduce"].shape == (cp_size * tokens, hidden)
-    # the two data buffers dominate; everything else is small and fixed
-    assert allocated - 2 * cp_size * tokens * hidden * element == workspace.SIGNAL_WORDS * 4 + 3 * cp_size * 8 + 2 * workspace.NUM_CHANNELS * 4
-    assert [kind for kind, _, _ in record][:3] == ["symmetric"] * 3
+    alt_tokens = min(tokens, 7 if double_buffer_tokens is None else double_buffer_tokens)
+    assert ("gather_alt" in tensors) == (alt_tokens > 0)
+    if alt_tokens:
+        assert tensors["gather_alt"].shape == (cp_size * alt_tokens, hidden)
+    # the data buffers dominate; everything else is small and fixed
+    small = workspace.SIGNAL_WORDS * 4 + 4 * cp_size * 8 + 2 * workspace.NUM_CHANNELS * 4 + 4
+    assert allocated - (2 * tokens + alt_tokens) * cp_size * hidden * element == small
+    assert [kind for kind, _, _ in record][: 3 + bool(alt_tokens)] == ["symmetric"] * (3 + bool(alt_tokens))
 
 
 def test_known_value():
-    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16) == 2 * 65536 * 14336 + 1024 + 48 + 16
+    small = 1024 + 4 * 2 * 8 + 16 + 4
+    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 0) == 2 * 65536 * 14336 + small
+    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 1024) == (2 * 65536 + 2048) * 14336 + small
+
+
+def test_double_buffer_setting(monkeypatch):
+    monkeypatch.setenv("NSA_CP_P2P_DOUBLE_BUFFER_TOKENS", "64")
+    assert workspace.double_buffer_rows(1000) == 64 and workspace.double_buffer_rows(10) == 10
+    assert workspace.double_buffer_rows(1000, 0) == 0 and workspace.double_buffer_rows(1000, 5000) == 1000
+    monkeypatch.delenv("NSA_CP_P2P_DOUBLE_BUFFER_TOKENS")
+    assert workspace.double_buffer_rows(1 << 20) == 1024  # the default
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="double_buffer_tokens"):
+            workspace.double_buffer_rows(8, bad)
 
 
 def test_budget_warning(caplog):

@@ -2,9 +2,10 @@
 
 Design record
 -------------
-Buffers. At construction every rank allocates three peer-mapped tensors and exchanges their addresses:
-a gather buffer and a reduce buffer of ``cp_size * max_tokens_per_rank`` rows of ``hidden_size``
-elements each, and a small signal area. They come from ``torch.distributed._symmetric_memory``
+Buffers. At construction every rank allocates peer-mapped tensors and exchanges their addresses: a
+gather buffer and a reduce buffer of ``cp_size * max_tokens_per_rank`` rows of ``hidden_size`` elements
+each, a second gather buffer of ``cp_size * double_buffer_tokens`` rows (see "Reuse safety"), and a
+small signal area. They come from ``torch.distributed._symmetric_memory``
 (``empty`` + ``rendezvous``), or, with NSA_CP_P2P_MEMORY=cuda_ipc or when two ranks share a GPU (which
 symmetric memory refuses), from ordinary allocations whose CUDA IPC handles go round the group (as
 torch.multiprocessing shares CUDA tensors). The kernels see raw pointers either way. All sizes are fixed
@@ -18,7 +19,8 @@ padding crosses the link. Two engines:
     ranks, local zeroing, done barrier. Small calls are a single launch.
   * "ce": the copy engine (cudaMemcpyAsync through ``Tensor.copy_`` onto the peer's mapped buffer), so no
     SM is busy moving bytes; two one-block barrier kernels around the copies.
-The result is a view of this rank's gather buffer, valid until the next gather on this transport.
+The result is a view of this rank's gather buffer (either one), valid until the next gather on this
+transport.
 
 Reduce-scatter (``reduce_scatter``). The MoE writes its partials straight into this rank's reduce
 buffer (``reduce_buffer()`` hands it out; any other tensor is copied in first). One kernel
@@ -26,9 +28,18 @@ buffer (``reduce_buffer()`` hands it out; any other tensor is copied in first). 
 rows from every rank, sums them in fp32 in rank order 0..P-1 and writes ``[n_r, H]``; a done barrier
 keeps every rank from overwriting its reduce buffer while a peer still reads it.
 
-Reuse safety. Every call starts with an entry barrier: a rank writes into a peer's buffer only after that
-peer has entered the same call, i.e. after all earlier work on the peer's stream (reading the previous
-result) is done. Epochs live on the device, so CUDA-graph replays stay in step.
+Reuse safety. A rank writes into a peer's gather buffer only when no reader of that buffer's previous
+contents can still run on the peer. Two ways, chosen per call on the device:
+  * entry barrier: wait until the peer has entered the same call, i.e. all earlier work on the peer's
+    stream is done. Always for the reduce-scatter and the copy engine;
+  * double buffering (sm gathers): gathers of at most ``double_buffer_tokens`` rows per rank alternate
+    between the two gather buffers (the host picks, the same on every rank). When the previous gather
+    wrote the other buffer, its done barrier already proved that every peer had entered it, so the
+    readers of anything older are done and the kernel waits for nobody at entry: a small call costs one
+    signal latency instead of two. The kernel compares with the buffer the previous gather wrote
+    (device memory), so eager calls interleaved with CUDA-graph replays, which the host never sees,
+    still wait whenever two gathers in a row use the same buffer.
+Epochs live on the device, so CUDA-graph replays stay in step.
 
 Faults. Every wait has a timeout (NSA_CP_P2P_TIMEOUT_MS). A kernel that times out records which call
 and which peer into host-mapped memory and gives up; the next call on the transport (or
@@ -197,8 +208,13 @@ class P2PTransport:
         device: this rank's CUDA device (default: the current one).
         timeout_ms: per-wait timeout (default NSA_CP_P2P_TIMEOUT_MS; 0 waits forever).
         workspace_bytes: optional budget; the transport always allocates exactly
-            ``nsa_cp.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype)`` and logs a
-            warning (with both numbers and the value to set) when the budget is smaller.
+            ``nsa_cp.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype,
+            double_buffer_tokens)`` and logs a warning (with both numbers and the value to set) when the
+            budget is smaller.
+        double_buffer_tokens: tokens per rank of the second gather buffer (capped at
+            ``max_tokens_per_rank``; 0: none; default NSA_CP_P2P_DOUBLE_BUFFER_TOKENS, 1024). Costs
+            ``cp_size * tokens * hidden * element size`` bytes; gathers up to that size skip the entry
+            barrier (module docstring, "Reuse safety"). The same on every rank.
     """
 
     def __init__(
@@ -211,6 +227,7 @@ class P2PTransport:
         *,
         timeout_ms: Optional[int] = None,
         workspace_bytes: Optional[int] = None,
+        double_buffer_tokens: Optional[int] = None,
     ):
         if max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank: expected an int >= 1, got {max_tokens_per_rank}")
@@ -238,9 +255,12 @@ class P2PTransport:
         self._broken = None  # (exception class, message) once a call failed on the device
 
         # every device buffer comes from the plan, so nsa_cp.workspace_bytes() is exact
-        plan = workspace.workspace_plan(self.world, self.max_tokens_per_rank, self.hidden_size, dtype)
+        self.double_buffer_tokens = workspace.double_buffer_rows(self.max_tokens_per_rank, double_buffer_tokens)
+        plan = workspace.workspace_plan(
+            self.world, self.max_tokens_per_rank, self.hidden_size, dtype, self.double_buffer_tokens
+        )
         required = workspace.check_budget(
-            workspace_bytes, self.world, self.max_tokens_per_rank, self.hidden_size, dtype
+            workspace_bytes, self.world, self.max_tokens_per_rank, self.hidden_size, dtype, self.double_buffer_tokens
         )
         handles = {}
         self.memory = _memory_kind(indices)
@@ -256,13 +276,22 @@ class P2PTransport:
         buffers = workspace.allocate(plan, symmetric, local)
         self.workspace_bytes = required
         self._gather, self._reduce, self._signals = buffers["gather"], buffers["reduce"], buffers["signals"]
+        # gather buffer 0 and 1 (1 is 0 again without double buffering: then never chosen)
+        self._gathers = (self._gather, buffers.get("gather_alt", self._gather))
         self._signals.zero_()
-        for name, handle in (("gather_ptrs", "gather"), ("reduce_ptrs", "reduce"), ("pad_ptrs", "signals")):
+        alt = "gather_alt" if "gather_alt" in handles else "gather"
+        buffers["gather_ptrs"].copy_(
+            torch.tensor([handles["gather"].buffer_ptrs, handles[alt].buffer_ptrs], dtype=torch.int64)
+        )
+        for name, handle in (("reduce_ptrs", "reduce"), ("pad_ptrs", "signals")):
             buffers[name].copy_(torch.tensor(handles[handle].buffer_ptrs, dtype=torch.int64))
         self._gather_ptrs, self._reduce_ptrs, self._pad_ptrs = (
             buffers["gather_ptrs"], buffers["reduce_ptrs"], buffers["pad_ptrs"]
         )
-        self._seq, self._arrive = buffers["seq"], buffers["arrive"]
+        self._seq, self._arrive, self._gather_last = buffers["seq"], buffers["arrive"], buffers["gather_last"]
+        # addresses the sm gather passes per buffer (kept, not recomputed per call: host time)
+        self._gather_args = [(self._gather_ptrs[b].data_ptr(), self._gather_last.data_ptr()) for b in (0, 1)]
+        self._last_buffer = 0  # host's guess of the buffer the last gather wrote (the device knows)
         # the copy engine writes into peers' gather buffers through these mapped views
         shape = list(self._gather.shape)
         self._peer_gather = [handles["gather"].get_buffer(peer, shape, dtype, 0) for peer in range(self.world)]
@@ -271,9 +300,10 @@ class P2PTransport:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # every rank's signal area is zero before anyone signals
         logger.info(
-            "nsa_cp P2P transport: rank %d/%d, %d tokens/rank x %d x %s, %.1f MiB per buffer (%s)",
+            "nsa_cp P2P transport: rank %d/%d, %d tokens/rank x %d x %s, %.1f MiB per buffer, second "
+            "gather buffer for %d tokens/rank (%s)",
             self.rank, self.world, self.max_tokens_per_rank, self.hidden_size, dtype,
-            self._gather.numel() * self._gather.element_size() / 2**20, self.memory,
+            self._gather.numel() * self._gather.element_size() / 2**20, self.double_buffer_tokens, self.memory,
         )
 
     # ------------------------------------------------------------------ sizing and checks
@@ -376,7 +406,6 @@ class P2PTransport:
         engine = self.choose_engine(engine, layout)
         if device_counts is not None and engine != "sm":
             raise ValueError(f"engine: device_counts needs the 'sm' engine (the copy engine reads host counts), got {engine!r}")
-        result = self._view(self._gather, layout, compact, x.shape[1:])
         rows = x.reshape(x.shape[0], self.hidden_size)
         if rows.shape[0] and rows.stride(1) != 1:
             rows = rows.contiguous()
@@ -384,15 +413,20 @@ class P2PTransport:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         pads, channel, seq, arrive, timeout, err = self._signal_args(_CHANNEL_GATHER)
         if engine == "sm":
+            buffer = self._next_buffer(layout)
+            bufs, last = self._gather_args[buffer]
             moved = layout.max_rank_len * self._row_bytes * self.world
             self._C.p2p_gather(
                 rows.data_ptr(), rows.stride(0) * rows.element_size(), self._row_bytes,
-                self._gather_ptrs.data_ptr(), counts.data_ptr(), offsets.data_ptr(),
+                bufs, counts.data_ptr(), offsets.data_ptr(),
                 layout.max_rank_len, compact, self.rank, self.world, pads, channel, seq, arrive,
-                timeout, err, self._blocks(moved), stream,
+                timeout, err, self._blocks(moved), stream, buffer, last,
             )
-            return result
-        # copy engine: entry barrier, one copy per rank, local zeroing of padding, done barrier
+            return self._view(self._gathers[buffer], layout, compact, x.shape[1:])
+        # copy engine, on buffer 0: entry barrier, one copy per rank, local zeroing of padding, done
+        # barrier; then the record of the last buffer written, which the next sm gather reads
+        self._last_buffer = 0
+        result = self._view(self._gather, layout, compact, x.shape[1:])
         self._C.barrier(pads, self.rank, self.world, channel, 0, seq, False, timeout, err, stream)
         start, stop = layout.rows(self.rank, compact)
         if stop > start:
@@ -405,7 +439,15 @@ class P2PTransport:
                 if n < m:
                     flat[(q * m + n) * self.hidden_size : (q + 1) * m * self.hidden_size].zero_()
         self._C.barrier(pads, self.rank, self.world, channel, 1, seq, True, timeout, err, stream)
+        self._gather_last.zero_()
         return result
+
+    def _next_buffer(self, layout: ShardLayout) -> int:
+        """The gather buffer of the next sm gather: the other one than last time when the layout fits the
+        second buffer, else buffer 0. Every rank makes the same calls, so every rank picks the same."""
+        fits_second = layout.max_rank_len <= self.double_buffer_tokens
+        self._last_buffer = 1 - self._last_buffer if fits_second else 0
+        return self._last_buffer
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_buffer(self, layout: ShardLayout, compact: bool, rest=None) -> torch.Tensor:
@@ -480,6 +522,7 @@ def init_p2p(
     *,
     timeout_ms: Optional[int] = None,
     workspace_bytes: Optional[int] = None,
+    double_buffer_tokens: Optional[int] = None,
 ) -> P2PTransport:
     """Create (collectively, on every rank of ``group``) and register the P2P transport of ``group``.
 
@@ -487,7 +530,8 @@ def init_p2p(
     layouts that fit. Creating it again for the same group replaces the old one.
     """
     transport = P2PTransport(
-        group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms, workspace_bytes=workspace_bytes
+        group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms,
+        workspace_bytes=workspace_bytes, double_buffer_tokens=double_buffer_tokens,
     )
     old = _REGISTRY.pop(_group_key(group), None)
     if old is not None:
