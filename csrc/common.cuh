@@ -131,22 +131,28 @@ __device__ __forceinline__ bool block_wait_all(const SignalArgs& s, int phase, u
 // (after every other block has passed its start: state read at the start may now be rewritten).
 __device__ __forceinline__ bool grid_done_barrier(const SignalArgs& s, uint32_t epoch, bool block_failed) {
   __shared__ uint32_t s_total;
-  // Our writes (remote stores into peers' buffers, or loads from them that must finish before a peer
-  // may reuse its buffer) are ordered before the arrive count that the last block observes.
-  __threadfence_system();
+  // The block's memory operations (remote stores into peers' buffers, or loads from them that must
+  // finish before a peer may reuse its buffer) reach thread 0 through bar.sync, and its system-scope
+  // fence is cumulative: all of them are ordered before its arrive. One fence per block, not one per
+  // thread (cooperative groups' grid sync does the same at device scope).
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     const uint32_t inc = 1u + (block_failed ? kArriveFailed : 0u);
-    s_total = atomicAdd(s.arrive, inc) + inc;
+    const uint32_t total = atomicAdd(s.arrive, inc) + inc;
+    // Last block: this fence pairs with the other blocks' fences before their arrive (observed through
+    // the atomic), so their operations are ordered before the release stores below.
+    if ((total & kArriveCountMask) == gridDim.x) __threadfence_system();
+    s_total = total;
   }
   __syncthreads();
   const uint32_t total = s_total;
   if ((total & kArriveCountMask) != gridDim.x) return false;  // not the last block
 
-  // Last block: the fence pairs with the other blocks' fences before their arrive (observed through
-  // the atomic), so their writes are ordered before our release stores below.
-  __threadfence_system();
-  block_signal_all(s, 1, epoch);
+  // Release stores, cumulative over what thread 0 ordered above (bar.sync): no further fence needed.
+  if (static_cast<int>(threadIdx.x) < s.world) {
+    st_release_sys(pad_slot(s.pads[threadIdx.x], s.world, s.channel, 1, s.rank), epoch);
+  }
   if (total < kArriveFailed) block_wait_all(s, 1, epoch);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -230,19 +236,42 @@ struct Geometry {
   int offsets[kMaxWorld];  // compact only (0 otherwise)
 };
 
-// Stages the geometry into `g` (shared memory; call from all threads) and checks it: counts in range,
+// Rank t's entry of the geometry, in thread t's registers (t < world; zeros elsewhere). Load it first
+// thing in a launch, before the epoch: plain loads issued ahead of the epoch's load (an asm with a
+// memory clobber, which later loads cannot pass) are in flight together with it, so the launch pays
+// one memory latency before it can move data instead of two.
+struct GeometryEntry {
+  uint64_t buf = 0;
+  int count = 0;
+  int offset = 0;
+};
+
+__device__ __forceinline__ GeometryEntry load_geometry_entry(const uint64_t* bufs, const int* counts,
+                                                             const int* offsets, bool compact, int world) {
+  GeometryEntry e;
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < world) {
+    e.buf = bufs[t];
+    e.count = counts[t];
+    e.offset = compact ? offsets[t] : 0;
+  }
+  return e;
+}
+
+// Stages the geometry (from every thread's load_geometry_entry) into `g` (shared memory; call from all
+// threads) and checks it: counts in range,
 // compact offsets the prefix sum, every buffer non-null and aligned to `word_bytes`, and this rank's
 // own tensor (`local`: the gather's source, the reduce-scatter's output) non-null when it has rows.
 // Returns the first bad rank, or -1. Every block reaches the same verdict; block 0 records the error,
 // and a bad launch skips its data movement but still completes the signal protocol, so no peer hangs.
-__device__ __forceinline__ int stage_geometry(Geometry& g, const uint64_t* bufs, const int* counts,
-                                              const int* offsets, int64_t M, bool compact, int word_bytes,
-                                              const void* local, const SignalArgs& s, uint32_t epoch) {
+__device__ __forceinline__ int stage_geometry(Geometry& g, const GeometryEntry& entry, int64_t M, bool compact,
+                                              int word_bytes, const void* local, const SignalArgs& s,
+                                              uint32_t epoch) {
   const int t = static_cast<int>(threadIdx.x);
   if (t < s.world) {
-    g.bufs[t] = bufs[t];
-    g.counts[t] = counts[t];
-    g.offsets[t] = compact ? offsets[t] : 0;
+    g.bufs[t] = entry.buf;
+    g.counts[t] = entry.count;
+    g.offsets[t] = entry.offset;
   }
   __syncthreads();
   int bad = first_bad_layout_rank(g.counts, g.offsets, s.world, M, compact);

@@ -45,14 +45,16 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   using W = typename Word<VEC>::type;
   __shared__ Geometry g;
 
+  const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
+  const uint32_t last = p.last_buffer != nullptr ? ld_relaxed_gpu(p.last_buffer) : p.buffer;
   const uint32_t epoch = read_epoch(s);
   // (a) Entered: everything earlier on our stream, the readers of our buffer's previous contents
   // included, has completed, so peers may now write into it.
   if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
-  const bool wait_entry = p.last_buffer == nullptr || ld_relaxed_gpu(p.last_buffer) == p.buffer;
+  const bool wait_entry = last == p.buffer;
 
   const int rank = s.rank, world = s.world;
-  const int bad = stage_geometry(g, p.bufs, p.counts, p.offsets, p.M, p.compact, VEC, p.src, s, epoch);
+  const int bad = stage_geometry(g, entry, p.M, p.compact, VEC, p.src, s, epoch);
   const int64_t n = g.counts[rank];
 
   const int64_t chunks = p.row_bytes / VEC;

@@ -101,12 +101,13 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
   using W = typename Word<kWordBytes>::type;
   __shared__ Geometry g;
 
+  const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
   const uint32_t epoch = read_epoch(s);
   // Entered: our partials (written earlier on our stream) are complete and may be read by peers.
   if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
 
   const int rank = s.rank, world = s.world;
-  const int bad = stage_geometry(g, p.bufs, p.counts, p.offsets, p.M, p.compact, kWordBytes, p.out, s, epoch);
+  const int bad = stage_geometry(g, entry, p.M, p.compact, kWordBytes, p.out, s, epoch);
   const int64_t n = g.counts[rank];
 
   bool ok = bad < 0;

@@ -738,12 +738,14 @@ def test_gpu_double_buffer_entry_wait():
         torch.cuda.synchronize()
         assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 1, 1, 1]
         assert int(last[0]) == 1
-        _C.write_u32(ranks.err[0][0], 0, 0)
+        for i in range(4):
+            _C.write_u32(ranks.err[0][0], i, 0)
         # last 1, buffer 1: the entry wait (slot 0) times out first, epoch 2
         call(0, shard, 1, timeout_ns=2_000_000)
         torch.cuda.synchronize()
         assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 0, 1, 2]
-        _C.write_u32(ranks.err[0][0], 0, 0)
+        for i in range(4):
+            _C.write_u32(ranks.err[0][0], i, 0)
 
         # both ranks in step again (rank 1 catches up to epoch 2), then alternate 0, 1, 0, 1, 1
         for t in ranks.pads + ranks.seq + last:  # the pads hold rank 0's signals of epochs 1 and 2
