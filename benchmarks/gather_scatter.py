@@ -58,7 +58,9 @@ Protocol (QuACK style)
        enqueue the whole round, so the events time the device work alone, as in a model whose CPU runs
        ahead or a CUDA graph; ``--cold`` drops the sleep (then launch-bound methods are timed at their
        host cost). Methods are enqueued back to back without host syncs, as real code runs them; the
-       rotation spreads the first-after-barrier skew over all methods. Input and output buffers
+       rotation spreads the first-after-barrier skew over all methods. Before each method's start
+       event an untimed aligner releases the ranks together (the P2P transport's one-block barrier,
+       else a one-element all-reduce), so no method inherits the skew of the one before it. Input and output buffers
        rotate among several sets (about 4x L2 in all) so L2 does not serve repeated inputs.
     5. Per method: the median over rounds on each rank, then the MAX over ranks (``all_reduce MAX``).
        ``spread`` is the interquartile range over rounds / median (max over ranks): differences
@@ -499,8 +501,24 @@ def _sync(ctx: Ctx):
 AHEAD_CYCLES_PER_METHOD = 2_000_000  # ~1 ms of GPU sleep per method: covers any method's host time
 
 
+def _aligner(ctx: Ctx):
+    """What runs, untimed, before each method's start event, so that every method starts with the ranks
+    released together. Without it a method inherits the skew its predecessor in the rotation leaves
+    (the ranks leave NCCL's grouped calls several microseconds apart, a P2P kernel within one signal
+    latency), and its time depends on its neighbour: 3 us of 24 at M = 256 on 2x H200. With a P2P
+    transport: its one-block barrier (ranks within one signal latency); else a one-element NCCL
+    all-reduce; nothing on CPU (host timing)."""
+    if ctx.device.type != "cuda":
+        return None
+    transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
+    if transport is not None:
+        return transport.barrier
+    flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+    return lambda: dist.all_reduce(flag, group=ctx.group)
+
+
 def time_round(ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True) -> Dict[str, Tuple[float, float]]:
-    """One round: barrier, then each method once in ``order``.
+    """One round: barrier, then each method once in ``order``, each after the aligner (``_aligner``).
 
     Returns {name: (device ms, host ms)} on this rank: device time between CUDA events around the call
     (on CPU the host time), and the host time the call took to return (to enqueue, on GPU).
@@ -509,6 +527,7 @@ def time_round(ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True) -> 
     it, a method whose host time exceeds its device time is timed at its host time."""
     nb = len(bufsets)
     cuda = ctx.device.type == "cuda"
+    align = _aligner(ctx)
     dist.barrier(group=ctx.group)
     if cuda and ahead:
         torch.cuda._sleep(AHEAD_CYCLES_PER_METHOD * len(order))
@@ -517,6 +536,7 @@ def time_round(ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True) -> 
         s = e = None
         if cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            align()
             s.record()
         t0 = time.perf_counter()
         methods[i].fn(ctx, bufsets[(call0 + k) % nb])
@@ -718,7 +738,7 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
                 "x_even": st["ms"] / even["ms"] if even else float("nan"),
                 "rounds": args.rounds,
                 "warmup": args.warmup,
-                "timing": "cold" if args.cold else "ahead",
+                "timing": ("cold" if args.cold else "ahead") + "+aligned",
                 "nbuf": nbuf,
             }
         )

@@ -22,8 +22,9 @@ Bad arguments raise ValueError before any CUDA call; CUDA failures raise Runtime
 Signal protocol shared by all kernels. Each rank has a symmetric uint32 "signal pad" that peers
 write through mapped pointers; ``pads`` is a device uint64[world] holding every rank's pad base as
 mapped into this process (pads[rank] is our own). A call on channel c uses, in every pad, the slots
-``pad[(c*2 + phase)*world + src]``: phase 0 = entered, phase 1 = done. Channels that may run
-concurrently need distinct channel numbers, pads of at least (channels*2*world) uint32.
+``pad[(c*2 + phase)*world + src]``: phase 0 = entered, phase 1 = done, below word DONE_BASE, and the
+gather's done counters ``pad[DONE_BASE + c*MAX_WORLD + src]`` above it. Pads hold SIGNAL_WORDS uint32.
+Channels that may run concurrently need distinct channel numbers.
 
 ``seq`` (device uint32, one per channel, local memory) holds the last finished epoch; a launch uses
 epoch = seq + 1 and its last block stores seq = epoch. ``arrive`` (device uint32, one per channel)
@@ -45,6 +46,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_WORLD") = nsa_cp::kMaxWorld;
   m.attr("MAX_BLOCKS") = nsa_cp::kMaxBlocks;
   m.attr("THREADS_PER_BLOCK") = nsa_cp::kDataThreads;
+  m.attr("SIGNAL_WORDS") = nsa_cp::kSignalWords;
+  m.attr("DONE_BASE") = nsa_cp::kDoneBase;
+  m.attr("DONE_QUANTUM") = nsa_cp::kDoneQuantum;
   m.attr("ERR_NONE") = nsa_cp::kErrNone;
   m.attr("ERR_TIMEOUT") = nsa_cp::kErrTimeout;
   m.attr("ERR_BAD_DEVICE_ARG") = nsa_cp::kErrBadDeviceArg;
@@ -119,8 +123,8 @@ uint32 epoch counter. advance: store seq = epoch at the end. timeout_ns: wait bo
   m.def("p2p_gather", &nsa_cp::p2p_gather, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("row_bytes"),
         py::arg("bufs"), py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"),
         py::arg("rank"), py::arg("world"), py::arg("pads"), py::arg("channel"), py::arg("seq"), py::arg("arrive"),
-        py::arg("timeout_ns"), py::arg("err"), py::arg("num_blocks"), py::arg("stream"), py::arg("buffer") = 0,
-        py::arg("last_buffer") = 0, py::call_guard<py::gil_scoped_release>(),
+        py::arg("timeout_ns"), py::arg("err"), py::arg("num_blocks"), py::arg("stream"), py::arg("buffer"),
+        py::arg("state"), py::call_guard<py::gil_scoped_release>(),
         R"doc(Enqueue an all-gather of uneven shards that pushes this rank's rows into every rank's buffer.
 
 One launch: entered barrier (phase 0: no peer still reads its buffer from the previous call); copy
@@ -141,11 +145,13 @@ compact: compact (True) or padded (False) layout. rank, world, pads, channel, se
 timeout_ns, err: the signal protocol (module doc). num_blocks: grid size, 1..65535, 512 threads
 each. stream: cudaStream_t as int.
 
-Double buffering: buffer (0 or 1) tags the buffers bufs points at, the same tag on every rank;
-last_buffer is the device address of this rank's uint32 holding the tag the previous gather of this
-channel wrote (local memory, zero-initialised, updated by every launch). When the tags differ the
-entered barrier waits for nobody: the previous gather's done barrier already proved every peer
-finished with the results that buffer holds. last_buffer = 0: always wait (single buffer).)doc");
+buffer: 0 or 1, the tag of the buffers bufs points at, the same on every rank (always 0 with one set
+of buffers). state: device address of this rank's uint32[2] (local memory, zero-initialised, one per
+channel, updated by every launch): [0] the tag the previous gather wrote: when it differs from
+buffer the entered barrier waits for nobody (the previous gather's done phase already proved every
+peer finished with what that buffer holds); [1] the done-counter total this rank has consumed.
+The done phase: every block adds its share of DONE_QUANTUM to its counter in every rank's pad
+(pads hold SIGNAL_WORDS words); the last block waits until every rank's reached [1] + DONE_QUANTUM.)doc");
 
   m.def("p2p_reduce_scatter", &nsa_cp::p2p_reduce_scatter, py::arg("out"), py::arg("out_row_stride_bytes"),
         py::arg("bufs"), py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"),

@@ -13,6 +13,11 @@
 //   * Wait: acquire loads of our own slot until (int32_t)(value - epoch) >= 0 (wrap-safe; a slot may
 //     already hold a later epoch of a peer that ran ahead). Optional timeout on %globaltimer; on
 //     timeout the first error is recorded into a host-mapped uint32[4] and the wait gives up.
+//   * Done counters (the gather's done phase; see grid_done_counters): pad[kDoneBase + c*kMaxWorld +
+//     src] only grows, by kDoneQuantum per launch of src, in shares added by each of src's blocks
+//     with a system-scope release reduction once that block's stores are ordered. The receiver keeps
+//     the total it has consumed (local memory) and waits for it + kDoneQuantum, so it needs no block of
+//     the sender to collect the others first, and the sender's grid size does not matter.
 //
 // Error record err[4] (host-mapped, read it after the stream has synchronized):
 //   err[0] = code (0 none, kErrTimeout, kErrBadDeviceArg), err[1] = channel*2 + phase,
@@ -55,6 +60,10 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void red_release_sys_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Bypasses L1: `seq` was written by an earlier launch.
 __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
   uint32_t v;
@@ -95,20 +104,26 @@ __device__ __forceinline__ void signal_peer(const SignalArgs& s, int peer, int p
   st_release_sys(pad_slot(s.pads[peer], s.world, s.channel, phase, s.rank), epoch);
 }
 
-// Waits until `peer` has written an epoch >= `epoch` into slot [phase][peer] of our own pad.
-// Returns false (after recording the error) on timeout.
-__device__ __forceinline__ bool wait_peer(const SignalArgs& s, int peer, int phase, uint32_t epoch) {
-  const uint32_t* slot = pad_slot(s.pads[s.rank], s.world, s.channel, phase, peer);
-  if (static_cast<int32_t>(ld_acquire_sys(slot) - epoch) >= 0) return true;
+// Waits until `slot` (in our own pad, written by `peer`) holds a value >= `target` (wrap-safe).
+// Returns false (after recording a timeout of `phase` of this call, epoch `epoch`) on timeout.
+__device__ __forceinline__ bool wait_at_least(const SignalArgs& s, const uint32_t* slot, uint32_t target, int peer,
+                                              int phase, uint32_t epoch) {
+  if (static_cast<int32_t>(ld_acquire_sys(slot) - target) >= 0) return true;
   const uint64_t start = s.timeout_ns ? globaltimer_ns() : 0;
   while (true) {
-    if (static_cast<int32_t>(ld_acquire_sys(slot) - epoch) >= 0) return true;
+    if (static_cast<int32_t>(ld_acquire_sys(slot) - target) >= 0) return true;
     if (s.timeout_ns && globaltimer_ns() - start > s.timeout_ns) {
       record_error(s.err, kErrTimeout, static_cast<uint32_t>(s.channel * 2 + phase), static_cast<uint32_t>(peer),
                    epoch);
       return false;
     }
   }
+}
+
+// Waits until `peer` has written an epoch >= `epoch` into slot [phase][peer] of our own pad.
+// Returns false (after recording the error) on timeout.
+__device__ __forceinline__ bool wait_peer(const SignalArgs& s, int peer, int phase, uint32_t epoch) {
+  return wait_at_least(s, pad_slot(s.pads[s.rank], s.world, s.channel, phase, peer), epoch, peer, phase, epoch);
 }
 
 // Block-wide: threads p < world signal rank p (phase slot), nothing else. Caller synchronizes.
@@ -157,6 +172,52 @@ __device__ __forceinline__ bool grid_done_barrier(const SignalArgs& s, uint32_t 
   __syncthreads();
   if (threadIdx.x == 0) {
     *s.arrive = 0;
+    *reinterpret_cast<volatile uint32_t*>(s.seq) = epoch;
+  }
+  return true;
+}
+
+// The done counter of `src` on `channel` in the pad at `pad_base` (protocol at the top of this file).
+__device__ __forceinline__ uint32_t* done_counter(uint64_t pad_base, int channel, int src) {
+  return reinterpret_cast<uint32_t*>(pad_base) + kDoneBase + channel * kMaxWorld + src;
+}
+
+// This block's share of kDoneQuantum: the shares of blocks 0..gridDim.x-1 sum to it exactly, each >= 1.
+__device__ __forceinline__ uint32_t done_share() {
+  const uint64_t b = blockIdx.x, g = gridDim.x;
+  return static_cast<uint32_t>(((b + 1) * kDoneQuantum) / g - (b * kDoneQuantum) / g);
+}
+
+// The done half of the gather, through the done counters (each block calls it once, from all threads,
+// after its stores). Every block adds its share to every rank's counter for us (the release reduction
+// is cumulative over the block's stores through bar.sync, so no fence and no atomic chain through a
+// last block sits between our last store and a peer's wait). The last block to arrive (counted on
+// `arrive` only for the bookkeeping) waits until every rank's counter in our pad reached `*received`
+// + kDoneQuantum (skipped if any block of this launch failed), then stores the new total, resets
+// `arrive` and publishes seq = epoch. Returns true in that last block, after every block has passed
+// its start.
+__device__ __forceinline__ bool grid_done_counters(const SignalArgs& s, uint32_t epoch, uint32_t* received,
+                                                   bool block_failed) {
+  __shared__ uint32_t s_total;
+  __syncthreads();
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < s.world) red_release_sys_add(done_counter(s.pads[t], s.channel, s.rank), done_share());
+  if (t == 0) {
+    const uint32_t inc = 1u + (block_failed ? kArriveFailed : 0u);
+    s_total = atomicAdd(s.arrive, inc) + inc;
+  }
+  __syncthreads();
+  const uint32_t total = s_total;
+  if ((total & kArriveCountMask) != gridDim.x) return false;  // not the last block
+
+  const uint32_t target = ld_relaxed_gpu(received) + kDoneQuantum;
+  if (total < kArriveFailed && t < s.world) {
+    wait_at_least(s, done_counter(s.pads[s.rank], s.channel, t), target, t, 1, epoch);
+  }
+  __syncthreads();
+  if (t == 0) {
+    *s.arrive = 0;
+    *reinterpret_cast<volatile uint32_t*>(received) = target;
     *reinterpret_cast<volatile uint32_t*>(s.seq) = epoch;
   }
   return true;

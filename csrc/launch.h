@@ -49,8 +49,10 @@ inline SignalArgs make_signal_args(const char* fn, uint64_t pads, int rank, int 
           "world must be in [1, " + std::to_string(kMaxWorld) + "], got " + std::to_string(world));
   require(rank >= 0 && rank < world, fn,
           "rank must be in [0, world=" + std::to_string(world) + "), got " + std::to_string(rank));
-  // channel*2+phase slots of `world` entries each: keep the slot index well inside int32.
-  require(channel >= 0 && channel < (1 << 20), fn, "channel must be in [0, 2^20), got " + std::to_string(channel));
+  // channel*2+phase slots of `world` entries each, below the done counters of the pad
+  require(channel >= 0 && (channel * 2 + 2) * world <= kDoneBase, fn,
+          "channel must be in [0, " + std::to_string(kDoneBase / (2 * world)) + ") at world " + std::to_string(world) +
+              " (the pad's epoch slots), got " + std::to_string(channel));
   require_ptr(pads, fn, "pads (device uint64[world] of pad bases)");
   require_ptr(seq, fn, "seq (device uint32)");
   if (need_arrive) require_ptr(arrive, fn, "arrive (device uint32)");

@@ -25,10 +25,20 @@ constexpr uint32_t kErrTimeout = 1;
 // misaligned buffer). The kernel then skips its data movement but still completes the protocol.
 constexpr uint32_t kErrBadDeviceArg = 2;
 
+// The signal pad: uint32 words per rank (nsa_cp.workspace.SIGNAL_WORDS allocates this many). Epoch
+// slots [(channel*2 + phase)*world + src] below kDoneBase; the gather's done counters
+// [kDoneBase + channel*kMaxWorld + src] from there (see common.cuh).
+constexpr int kSignalWords = 256;
+constexpr int kDoneBase = 128;
+// What one gather launch adds to each rank's done counter, in per-block shares (> kMaxBlocks: every
+// share >= 1).
+constexpr uint32_t kDoneQuantum = 1u << 16;
+
 // Threads per block of the data-movement kernels (p2p_gather, p2p_reduce_scatter).
 constexpr int kDataThreads = 512;
 // The arrive counter keeps the block count in 16 bits (see common.cuh).
 constexpr int kMaxBlocks = 65535;
+static_assert(kDoneQuantum > static_cast<uint32_t>(kMaxBlocks), "every block's done share must be >= 1");
 
 // ---- barrier.cu -------------------------------------------------------------------------------
 void barrier(uint64_t pads, int rank, int world, int channel, int phase, uint64_t seq, bool advance,
@@ -38,7 +48,7 @@ void barrier(uint64_t pads, int rank, int world, int channel, int phase, uint64_
 void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
                 uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
                 int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
-                uint64_t stream, int buffer, uint64_t last_buffer);
+                uint64_t stream, int buffer, uint64_t state);
 
 // ---- p2p_reduce_scatter.cu --------------------------------------------------------------------
 void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t bufs, uint64_t counts,

@@ -8,12 +8,15 @@
 // (d) "done" barrier, phase 1: every rank's rows have landed in our buffer.
 //
 // Double buffering: the caller tags the buffers `bufs` points at (`buffer`, 0 or 1, the same on every
-// rank) and keeps, per rank, the tag the previous gather of this channel wrote (`last_buffer`, local
+// rank) and keeps, per rank, the tag the previous gather of this channel wrote (`state[0]`, local
 // device memory, updated at the end of each launch). When the tags differ, (a) waits for nothing:
 // the previous gather's done barrier already proved that every peer had entered it, so every peer's
 // readers of results older than that (the only ones that can live in this buffer) have finished. The
 // entered signal is still sent, so a rank that waits never misses it. The decision is made on the
 // device because CUDA-graph replays and eager calls interleave without the host seeing the replays.
+//
+// (d) goes through the done counters (common.cuh, grid_done_counters): every block reports its own
+// rows to every rank, and `state[1]` holds the total this rank has consumed.
 #include "common.cuh"
 #include "launch.h"
 
@@ -31,8 +34,8 @@ struct GatherParams {
   const int* offsets;  // compact only
   int64_t M;           // max_rank_len (padded layout)
   bool compact;
-  uint32_t buffer;        // tag of the buffers `bufs` points at
-  uint32_t* last_buffer;  // local: tag the previous gather wrote (null: always wait at entry)
+  uint32_t buffer;  // tag of the buffers `bufs` points at
+  uint32_t* state;  // local uint32[2]: [0] tag the previous gather wrote, [1] done-counter total consumed
 };
 
 template <typename W>
@@ -46,7 +49,7 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   __shared__ Geometry g;
 
   const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
-  const uint32_t last = p.last_buffer != nullptr ? ld_relaxed_gpu(p.last_buffer) : p.buffer;
+  const uint32_t last = ld_relaxed_gpu(p.state);
   const uint32_t epoch = read_epoch(s);
   // (a) Entered: everything earlier on our stream, the readers of our buffer's previous contents
   // included, has completed, so peers may now write into it.
@@ -108,9 +111,9 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
     }
   }
 
-  // (d) Done: the last block signals once every block's stores are fenced, then waits for all ranks.
-  if (grid_done_barrier(s, epoch, !ok) && threadIdx.x == 0 && p.last_buffer != nullptr) {
-    *reinterpret_cast<volatile uint32_t*>(p.last_buffer) = p.buffer;
+  // (d) Done: every block reports its rows to every rank; the last block waits for every rank's.
+  if (grid_done_counters(s, epoch, p.state + 1, !ok) && threadIdx.x == 0) {
+    *reinterpret_cast<volatile uint32_t*>(p.state) = p.buffer;
   }
 }
 
@@ -119,7 +122,7 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
 void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
                 uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
                 int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
-                uint64_t stream, int buffer, uint64_t last_buffer) {
+                uint64_t stream, int buffer, uint64_t state) {
   constexpr const char* fn = "p2p_gather";
   const SignalArgs s =
       make_signal_args(fn, pads, rank, world, channel, seq, arrive, /*need_arrive=*/true, timeout_ns, err);
@@ -137,10 +140,14 @@ void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, u
           fn, "buffer size in bytes overflows int64");
   require_blocks(fn, num_blocks);
   require(buffer == 0 || buffer == 1, fn, "buffer must be 0 or 1, got " + std::to_string(buffer));
+  require_ptr(state, fn, "state (device uint32[2], zero-initialised, this rank's gather state)");
+  require(kDoneBase + (channel + 1) * kMaxWorld <= kSignalWords, fn,
+          "channel must be < " + std::to_string((kSignalWords - kDoneBase) / kMaxWorld) +
+              " (the pad's done counters), got " + std::to_string(channel));
 
   const GatherParams p{as_ptr<const char>(src), src_row_stride_bytes, row_bytes,  as_ptr<const uint64_t>(bufs),
                        as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact,
-                       static_cast<uint32_t>(buffer),    as_ptr<uint32_t>(last_buffer)};
+                       static_cast<uint32_t>(buffer),    as_ptr<uint32_t>(state)};
   const cudaStream_t st = as_stream(stream);
   switch (common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes)})) {
     case 16:

@@ -22,7 +22,7 @@ __all__ = ["Allocation", "workspace_plan", "workspace_bytes", "double_buffer_row
 
 logger = logging.getLogger("nsa_cp")
 
-SIGNAL_WORDS = 256  # >= channels * 2 phases * max world 8; the symmetric signal area
+SIGNAL_WORDS = 256  # the symmetric signal pad: nsa_cp._C.SIGNAL_WORDS (epoch slots, then done counters)
 NUM_CHANNELS = 2  # gather, reduce-scatter
 
 
@@ -59,7 +59,8 @@ def workspace_plan(
 
     ``gather_alt`` (absent when ``double_buffer_rows`` is 0) is the second gather buffer, for
     ``cp_size * double_buffer_rows`` rows; ``gather_ptrs`` row 1 holds its peers' addresses (row 0 again
-    when it is absent). ``gather_last`` is the tag of the gather buffer the last gather wrote.
+    when it is absent). ``gather_state`` is the gather kernel's own: the tag of the buffer the last
+    gather wrote, and the done-counter total consumed (csrc/p2p_gather.cu).
     """
     for name, value in (("cp_size", cp_size), ("max_tokens_per_rank", max_tokens_per_rank), ("hidden_size", hidden_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -77,7 +78,7 @@ def workspace_plan(
         Allocation("pad_ptrs", (cp_size,), torch.int64, False),
         Allocation("seq", (NUM_CHANNELS,), torch.int32, False),
         Allocation("arrive", (NUM_CHANNELS,), torch.int32, False),
-        Allocation("gather_last", (1,), torch.int32, False),
+        Allocation("gather_state", (2,), torch.int32, False),
     )
 
 
@@ -93,9 +94,9 @@ def workspace_bytes(
     ``double_buffer_tokens``: as given to the transport (None: NSA_CP_P2P_DOUBLE_BUFFER_TOKENS).
 
     >>> workspace_bytes(2, 32768, 7168, torch.bfloat16, double_buffer_tokens=0)  # 2 buffers of 2*32768 rows of 14336 B
-    1879049300
+    1879049304
     >>> workspace_bytes(2, 32768, 7168, torch.bfloat16, double_buffer_tokens=1024)  # + 2*1024 rows
-    1908409428
+    1908409432
     """
     plan = workspace_plan(cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens)
     return sum(a.nbytes for a in plan)

@@ -214,7 +214,7 @@ def _gather_args(**kw):
     args = dict(
         src=P, src_row_stride_bytes=256, row_bytes=256, bufs=P, counts=P, offsets=P, max_rank_len=16,
         compact=False, rank=0, world=2, pads=P, channel=0, seq=P, arrive=P, timeout_ns=0, err=P,
-        num_blocks=4, stream=0,
+        num_blocks=4, stream=0, buffer=0, state=P,
     )
     args.update(kw)
     return args
@@ -236,6 +236,7 @@ COMMON_BAD = [
     (dict(rank=-1), "rank must be in"),
     (dict(rank=2), "rank must be in"),
     (dict(channel=-1), "channel must be in"),
+    (dict(channel=32), "channel must be in"),  # epoch slots past the done counters at world 2
     (dict(pads=0), "pads"),
     (dict(seq=0), "seq"),
     (dict(err=0), "err"),
@@ -255,6 +256,10 @@ GATHER_BAD = DATA_BAD + [
     (dict(row_bytes=0), "row_bytes must be > 0"),
     (dict(src_row_stride_bytes=-16), "src_row_stride_bytes"),
     (dict(row_bytes=2**40, max_rank_len=2**30), "overflows"),
+    (dict(buffer=2), "buffer must be 0 or 1"),
+    (dict(buffer=-1), "buffer must be 0 or 1"),
+    (dict(state=0), "state"),
+    (dict(channel=16), "done counters"),
 ]
 REDUCE_BAD = DATA_BAD + [
     (dict(dtype=3), "dtype must be"),
@@ -508,13 +513,14 @@ class _Ranks:
 
         dev = torch.device("cuda")
         self.torch, self.world, self.hidden, self.dtype, self.num_blocks = torch, world, hidden, dtype, num_blocks
-        self.pads = [torch.zeros(CHANNELS * 2 * world, dtype=torch.int32, device=dev) for _ in range(world)]
+        self.pads = [torch.zeros(_C.SIGNAL_WORDS, dtype=torch.int32, device=dev) for _ in range(world)]
         self.pad_ptrs = torch.tensor([p.data_ptr() for p in self.pads], dtype=torch.int64, device=dev)
         # garbage, so unwritten rows and un-zeroed padding show up
         self.bufs = [torch.full((capacity_rows, hidden), 7, dtype=dtype, device=dev) for _ in range(world)]
         self.buf_ptrs = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64, device=dev)
         self.seq = [torch.zeros(CHANNELS, dtype=torch.int32, device=dev) for _ in range(world)]
         self.arrive = [torch.zeros(CHANNELS, dtype=torch.int32, device=dev) for _ in range(world)]
+        self.state = [torch.zeros(CHANNELS, 2, dtype=torch.int32, device=dev) for _ in range(world)]  # gather state
         self.err = [_C.alloc_host_mapped_u32(4) for _ in range(world)]
         self.streams = [torch.cuda.Stream() for _ in range(world)]
         torch.cuda.synchronize()
@@ -529,6 +535,9 @@ class _Ranks:
             seq=self.seq[r].data_ptr() + 4 * channel, arrive=self.arrive[r].data_ptr() + 4 * channel,
             timeout_ns=TIMEOUT_NS, err=self.err[r][1],
         )
+
+    def gather_state(self, r, channel=0):
+        return self.state[r][channel].data_ptr()
 
     def errors(self):
         return [[_C.read_u32(host, i) for i in range(4)] for host, _ in self.err]
@@ -553,7 +562,8 @@ class _Ranks:
                     src=x.data_ptr(), src_row_stride_bytes=x.stride(0) * x.element_size(),
                     row_bytes=self.hidden * x.element_size(), bufs=self.buf_ptrs.data_ptr(), counts=dc.data_ptr(),
                     offsets=do.data_ptr(), max_rank_len=M, compact=compact, num_blocks=self.num_blocks,
-                    stream=self.streams[r].cuda_stream, **self.sig(r, channel),
+                    stream=self.streams[r].cuda_stream, buffer=0, state=self.gather_state(r, channel),
+                    **self.sig(r, channel),
                 )
         torch.cuda.synchronize()
 
@@ -691,7 +701,8 @@ def test_gpu_barrier_and_timeout_record():
         kw["timeout_ns"] = 2_000_000
         dc = torch.tensor([4, 4], dtype=torch.int32, device="cuda")
         _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
-                      counts=dc.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0, **kw)
+                      counts=dc.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
+                      buffer=0, state=ranks.gather_state(0), **kw)
         torch.cuda.synchronize()
         assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 0, 1, 2]
         assert int(ranks.seq[0][0]) == 2 and int(ranks.arrive[0][0]) == 0
@@ -700,7 +711,8 @@ def test_gpu_barrier_and_timeout_record():
         # device-side counts out of range: recorded, nothing moved, nobody waits
         bad = torch.tensor([5, 4], dtype=torch.int32, device="cuda")
         _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
-                      counts=bad.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0, **kw)
+                      counts=bad.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
+                      buffer=0, state=ranks.gather_state(0), **kw)
         torch.cuda.synchronize()
         assert ranks.errors()[0] == [_C.ERR_BAD_DEVICE_ARG, 0, 0, 3]
     finally:
@@ -717,7 +729,6 @@ def test_gpu_double_buffer_entry_wait():
     world, M, hidden, dtype = 2, 8, 16, torch.bfloat16
     ranks = _Ranks(world, world * M, hidden, dtype)
     try:
-        last = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(world)]
         alt = [torch.full((world * M, hidden), 7, dtype=dtype, device="cuda") for _ in range(world)]
         ptrs = [ranks.buf_ptrs, torch.tensor([b.data_ptr() for b in alt], dtype=torch.int64, device="cuda")]
         bufs = [ranks.bufs, alt]
@@ -729,15 +740,15 @@ def test_gpu_double_buffer_entry_wait():
             with torch.cuda.stream(ranks.streams[r]):
                 _C.p2p_gather(src=shard.data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
                               bufs=ptrs[buffer].data_ptr(), counts=dc.data_ptr(), offsets=0, max_rank_len=M,
-                              compact=False, num_blocks=4, stream=ranks.streams[r].cuda_stream, buffer=buffer,
-                              last_buffer=last[r].data_ptr(), **kw)
+                              compact=False, num_blocks=4 + r, stream=ranks.streams[r].cuda_stream, buffer=buffer,
+                              state=ranks.gather_state(r), **kw)
 
         shard = torch.randn(M, hidden, device="cuda").to(dtype)
         # last 0, buffer 1: no entry wait, so the done barrier is what times out (slot 0*2 + 1), epoch 1
         call(0, shard, 1, timeout_ns=2_000_000)
         torch.cuda.synchronize()
         assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 1, 1, 1]
-        assert int(last[0]) == 1
+        assert int(ranks.state[0][0, 0]) == 1
         for i in range(4):
             _C.write_u32(ranks.err[0][0], i, 0)
         # last 1, buffer 1: the entry wait (slot 0) times out first, epoch 2
@@ -748,7 +759,7 @@ def test_gpu_double_buffer_entry_wait():
             _C.write_u32(ranks.err[0][0], i, 0)
 
         # both ranks in step again (rank 1 catches up to epoch 2), then alternate 0, 1, 0, 1, 1
-        for t in ranks.pads + ranks.seq + last:  # the pads hold rank 0's signals of epochs 1 and 2
+        for t in ranks.pads + ranks.seq + ranks.state:  # the pads hold rank 0's signals of epochs 1 and 2
             t.zero_()
         for buffer in (0, 1, 0, 1, 1):
             shards = [torch.randn(M, hidden, device="cuda").to(dtype) for _ in range(world)]
@@ -760,7 +771,11 @@ def test_gpu_double_buffer_entry_wait():
             expected = _expected_gather(shards, [M, M - 3], M, False, hidden, dtype)
             for r in range(world):
                 assert torch.equal(bufs[buffer][r], expected), (r, buffer)
-                assert int(last[r]) == buffer
+                assert int(ranks.state[r][0, 0]) == buffer
+        # every launch added DONE_QUANTUM to every rank's counter, whatever its grid (4 and 5 blocks)
+        for r in range(world):
+            counters = ranks.pads[r][_C.DONE_BASE : _C.DONE_BASE + world].tolist()
+            assert counters == [5 * _C.DONE_QUANTUM] * world and int(ranks.state[r][0, 1]) == 5 * _C.DONE_QUANTUM
     finally:
         ranks.close()
 
@@ -785,7 +800,7 @@ def test_gpu_graph_replay_with_new_counts():
                     src=shards[r].data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
                     bufs=ranks.buf_ptrs.data_ptr(), counts=counts_dev.data_ptr(), offsets=offsets_dev.data_ptr(),
                     max_rank_len=M, compact=False, num_blocks=4, stream=ranks.streams[r].cuda_stream,
-                    **ranks.sig(r, 0),
+                    buffer=0, state=ranks.gather_state(r), **ranks.sig(r, 0),
                 )
             graphs.append(g)
         for counts in ([3, 16], [16, 0], [9, 11]):
@@ -802,3 +817,15 @@ def test_gpu_graph_replay_with_new_counts():
         assert [int(s[0]) for s in ranks.seq] == [3, 3]  # capture itself ran nothing
     finally:
         ranks.close()
+
+
+@needs_C
+def test_signal_pad_layout_matches_the_workspace():
+    """The transport allocates the pad the kernels index: the epoch slots of every channel at the
+    largest world, then the gather's done counters, inside SIGNAL_WORDS."""
+    from nsa_cp import workspace
+
+    assert workspace.SIGNAL_WORDS == _C.SIGNAL_WORDS
+    assert workspace.NUM_CHANNELS * 2 * _C.MAX_WORLD <= _C.DONE_BASE
+    assert _C.DONE_BASE + workspace.NUM_CHANNELS * _C.MAX_WORLD <= _C.SIGNAL_WORDS
+    assert _C.DONE_QUANTUM > _C.MAX_BLOCKS  # every block's share of a launch's quantum is >= 1

@@ -43,13 +43,13 @@ def test_workspace_bytes_is_what_is_allocated(cp_size, tokens, hidden, dtype, do
     if alt_tokens:
         assert tensors["gather_alt"].shape == (cp_size * alt_tokens, hidden)
     # the data buffers dominate; everything else is small and fixed
-    small = workspace.SIGNAL_WORDS * 4 + 4 * cp_size * 8 + 2 * workspace.NUM_CHANNELS * 4 + 4
+    small = workspace.SIGNAL_WORDS * 4 + 4 * cp_size * 8 + 2 * workspace.NUM_CHANNELS * 4 + 8
     assert allocated - (2 * tokens + alt_tokens) * cp_size * hidden * element == small
     assert [kind for kind, _, _ in record][: 3 + bool(alt_tokens)] == ["symmetric"] * (3 + bool(alt_tokens))
 
 
 def test_known_value():
-    small = 1024 + 4 * 2 * 8 + 16 + 4
+    small = 1024 + 4 * 2 * 8 + 16 + 8
     assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 0) == 2 * 65536 * 14336 + small
     assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 1024) == (2 * 65536 + 2048) * 14336 + small
 

@@ -288,9 +288,9 @@ class P2PTransport:
         self._gather_ptrs, self._reduce_ptrs, self._pad_ptrs = (
             buffers["gather_ptrs"], buffers["reduce_ptrs"], buffers["pad_ptrs"]
         )
-        self._seq, self._arrive, self._gather_last = buffers["seq"], buffers["arrive"], buffers["gather_last"]
+        self._seq, self._arrive, self._gather_state = buffers["seq"], buffers["arrive"], buffers["gather_state"]
         # addresses the sm gather passes per buffer (kept, not recomputed per call: host time)
-        self._gather_args = [(self._gather_ptrs[b].data_ptr(), self._gather_last.data_ptr()) for b in (0, 1)]
+        self._gather_args = [(self._gather_ptrs[b].data_ptr(), self._gather_state.data_ptr()) for b in (0, 1)]
         self._last_buffer = 0  # host's guess of the buffer the last gather wrote (the device knows)
         # the copy engine writes into peers' gather buffers through these mapped views
         shape = list(self._gather.shape)
@@ -414,13 +414,13 @@ class P2PTransport:
         pads, channel, seq, arrive, timeout, err = self._signal_args(_CHANNEL_GATHER)
         if engine == "sm":
             buffer = self._next_buffer(layout)
-            bufs, last = self._gather_args[buffer]
+            bufs, state = self._gather_args[buffer]
             moved = layout.max_rank_len * self._row_bytes * self.world
             self._C.p2p_gather(
                 rows.data_ptr(), rows.stride(0) * rows.element_size(), self._row_bytes,
                 bufs, counts.data_ptr(), offsets.data_ptr(),
                 layout.max_rank_len, compact, self.rank, self.world, pads, channel, seq, arrive,
-                timeout, err, self._blocks(moved), stream, buffer, last,
+                timeout, err, self._blocks(moved), stream, buffer, state,
             )
             return self._view(self._gathers[buffer], layout, compact, x.shape[1:])
         # copy engine, on buffer 0: entry barrier, one copy per rank, local zeroing of padding, done
@@ -439,8 +439,18 @@ class P2PTransport:
                 if n < m:
                     flat[(q * m + n) * self.hidden_size : (q + 1) * m * self.hidden_size].zero_()
         self._C.barrier(pads, self.rank, self.world, channel, 1, seq, True, timeout, err, stream)
-        self._gather_last.zero_()
+        self._gather_state[:1].zero_()  # the tag of the buffer written: 0
         return result
+
+    def barrier(self) -> None:
+        """Enqueue a barrier of the group on the current stream (one small kernel; the host does not
+        wait): the work after it starts on every rank within one signal latency of the others. Collective:
+        every rank must call it at the same point of its call sequence. Benchmarks use it to release the
+        ranks together before a timed call."""
+        self.check_error()
+        pads, channel, seq, _, timeout, err = self._signal_args(_CHANNEL_GATHER)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._C.barrier(pads, self.rank, self.world, channel, 1, seq, True, timeout, err, stream)
 
     def _next_buffer(self, layout: ShardLayout) -> int:
         """The gather buffer of the next sm gather: the other one than last time when the layout fits the
