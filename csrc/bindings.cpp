@@ -148,8 +148,9 @@ each. stream: cudaStream_t as int.
 buffer: 0 or 1, the tag of the buffers bufs points at, the same on every rank (always 0 with one set
 of buffers). state: device address of this rank's uint32[2] (local memory, zero-initialised, one per
 channel, updated by every launch): [0] the tag the previous gather wrote: when it differs from
-buffer the entered barrier waits for nobody (the previous gather's done phase already proved every
-peer finished with what that buffer holds); [1] the done-counter total this rank has consumed.
+buffer the entered barrier is skipped (the previous gather's done phase already proved every peer
+finished with what that buffer holds; every rank must pass the same tags, so nobody waits for the
+signal either); [1] the done-counter total this rank has consumed.
 The done phase: every block adds its share of DONE_QUANTUM to its counter in every rank's pad
 (pads hold SIGNAL_WORDS words); the last block waits until every rank's reached [1] + DONE_QUANTUM.)doc");
 

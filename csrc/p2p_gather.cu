@@ -4,16 +4,16 @@
 // One launch: (a) "entered" barrier, phase 0: no peer still reads its buffer from the previous call;
 // (b) copy our counts[rank] rows from src into every rank's buffer (ourselves included), loading each
 // chunk once and storing it world times; (c) padded layout only: zero the padding rows of every slot
-// of OUR OWN buffer, so padding never crosses a link (done before the wait: nobody else writes them);
-// (d) "done" barrier, phase 1: every rank's rows have landed in our buffer.
+// of OUR OWN buffer, so padding never crosses a link (nobody else writes them);
+// (d) "done" phase 1: every rank's rows have landed in our buffer.
 //
 // Double buffering: the caller tags the buffers `bufs` points at (`buffer`, 0 or 1, the same on every
 // rank) and keeps, per rank, the tag the previous gather of this channel wrote (`state[0]`, local
 // device memory, updated at the end of each launch). When the tags differ, (a) waits for nothing:
 // the previous gather's done barrier already proved that every peer had entered it, so every peer's
-// readers of results older than that (the only ones that can live in this buffer) have finished. The
-// entered signal is still sent, so a rank that waits never misses it. The decision is made on the
-// device because CUDA-graph replays and eager calls interleave without the host seeing the replays.
+// readers of results older than that (the only ones that can live in this buffer) have finished, and
+// no entered signal is sent (every rank decides alike, so nobody waits for it). The decision is made
+// on the device because CUDA-graph replays and eager calls interleave without the host seeing them.
 //
 // (d) goes through the done counters (common.cuh, grid_done_counters): every block reports its own
 // rows to every rank, and `state[1]` holds the total this rank has consumed.
@@ -52,28 +52,16 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   const uint32_t last = ld_relaxed_gpu(p.state);
   const uint32_t epoch = read_epoch(s);
   // (a) Entered: everything earlier on our stream, the readers of our buffer's previous contents
-  // included, has completed, so peers may now write into it.
-  if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
+  // included, has completed, so peers may now write into it. Every rank makes the same decision
+  // (same calls, same tags), so when we do not wait nobody waits for our signal either.
   const bool wait_entry = last == p.buffer;
+  if (blockIdx.x == 0 && wait_entry) block_signal_all(s, 0, epoch);
 
   const int rank = s.rank, world = s.world;
   const int bad = stage_geometry(g, entry, p.M, p.compact, VEC, p.src, s, epoch);
   const int64_t n = g.counts[rank];
 
   const int64_t chunks = p.row_bytes / VEC;
-
-  // (c) Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer.
-  if (bad < 0 && !p.compact) {
-    char* own = reinterpret_cast<char*>(g.bufs[rank]);
-    for (int q = 0; q < world; ++q) {
-      const int64_t first = q * p.M + g.counts[q];
-      const int64_t pad_rows = p.M - g.counts[q];
-      if (pad_rows <= 0) continue;
-      for (RowChunkCursor c(global_thread(), grid_threads(), chunks); c.row < pad_rows; c.advance()) {
-        *reinterpret_cast<W*>(own + (first + c.row) * p.row_bytes + c.chunk * VEC) = W{};
-      }
-    }
-  }
 
   bool ok = bad < 0;
   if (ok && wait_entry) ok = block_wait_all(s, 0, epoch);
@@ -107,6 +95,20 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
         for (int i = 0; i < kMaxWorld; ++i) {
           if (i < world) *reinterpret_cast<W*>(dst[i] + off[u]) = v[u];
         }
+      }
+    }
+  }
+
+  // (c) Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer: local
+  // stores, after the pushes so that they overlap with the remote stores still in flight.
+  if (bad < 0 && !p.compact) {
+    char* own = reinterpret_cast<char*>(g.bufs[rank]);
+    for (int q = 0; q < world; ++q) {
+      const int64_t first = q * p.M + g.counts[q];
+      const int64_t pad_rows = p.M - g.counts[q];
+      if (pad_rows <= 0) continue;
+      for (RowChunkCursor c(global_thread(), grid_threads(), chunks); c.row < pad_rows; c.advance()) {
+        *reinterpret_cast<W*>(own + (first + c.row) * p.row_bytes + c.chunk * VEC) = W{};
       }
     }
   }

@@ -401,6 +401,20 @@ def run_peer_dies(rank: int, world: int, payload: dict) -> Dict[str, object]:
     return {"peer-dies": problem, "__info__": {"memory": transport.memory}}
 
 
+def run_config_mismatch(rank: int, world: int, payload: dict) -> Dict[str, object]:
+    """Ranks that disagree on a transport setting (here double_buffer_tokens) must all raise the same
+    ValueError naming the setting and every rank's value, before any allocation. The check is part of
+    the transport's survey of the group, so a CPU group shows it."""
+    values = [64 * (q + 1) for q in range(world)]
+    try:
+        p2p._survey(None, None, {"hidden_size": 7168, "double_buffer_tokens": values[rank]})
+    except ValueError as err:
+        text = str(err)
+        ok = "double_buffer_tokens" in text and str(values) in text and "hidden_size" not in text
+        return {"config-mismatch": None if ok else f"the error does not name the setting and the values: {text}"}
+    return {"config-mismatch": "ranks with different double_buffer_tokens raised nothing"}
+
+
 def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
     device = rank_device(rank)
     results: Dict[str, object] = {}

@@ -80,3 +80,11 @@ def test_memory_kind_rejects_an_unknown_setting(monkeypatch):
     monkeypatch.setenv("NSA_CP_P2P_MEMORY", "nvshmem")
     with pytest.raises(ValueError, match="NSA_CP_P2P_MEMORY"):
         p2p._memory_kind([0, 1])
+
+
+def test_ranks_that_disagree_on_a_setting_all_raise():
+    import p2p_cases
+    from dist_harness import case_failures, run_world
+
+    failures = case_failures(run_world(2, "gloo", p2p_cases.run_config_mismatch, {}, timeout_s=120), "config-mismatch")
+    assert not failures, "\n".join(failures)

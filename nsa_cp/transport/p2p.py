@@ -109,8 +109,13 @@ def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=Non
     return _survey(group, device)[0]
 
 
-def _survey(group, device) -> Tuple[Optional[str], list]:
-    """``(p2p_unavailable_reason, every rank's device index)`` from one all_gather_object (collective)."""
+def _survey(group, device, config: Optional[dict] = None) -> Tuple[Optional[str], list]:
+    """``(p2p_unavailable_reason, every rank's device index)`` from one all_gather_object (collective).
+
+    ``config``: settings every rank must share (the transport's sizes); a difference raises ValueError
+    on every rank, naming each rank's value, because the kernels would silently disagree on where rows
+    go (e.g. one rank double-buffering a call that another writes into its first buffer).
+    """
     local = None
     if _native.load() is None:
         local = _native.unavailable_reason()
@@ -123,7 +128,12 @@ def _survey(group, device) -> Tuple[Optional[str], list]:
     if index is None:  # no device, or "cuda": the current one
         index = torch.cuda.current_device() if local is None else -1
     everyone = [None] * world
-    dist.all_gather_object(everyone, (socket.gethostname(), index, local), group=group)
+    dist.all_gather_object(everyone, (socket.gethostname(), index, local, config), group=group)
+    for key in config or {}:
+        values = [theirs[key] for _, _, _, theirs in everyone]
+        if len(set(values)) > 1:
+            raise ValueError(f"{key}: expected the same value on every rank of the group, got {values} (by rank)")
+    everyone = [entry[:3] for entry in everyone]
     indices = [peer_index for _, peer_index, _ in everyone]
     for rank, (_, _, reason) in enumerate(everyone):
         if reason is not None:
@@ -235,7 +245,10 @@ class P2PTransport:
             raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size}")
         if dtype not in _DTYPE_CODES:
             raise ValueError(f"dtype: expected one of {list(_DTYPE_CODES)}, got {dtype}")
-        reason, indices = _survey(group, device)
+        double_buffer_rows = workspace.double_buffer_rows(int(max_tokens_per_rank), double_buffer_tokens)
+        config = {"max_tokens_per_rank": int(max_tokens_per_rank), "hidden_size": int(hidden_size),
+                  "dtype": str(dtype), "double_buffer_tokens": double_buffer_rows}
+        reason, indices = _survey(group, device, config)
         if reason is not None:
             raise RuntimeError(f"nsa_cp P2P transport unavailable: {reason}")
         self._C = _native.load()
@@ -255,7 +268,7 @@ class P2PTransport:
         self._broken = None  # (exception class, message) once a call failed on the device
 
         # every device buffer comes from the plan, so nsa_cp.workspace_bytes() is exact
-        self.double_buffer_tokens = workspace.double_buffer_rows(self.max_tokens_per_rank, double_buffer_tokens)
+        self.double_buffer_tokens = double_buffer_rows
         plan = workspace.workspace_plan(
             self.world, self.max_tokens_per_rank, self.hidden_size, dtype, self.double_buffer_tokens
         )
