@@ -829,3 +829,29 @@ def test_signal_pad_layout_matches_the_workspace():
     assert workspace.NUM_CHANNELS * 2 * _C.MAX_WORLD <= _C.DONE_BASE
     assert _C.DONE_BASE + workspace.NUM_CHANNELS * _C.MAX_WORLD <= _C.SIGNAL_WORDS
     assert _C.DONE_QUANTUM > _C.MAX_BLOCKS  # every block's share of a launch's quantum is >= 1
+
+
+def _nvcc():
+    import os
+
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
+    return str(default) if default.exists() else None
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (the CUDA toolkit), not a GPU")
+@pytest.mark.parametrize("source", ["p2p_gather.cu", "p2p_reduce_scatter.cu", "barrier.cu"])
+def test_kernels_keep_everything_in_registers(source, tmp_path):
+    """ptxas's report for sm_90a: no kernel has a stack frame or spills (the GPU test
+    test_gpu_kernel_info checks the loaded module; this catches it on a machine without a GPU)."""
+    proc = subprocess.run(
+        [_nvcc(), "-arch=sm_90a", "-O3", "-std=c++17", "-Xptxas", "-v", "-c", str(ROOT / "csrc" / source),
+         "-o", str(tmp_path / "k.o")],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    frames = [line.strip() for line in proc.stderr.splitlines() if "stack frame" in line]
+    assert frames, proc.stderr[-3000:]
+    assert all(line.startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads") for line in frames), frames
