@@ -96,9 +96,10 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
     ),
     "NSA_CP_P2P_MEMORY": (
         _choice("NSA_CP_P2P_MEMORY", "auto", ("auto", "symm_mem", "cuda_ipc")),
-        "how the P2P transport maps its peers' buffers: 'symm_mem' (torch symmetric memory), 'cuda_ipc' "
-        "(CUDA IPC handles of ordinary allocations, as torch.multiprocessing shares them; also serves "
-        "ranks that share a GPU), or 'auto': symm_mem unless two ranks of the group share a GPU",
+        "how the P2P transport maps its peers' buffers: 'symm_mem' (torch symmetric memory, one GPU per "
+        "rank), 'cuda_ipc' (CUDA IPC handles of ordinary allocations, as torch.multiprocessing shares "
+        "them; only for ranks that all share one GPU: across GPUs it failed on 2x H200 and is refused), "
+        "or 'auto': cuda_ipc when the ranks share a GPU, else symm_mem",
     ),
     "NSA_CP_P2P_DOUBLE_BUFFER_TOKENS": (
         _int("NSA_CP_P2P_DOUBLE_BUFFER_TOKENS", 1024),

@@ -64,16 +64,24 @@ def test_ipc_peer_views():
     ([0, 1], None, "symm_mem"),  # one GPU per rank
     ([0, 0], None, "cuda_ipc"),  # ranks share a GPU: symmetric memory would refuse
     ([0], None, "symm_mem"),
-    ([0, 1], "cuda_ipc", "cuda_ipc"),
-    ([0, 0], "symm_mem", "symm_mem"),
+    ([0], "cuda_ipc", "cuda_ipc"),
+    ([1, 1, 1], "cuda_ipc", "cuda_ipc"),
     ([0, 1, 2, 3], "auto", "symm_mem"),
+    ([0, 1], "cuda_ipc", "unavailable: NSA_CP_P2P_MEMORY=cuda_ipc with ranks on different GPUs"),
+    ([0, 0], "symm_mem", "unavailable: NSA_CP_P2P_MEMORY=symm_mem with ranks sharing one GPU"),
+    ([0, 0, 1, 1], None, "unavailable: ranks share some GPUs but not all"),
 ])
 def test_memory_kind(indices, setting, want, monkeypatch):
-    """How the transport maps its peers' buffers, from every rank's device index and NSA_CP_P2P_MEMORY."""
+    """How the transport maps its peers' buffers, from every rank's device index and NSA_CP_P2P_MEMORY,
+    or why it cannot (then P2P reports itself unavailable with that reason, and auto keeps NCCL)."""
     monkeypatch.delenv("NSA_CP_P2P_MEMORY", raising=False)
     if setting is not None:
         monkeypatch.setenv("NSA_CP_P2P_MEMORY", setting)
-    assert p2p._memory_kind(indices) == want
+    problem = p2p._memory_problem(indices)
+    if want.startswith("unavailable: "):
+        assert problem is not None and problem.startswith(want[len("unavailable: "):]), problem
+    else:
+        assert problem is None and p2p._memory_kind(indices) == want
 
 
 def test_memory_kind_rejects_an_unknown_setting(monkeypatch):

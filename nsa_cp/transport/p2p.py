@@ -8,15 +8,17 @@ each, a second gather buffer of ``cp_size * double_buffer_tokens`` rows (see "Re
 small signal area. They come from ``torch.distributed._symmetric_memory``
 (``empty`` + ``rendezvous``), or, with NSA_CP_P2P_MEMORY=cuda_ipc or when two ranks share a GPU (which
 symmetric memory refuses), from ordinary allocations whose CUDA IPC handles go round the group (as
-torch.multiprocessing shares CUDA tensors). The kernels see raw pointers either way. All sizes are fixed
+torch.multiprocessing shares CUDA tensors; only when all ranks share one GPU: across GPUs it failed). The kernels see raw pointers either way. All sizes are fixed
 up front (before any CUDA-graph capture) and never regrown: a layout that needs more raises ValueError
 naming both numbers and the setting to raise.
 
 Gather (``all_gather``). Every rank writes its ``n_r`` rows into every rank's gather buffer at its slot
 (padded: ``r*M``; compact: ``offsets[r]``) and zeroes the padding rows of its own buffer locally, so no
 padding crosses the link. Two engines:
-  * "sm": one kernel of nsa_cp._C (csrc/p2p_gather.cu): entry barrier, 16-byte vector stores to all
-    ranks, local zeroing, done barrier. Small calls are a single launch.
+  * "sm": one kernel of nsa_cp._C (csrc/p2p_gather.cu): entry barrier (see "Reuse safety"), local
+    zeroing, 16-byte vector stores to all ranks, then each block adds its share to a done counter in
+    every rank's signal pad and the last block waits for every rank's (no block funnels the others'
+    completion: measured 1.5 us faster at M = 256 than a grid barrier). Small calls are a single launch.
   * "ce": the copy engine (cudaMemcpyAsync through ``Tensor.copy_`` onto the peer's mapped buffer), so no
     SM is busy moving bytes; two one-block barrier kernels around the copies.
 The result is a view of this rank's gather buffer (either one), valid until the next gather on this
@@ -144,7 +146,7 @@ def _survey(group, device, config: Optional[dict] = None) -> Tuple[Optional[str]
     for peer_index in indices:
         if peer_index != index and not torch.cuda.can_device_access_peer(index, peer_index):
             return f"cuda:{index} cannot access cuda:{peer_index} (no peer access)", indices
-    return None, indices
+    return _memory_problem(indices), indices
 
 
 def _symmetric(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, group):
@@ -172,8 +174,9 @@ class _IpcPeers:
 def _cuda_ipc(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, group):
     """An ordinary allocation shared through CUDA IPC: torch.multiprocessing's reduction of a CUDA
     tensor (IPC handle, offset in its allocator block, a ref counter) goes round the group and each rank
-    rebuilds its peers' tensors, mapped into its own address space. Peer access to the peers' devices
-    is enabled first (a rank sharing our GPU needs none)."""
+    rebuilds its peers' tensors, mapped into its own address space. Only ranks that all share one GPU
+    get here (``_memory_problem``); the peer-access call is then a no-op, and is kept for CUDA IPC
+    across GPUs, which failed on its one GPU run and is refused until that is understood."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     tensor = torch.empty(shape, dtype=dtype, device=device)
@@ -197,9 +200,30 @@ def _rebuild_device_index(rebuild, args) -> int:
     return int(args[list(inspect.signature(rebuild).parameters).index("storage_device")])
 
 
+def _memory_problem(indices) -> Optional[str]:
+    """Why no mapping serves ranks on these device indices under NSA_CP_P2P_MEMORY, or None.
+
+    Symmetric memory refuses two ranks on one GPU. CUDA IPC serves ranks that all share one GPU; across
+    different GPUs it failed on 2x H200 (run 19 of docs/gpu_runs.md: illegal memory access in every
+    check), so it is refused there until that is understood.
+    """
+    setting = envs.NSA_CP_P2P_MEMORY
+    gpus = len(set(indices))
+    shared = gpus < len(indices)
+    if shared and gpus > 1:
+        return (f"ranks share some GPUs but not all (device indices {indices}): symmetric memory refuses "
+                f"ranks that share a GPU, and CUDA IPC across different GPUs is not supported")
+    if shared and setting == "symm_mem":
+        return "NSA_CP_P2P_MEMORY=symm_mem with ranks sharing one GPU: symmetric memory refuses it; use auto or cuda_ipc"
+    if not shared and gpus > 1 and setting == "cuda_ipc":
+        return ("NSA_CP_P2P_MEMORY=cuda_ipc with ranks on different GPUs: not supported (it failed with an "
+                "illegal memory access on 2x H200); use auto or symm_mem")
+    return None
+
+
 def _memory_kind(indices) -> str:
-    """'symm_mem' or 'cuda_ipc' for ranks on these device indices: NSA_CP_P2P_MEMORY, with 'auto'
-    taking CUDA IPC only when two ranks share a GPU, which symmetric memory refuses."""
+    """'symm_mem' or 'cuda_ipc' for ranks on these device indices (where _memory_problem finds none):
+    NSA_CP_P2P_MEMORY, with 'auto' taking CUDA IPC only when the ranks share a GPU."""
     setting = envs.NSA_CP_P2P_MEMORY
     if setting == "auto":
         return "cuda_ipc" if len(set(indices)) < len(indices) else "symm_mem"
