@@ -60,8 +60,9 @@ Protocol (QuACK style)
        host cost). Methods are enqueued back to back without host syncs, as real code runs them; the
        rotation spreads the first-after-barrier skew over all methods. Before each method's start
        event an untimed aligner releases the ranks together (the P2P transport's one-block barrier,
-       else a one-element all-reduce), so no method inherits the skew of the one before it. Input and output buffers
-       rotate among several sets (about 4x L2 in all) so L2 does not serve repeated inputs.
+       else a one-element all-reduce), so no method inherits the skew of the one before it. Input and
+       output buffers rotate among several sets (about 4x L2 in all) so L2 does not serve repeated
+       inputs.
     5. Per method: the median over rounds on each rank, then the MAX over ranks (``all_reduce MAX``).
        ``spread`` is the interquartile range over rounds / median (max over ranks): differences
        between methods smaller than that are noise. ``host ms`` is the median host time a call took to

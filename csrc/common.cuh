@@ -139,8 +139,8 @@ __device__ __forceinline__ bool block_wait_all(const SignalArgs& s, int phase, u
   return __syncthreads_and(ok) != 0;
 }
 
-// The "done" half of every multi-block kernel. Each block calls it once, from all threads, after its
-// share of the data movement. The last block to arrive signals phase 1 to every rank, waits for every
+// The "done" half of the reduce-scatter (the gather's is grid_done_counters). Each block calls it
+// once, from all threads, after its share of the data movement. The last block to arrive signals phase 1 to every rank, waits for every
 // rank's phase-1 signal (skipped if any block of this launch failed: the launch is already in error),
 // then resets `arrive` and publishes seq = epoch for the next launch. Returns true in that last block
 // (after every other block has passed its start: state read at the start may now be rewritten).
@@ -320,9 +320,9 @@ __device__ __forceinline__ GeometryEntry load_geometry_entry(const uint64_t* buf
 }
 
 // Stages the geometry (from every thread's load_geometry_entry) into `g` (shared memory; call from all
-// threads) and checks it: counts in range,
-// compact offsets the prefix sum, every buffer non-null and aligned to `word_bytes`, and this rank's
-// own tensor (`local`: the gather's source, the reduce-scatter's output) non-null when it has rows.
+// threads) and checks it: counts in range, compact offsets the prefix sum, every buffer non-null and
+// aligned to `word_bytes`, and this rank's own tensor (`local`: the gather's source, the
+// reduce-scatter's output) non-null when it has rows.
 // Returns the first bad rank, or -1. Every block reaches the same verdict; block 0 records the error,
 // and a bad launch skips its data movement but still completes the signal protocol, so no peer hangs.
 __device__ __forceinline__ int stage_geometry(Geometry& g, const GeometryEntry& entry, int64_t M, bool compact,

@@ -10,7 +10,7 @@
 // Double buffering: the caller tags the buffers `bufs` points at (`buffer`, 0 or 1, the same on every
 // rank) and keeps, per rank, the tag the previous gather of this channel wrote (`state[0]`, local
 // device memory, updated at the end of each launch). When the tags differ, (a) waits for nothing:
-// the previous gather's done barrier already proved that every peer had entered it, so every peer's
+// the previous gather's done phase already proved that every peer had entered it, so every peer's
 // readers of results older than that (the only ones that can live in this buffer) have finished, and
 // no entered signal is sent (every rank decides alike, so nobody waits for it). The decision is made
 // on the device because CUDA-graph replays and eager calls interleave without the host seeing them.

@@ -5,10 +5,10 @@ Design record
 Buffers. At construction every rank allocates peer-mapped tensors and exchanges their addresses: a
 gather buffer and a reduce buffer of ``cp_size * max_tokens_per_rank`` rows of ``hidden_size`` elements
 each, a second gather buffer of ``cp_size * double_buffer_tokens`` rows (see "Reuse safety"), and a
-small signal area. They come from ``torch.distributed._symmetric_memory``
-(``empty`` + ``rendezvous``), or, with NSA_CP_P2P_MEMORY=cuda_ipc or when two ranks share a GPU (which
-symmetric memory refuses), from ordinary allocations whose CUDA IPC handles go round the group (as
-torch.multiprocessing shares CUDA tensors; only when all ranks share one GPU: across GPUs it failed). The kernels see raw pointers either way. All sizes are fixed
+small signal area. They come from ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``),
+or, when the ranks share one GPU (which symmetric memory refuses), from ordinary allocations whose CUDA
+IPC handles go round the group (as torch.multiprocessing shares CUDA tensors; across GPUs this failed
+and is refused, see ``_memory_problem``). The kernels see raw pointers either way. All sizes are fixed
 up front (before any CUDA-graph capture) and never regrown: a layout that needs more raises ValueError
 naming both numbers and the setting to raise.
 
@@ -36,7 +36,7 @@ contents can still run on the peer. Two ways, chosen per call on the device:
     stream is done. Always for the reduce-scatter and the copy engine;
   * double buffering (sm gathers): gathers of at most ``double_buffer_tokens`` rows per rank alternate
     between the two gather buffers (the host picks, the same on every rank). When the previous gather
-    wrote the other buffer, its done barrier already proved that every peer had entered it, so the
+    wrote the other buffer, its done phase already proved that every peer had entered it, so the
     readers of anything older are done and the kernel waits for nobody at entry: a small call costs one
     signal latency instead of two. The kernel compares with the buffer the previous gather wrote
     (device memory), so eager calls interleaved with CUDA-graph replays, which the host never sees,
