@@ -69,6 +69,22 @@ inline SignalArgs make_signal_args(const char* fn, uint64_t pads, int rank, int 
   return s;
 }
 
+// The data kernels' layout arguments: every rank's buffer bases and counts (and compact offsets), a
+// max_rank_len that fits int32, and buffers of world * max_rank_len rows of row_bytes (> 0, checked by
+// the caller) whose byte offsets, and those of the local tensor's rows at `row_stride`, fit int64.
+inline void require_layout_args(const char* fn, uint64_t bufs, const char* bufs_what, uint64_t counts,
+                                uint64_t offsets, bool compact, int64_t max_rank_len, int world, int64_t row_bytes,
+                                int64_t row_stride) {
+  require_ptr(bufs, fn, bufs_what);
+  require_ptr(counts, fn, "counts (device int32[world])");
+  if (compact) require_ptr(offsets, fn, "offsets (device int32[world], needed with compact=True)");
+  require(max_rank_len >= 0 && max_rank_len <= INT32_MAX, fn,
+          "max_rank_len must be in [0, 2^31), got " + std::to_string(max_rank_len));
+  require(max_rank_len <= INT64_MAX / (static_cast<int64_t>(world) * row_bytes) &&
+              row_stride <= INT64_MAX / (max_rank_len + 1),
+          fn, "buffer size in bytes overflows int64");
+}
+
 inline void require_blocks(const char* fn, int num_blocks) {
   require(num_blocks >= 1 && num_blocks <= kMaxBlocks, fn,
           "num_blocks must be in [1, " + std::to_string(kMaxBlocks) + "], got " + std::to_string(num_blocks));

@@ -128,18 +128,12 @@ void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, u
   constexpr const char* fn = "p2p_gather";
   const SignalArgs s =
       make_signal_args(fn, pads, rank, world, channel, seq, arrive, /*need_arrive=*/true, timeout_ns, err);
-  require_ptr(bufs, fn, "bufs (device uint64[world] of gather buffer bases)");
-  require_ptr(counts, fn, "counts (device int32[world])");
-  if (compact) require_ptr(offsets, fn, "offsets (device int32[world], needed with compact=True)");
   require(row_bytes > 0, fn, "row_bytes must be > 0, got " + std::to_string(row_bytes));
   // Any stride >= 0 is safe to read (0 broadcasts one row); only the destination layout is fixed.
   require(src_row_stride_bytes >= 0, fn,
           "src_row_stride_bytes must be >= 0, got " + std::to_string(src_row_stride_bytes));
-  require(max_rank_len >= 0 && max_rank_len <= INT32_MAX, fn,
-          "max_rank_len must be in [0, 2^31), got " + std::to_string(max_rank_len));
-  require(max_rank_len <= INT64_MAX / (static_cast<int64_t>(world) * row_bytes) &&
-              src_row_stride_bytes <= INT64_MAX / (max_rank_len + 1),
-          fn, "buffer size in bytes overflows int64");
+  require_layout_args(fn, bufs, "bufs (device uint64[world] of gather buffer bases)", counts, offsets, compact,
+                      max_rank_len, world, row_bytes, src_row_stride_bytes);
   require_blocks(fn, num_blocks);
   require(buffer == 0 || buffer == 1, fn, "buffer must be 0 or 1, got " + std::to_string(buffer));
   require_ptr(state, fn, "state (device uint32[2], zero-initialised, this rank's gather state)");

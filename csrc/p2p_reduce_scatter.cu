@@ -181,9 +181,6 @@ void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t buf
       make_signal_args(fn, pads, rank, world, channel, seq, arrive, /*need_arrive=*/true, timeout_ns, err);
   require(dtype == kBF16 || dtype == kFP16 || dtype == kFP32, fn,
           "dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(dtype));
-  require_ptr(bufs, fn, "bufs (device uint64[world] of reduce buffer bases)");
-  require_ptr(counts, fn, "counts (device int32[world])");
-  if (compact) require_ptr(offsets, fn, "offsets (device int32[world], needed with compact=True)");
   require(hidden > 0 && hidden <= (int64_t{1} << 40), fn, "hidden must be in [1, 2^40], got " + std::to_string(hidden));
   const int64_t elem = dtype == kFP32 ? 4 : 2;
   const int64_t row_bytes = hidden * elem;
@@ -193,11 +190,8 @@ void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t buf
   require(out_row_stride_bytes % elem == 0, fn,
           "out_row_stride_bytes must be a multiple of the element size (" + std::to_string(elem) + ")");
   require(out % elem == 0, fn, "out must be aligned to the element size (" + std::to_string(elem) + ")");
-  require(max_rank_len >= 0 && max_rank_len <= INT32_MAX, fn,
-          "max_rank_len must be in [0, 2^31), got " + std::to_string(max_rank_len));
-  require(max_rank_len <= INT64_MAX / (static_cast<int64_t>(world) * row_bytes) &&
-              out_row_stride_bytes <= INT64_MAX / (max_rank_len + 1),
-          fn, "buffer size in bytes overflows int64");
+  require_layout_args(fn, bufs, "bufs (device uint64[world] of reduce buffer bases)", counts, offsets, compact,
+                      max_rank_len, world, row_bytes, out_row_stride_bytes);
   require_blocks(fn, num_blocks);
 
   const ReduceParams p{as_ptr<char>(out), out_row_stride_bytes, row_bytes,     as_ptr<const uint64_t>(bufs),
