@@ -518,8 +518,10 @@ def _aligner(ctx: Ctx):
     return lambda: dist.all_reduce(flag, group=ctx.group)
 
 
-def time_round(ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True) -> Dict[str, Tuple[float, float]]:
-    """One round: barrier, then each method once in ``order``, each after the aligner (``_aligner``).
+def time_round(
+    ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True, align=None
+) -> Dict[str, Tuple[float, float]]:
+    """One round: barrier, then each method once in ``order``, each after ``align`` (``_aligner``'s).
 
     Returns {name: (device ms, host ms)} on this rank: device time between CUDA events around the call
     (on CPU the host time), and the host time the call took to return (to enqueue, on GPU).
@@ -528,7 +530,6 @@ def time_round(ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True) -> 
     it, a method whose host time exceeds its device time is timed at its host time."""
     nb = len(bufsets)
     cuda = ctx.device.type == "cuda"
-    align = _aligner(ctx)
     dist.barrier(group=ctx.group)
     if cuda and ahead:
         torch.cuda._sleep(AHEAD_CYCLES_PER_METHOD * len(order))
@@ -537,7 +538,8 @@ def time_round(ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True) -> 
         s = e = None
         if cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            align()
+            if align is not None:
+                align()
             s.record()
         t0 = time.perf_counter()
         methods[i].fn(ctx, bufsets[(call0 + k) % nb])
@@ -559,9 +561,10 @@ def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup, ahead: bool = True)
     _sync(ctx)
     samples: Dict[str, List[float]] = {m.name: [] for m in methods}
     host: Dict[str, List[float]] = {m.name: [] for m in methods}
+    align = _aligner(ctx)
     for r in range(rounds):
         order = [(r + i) % nm for i in range(nm)]
-        for name, (t, h) in time_round(ctx, methods, bufsets, order, r * nm, ahead).items():
+        for name, (t, h) in time_round(ctx, methods, bufsets, order, r * nm, ahead, align).items():
             samples[name].append(t)
             host[name].append(h)
     # per rank: median, min, IQR/median over rounds, median host time; then MAX over ranks
