@@ -61,7 +61,8 @@ if [ "$mode" != tests-only ]; then
       >"$OUT/bench.log" 2>&1
     bench_rc=$?
     # where a small gather's microseconds go: sync floor, entry barrier, push (diagnostic)
-    timeout 120 python3 benchmarks/p2p_latency.py --M "${LATENCY_M:-256}" >"$OUT/p2p_latency.log" 2>&1
+    # shellcheck disable=SC2086  # LATENCY_M is a list of sizes
+    timeout 120 python3 benchmarks/p2p_latency.py --M ${LATENCY_M:-256} >"$OUT/p2p_latency.log" 2>&1
     echo "p2p latency rc=$?"
   else
     bench_rc="not run: $gpus GPU(s), the benchmark needs 2+"
