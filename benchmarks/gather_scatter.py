@@ -305,15 +305,6 @@ def _p2p_needs(c: Ctx) -> Optional[str]:
     return None if _native.available() else f"nsa_cp._C unavailable: {_native.unavailable_reason()}"
 
 
-def _p2p_ll_needs(c: Ctx) -> Optional[str]:
-    """The in-band-flag gather serves layouts of at most NSA_CP_P2P_LL_TOKENS rows per rank."""
-    from nsa_cp import envs
-
-    if c.M > envs.NSA_CP_P2P_LL_TOKENS:
-        return f"max_rank_len {c.M} > NSA_CP_P2P_LL_TOKENS {envs.NSA_CP_P2P_LL_TOKENS}"
-    return _p2p_needs(c)
-
-
 def p2p_ag(compact: bool, engine: str):
     """The P2P transport's gather with a forced engine; returns the view of its gather buffer."""
 
@@ -373,8 +364,6 @@ METHODS: List[Method] = [
     Method("p2p_ag_padded_ce", "ag", "padded", p2p_ag(False, "ce"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_compact_sm", "ag", "compact", p2p_ag(True, "sm"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_compact_ce", "ag", "compact", p2p_ag(True, "ce"), _p2p_needs, _p2p_prepare),
-    Method("p2p_ag_padded_ll", "ag", "padded", p2p_ag(False, "ll"), _p2p_ll_needs, _p2p_prepare),
-    Method("p2p_ag_compact_ll", "ag", "compact", p2p_ag(True, "ll"), _p2p_ll_needs, _p2p_prepare),
     # ---- reduce-scatter
     Method("even_rs", "rs", "even", even_rs),
     Method("list_rs", "rs", "compact", list_rs),

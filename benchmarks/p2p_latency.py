@@ -1,6 +1,6 @@
 """Where the microseconds of a small P2P gather go (2 GPUs): the sync floor against the push.
 
-    python benchmarks/p2p_latency.py [--M 256 [512 ...]] [--rounds 50]
+    python benchmarks/p2p_latency.py [--M 256 [1024 ...]] [--rounds 50]
 
 Times on the device (CUDA events; the GPU sleeps first so the host has enqueued the whole round; methods
 interleaved; median over rounds, max over ranks), for bf16 rows of 7168:
@@ -10,7 +10,6 @@ interleaved; median over rounds, max over ranks), for bf16 rows of 7168:
     on a single-buffered transport (entry wait every call) and a double-buffered one (no entry wait);
   * the gather of M rows per rank, single- and double-buffered, at the transport's grid size and at
     half and twice of it;
-  * the in-band-flag ("ll") gather of 0 and of M rows per rank (no barrier at all), at the same grids;
   * NCCL's even all-gather of M rows, for scale.
 A diagnostic for the small-size latency target, not part of the results tables.
 """
@@ -39,8 +38,8 @@ def measure(rank, world, m, args):
     import nsa_cp
     from nsa_cp.transport import p2p
 
-    double = nsa_cp.init_p2p(None, m, HIDDEN, torch.bfloat16, double_buffer_tokens=m, ll_tokens=m)
-    single = p2p.P2PTransport(None, m, HIDDEN, torch.bfloat16, double_buffer_tokens=0, ll_tokens=0)
+    double = nsa_cp.init_p2p(None, m, HIDDEN, torch.bfloat16, double_buffer_tokens=m)
+    single = p2p.P2PTransport(None, m, HIDDEN, torch.bfloat16, double_buffer_tokens=0)
     layout = nsa_cp.ShardLayout([m] * world)
     x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
     out = torch.empty(world * m, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -56,11 +55,11 @@ def measure(rank, world, m, args):
                 double._C.barrier(pads, rank, world, channel, phase, seq, phase == phases[-1], timeout, err, stream)
         return call
 
-    def gather_with(transport, blocks=None, device_counts=None, engine="sm"):
+    def gather_with(transport, blocks=None, device_counts=None):
         def call():
             default = type(transport)._blocks.__get__(transport)
             transport._blocks = (lambda total: blocks) if blocks else default
-            transport.all_gather(x, layout, compact=True, engine=engine, device_counts=device_counts)
+            transport.all_gather(x, layout, compact=True, engine="sm", device_counts=device_counts)
             transport._blocks = default
         return call
 
@@ -70,13 +69,11 @@ def measure(rank, world, m, args):
         "barrier pair, 1 block": barriers((0, 1)),
         "gather 0 rows, single buffer": gather_with(single, None, zeros),
         "gather 0 rows, double buffer": gather_with(double, None, zeros),
-        "gather 0 rows, ll": gather_with(double, None, zeros, "ll"),
     }
     for blocks in sorted({max(1, chosen // 2), chosen, 2 * chosen}):
         mark = " (chosen)" if blocks == chosen else ""
         methods[f"gather {m} rows, {blocks} blocks, single{mark}"] = gather_with(single, blocks)
         methods[f"gather {m} rows, {blocks} blocks, double{mark}"] = gather_with(double, blocks)
-        methods[f"gather {m} rows, {blocks} blocks, ll{mark}"] = gather_with(double, blocks, None, "ll")
     methods[f"NCCL even all-gather, {m} rows"] = lambda: dist.all_gather_into_tensor(out, x)
 
     names = list(methods)

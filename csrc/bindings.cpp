@@ -154,30 +154,6 @@ signal either); [1] the done-counter total this rank has consumed.
 The done phase: every block adds its share of DONE_QUANTUM to its counter in every rank's pad
 (pads hold SIGNAL_WORDS words); the last block waits until every rank's reached [1] + DONE_QUANTUM.)doc");
 
-  m.def("p2p_gather_ll", &nsa_cp::p2p_gather_ll, py::arg("src"), py::arg("src_row_stride_bytes"),
-        py::arg("row_bytes"), py::arg("out"), py::arg("stages"), py::arg("stage_rows"), py::arg("counts"),
-        py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"), py::arg("rank"), py::arg("world"),
-        py::arg("pads"), py::arg("channel"), py::arg("seq"), py::arg("arrive"), py::arg("timeout_ns"), py::arg("err"),
-        py::arg("num_blocks"), py::arg("stream"), py::arg("buffer"), py::arg("state"),
-        py::call_guard<py::gil_scoped_release>(),
-        R"doc(Enqueue the all-gather of a small layout with flags in-band with the data (csrc/p2p_gather_ll.cu).
-
-One launch, no barrier: send our counts[rank] rows as 128-byte lines (120 data bytes, an 8-byte flag
-holding the epoch) into slot [epoch & 1][rank] of every peer's staging area, and into our own
-buffer `out`; zero the padding rows of `out` (padded layout); take every peer's lines from our
-staging area, once their flags carry this epoch, into `out` at offsets[q] (compact) or q*max_rank_len
-(padded). Every rank sends at least one line, so ranks without rows take part. Relies on a 128-byte
-line stored by one warp instruction over NVLink arriving as a whole (as NCCL's LL128 protocol does).
-
-src, src_row_stride_bytes, row_bytes: as in p2p_gather, with row_bytes, the stride and src 8-byte
-aligned. out: this rank's gather buffer (dense rows of row_bytes, local). stages: device uint64[world],
-every rank's staging area (mapped), each [2][world][stage_rows * ceil(row_bytes / 120)][128 bytes],
-128-byte aligned, zeroed before first use. stage_rows: rows per slot, >= max_rank_len. counts, offsets,
-max_rank_len, compact, rank, world, pads, channel, seq, arrive, timeout_ns, err, num_blocks, stream,
-buffer, state: as in p2p_gather (the same state: [0] becomes `buffer`; [1] is left alone). Every call of
-the channel must reach every rank (any kernel of the signal protocol does): the staging parity is
-reused two epochs later.)doc");
-
   m.def("p2p_reduce_scatter", &nsa_cp::p2p_reduce_scatter, py::arg("out"), py::arg("out_row_stride_bytes"),
         py::arg("bufs"), py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"),
         py::arg("hidden"), py::arg("dtype"), py::arg("rank"), py::arg("world"), py::arg("pads"), py::arg("channel"),

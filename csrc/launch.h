@@ -102,7 +102,6 @@ inline int common_alignment(std::initializer_list<uint64_t> values) {
 // Each kernel family adds its kernels' attributes (kernel_info() in runtime.cu collects them).
 void append_kernel_info_barrier(std::vector<KernelInfo>& out);
 void append_kernel_info_gather(std::vector<KernelInfo>& out);
-void append_kernel_info_gather_ll(std::vector<KernelInfo>& out);
 void append_kernel_info_reduce_scatter(std::vector<KernelInfo>& out);
 
 template <typename Kernel>

@@ -50,12 +50,6 @@ void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, u
                 int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
                 uint64_t stream, int buffer, uint64_t state);
 
-// ---- p2p_gather_ll.cu -------------------------------------------------------------------------
-void p2p_gather_ll(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t out, uint64_t stages,
-                   int64_t stage_rows, uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact, int rank,
-                   int world, uint64_t pads, int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns,
-                   uint64_t err, int num_blocks, uint64_t stream, int buffer, uint64_t state);
-
 // ---- p2p_reduce_scatter.cu --------------------------------------------------------------------
 void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t bufs, uint64_t counts,
                         uint64_t offsets, int64_t max_rank_len, bool compact, int64_t hidden, int dtype, int rank,

@@ -144,7 +144,6 @@ std::vector<KernelInfo> kernel_info() {
   std::vector<KernelInfo> out;
   append_kernel_info_barrier(out);
   append_kernel_info_gather(out);
-  append_kernel_info_gather_ll(out);
   append_kernel_info_reduce_scatter(out);
   return out;
 }

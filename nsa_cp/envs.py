@@ -86,10 +86,9 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "validate=None follow this)",
     ),
     "NSA_CP_P2P_ENGINE": (
-        _choice("NSA_CP_P2P_ENGINE", "auto", ("auto", "sm", "ll", "ce")),
-        "P2P gather engine: 'sm' (one CUDA kernel pushes with 16-byte stores), 'll' (one CUDA kernel, "
-        "flags in-band with the data, layouts of up to NSA_CP_P2P_LL_TOKENS rows per rank), 'ce' (copy "
-        "engine, no SMs busy), or 'auto' (by size: 'll' where it fits, else see NSA_CP_P2P_CE_MIN_BYTES)",
+        _choice("NSA_CP_P2P_ENGINE", "auto", ("auto", "sm", "ce")),
+        "P2P gather engine: 'sm' (one CUDA kernel pushes with 16-byte stores), 'ce' (copy engine, "
+        "no SMs busy), or 'auto' (by size, see NSA_CP_P2P_CE_MIN_BYTES)",
     ),
     "NSA_CP_P2P_CE_MIN_BYTES": (
         _int("NSA_CP_P2P_CE_MIN_BYTES", 1 << 62),
@@ -107,12 +106,6 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "P2P transports created without double_buffer_tokens=: tokens per rank of the second gather "
         "buffer (capped at max_tokens_per_rank; 0: none). Back-to-back gathers of up to this many rows "
         "per rank alternate between the two buffers and skip the entry barrier",
-    ),
-    "NSA_CP_P2P_LL_TOKENS": (
-        _int("NSA_CP_P2P_LL_TOKENS", 512),
-        "P2P transports created without ll_tokens=: the largest max_rank_len the in-band-flag gather "
-        "('ll' engine) serves (capped at max_tokens_per_rank; 0: none). Its staging area costs "
-        "2 * cp_size * tokens * ceil(row bytes / 120) * 128 bytes per rank",
     ),
     "NSA_CP_P2P_TIMEOUT_MS": (
         _int("NSA_CP_P2P_TIMEOUT_MS", 60_000),

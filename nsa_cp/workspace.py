@@ -18,16 +18,12 @@ import torch
 
 from . import envs
 
-__all__ = [
-    "Allocation", "workspace_plan", "workspace_bytes", "double_buffer_rows", "ll_rows", "ll_lines_per_row",
-    "check_budget", "allocate", "SIGNAL_WORDS", "NUM_CHANNELS", "LL_LINE_BYTES",
-]
+__all__ = ["Allocation", "workspace_plan", "workspace_bytes", "double_buffer_rows", "check_budget", "allocate", "SIGNAL_WORDS", "NUM_CHANNELS"]
 
 logger = logging.getLogger("nsa_cp")
 
 SIGNAL_WORDS = 256  # the symmetric signal pad: nsa_cp._C.SIGNAL_WORDS (epoch slots, then done counters)
 NUM_CHANNELS = 2  # gather, reduce-scatter
-LL_LINE_BYTES, LL_LINE_DATA_BYTES = 128, 120  # the in-band-flag gather's wire format (csrc/p2p_gather_ll.cu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,38 +48,19 @@ def double_buffer_rows(max_tokens_per_rank: int, double_buffer_tokens: Optional[
     return min(max_tokens_per_rank, double_buffer_tokens)
 
 
-def ll_lines_per_row(row_bytes: int) -> int:
-    """128-byte lines one row of ``row_bytes`` takes in the in-band-flag gather (120 data bytes each)."""
-    return -(-row_bytes // LL_LINE_DATA_BYTES)
-
-
-def ll_rows(max_tokens_per_rank: int, ll_tokens: Optional[int], row_bytes: int) -> int:
-    """Rows per rank slot of the in-band-flag gather's staging area: ``ll_tokens`` (None:
-    NSA_CP_P2P_LL_TOKENS) capped at the capacity; 0 when there is none, and always for rows whose
-    size is not a multiple of 8 bytes (the kernel moves 8-byte words)."""
-    if ll_tokens is None:
-        ll_tokens = envs.NSA_CP_P2P_LL_TOKENS
-    if isinstance(ll_tokens, bool) or not isinstance(ll_tokens, int) or ll_tokens < 0:
-        raise ValueError(f"ll_tokens: expected an int >= 0, got {ll_tokens!r}")
-    return min(max_tokens_per_rank, ll_tokens) if row_bytes % 8 == 0 else 0
-
-
 def workspace_plan(
     cp_size: int,
     max_tokens_per_rank: int,
     hidden_size: int,
     dtype: torch.dtype,
     double_buffer_tokens: Optional[int] = None,
-    ll_tokens: Optional[int] = None,
 ) -> Tuple[Allocation, ...]:
     """Every device allocation of one rank's P2P transport, in allocation order.
 
     ``gather_alt`` (absent when ``double_buffer_rows`` is 0) is the second gather buffer, for
     ``cp_size * double_buffer_rows`` rows; ``gather_ptrs`` row 1 holds its peers' addresses (row 0 again
     when it is absent). ``gather_state`` is the gather kernel's own: the tag of the buffer the last
-    gather wrote, and the done-counter total consumed (csrc/p2p_gather.cu). ``ll_stages`` (absent when
-    ``ll_rows`` is 0) is the in-band-flag gather's staging area, ``[2 parities][cp_size sources]
-    [ll_rows * ll_lines_per_row][128 bytes]`` as int64, and ``ll_stage_ptrs`` its peers' addresses.
+    gather wrote, and the done-counter total consumed (csrc/p2p_gather.cu).
     """
     for name, value in (("cp_size", cp_size), ("max_tokens_per_rank", max_tokens_per_rank), ("hidden_size", hidden_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -91,12 +68,6 @@ def workspace_plan(
     rows = cp_size * max_tokens_per_rank  # the padded layout at capacity; compact always fits inside
     alt_rows = cp_size * double_buffer_rows(max_tokens_per_rank, double_buffer_tokens)
     alt = (Allocation("gather_alt", (alt_rows, hidden_size), dtype, True),) if alt_rows else ()
-    row_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
-    stage_lines = 2 * cp_size * ll_rows(max_tokens_per_rank, ll_tokens, row_bytes) * ll_lines_per_row(row_bytes)
-    ll = (
-        Allocation("ll_stages", (stage_lines * LL_LINE_BYTES // 8,), torch.int64, True),
-        Allocation("ll_stage_ptrs", (cp_size,), torch.int64, False),
-    ) if stage_lines else ()
     return (
         Allocation("gather", (rows, hidden_size), dtype, True),
         *alt,
@@ -108,7 +79,6 @@ def workspace_plan(
         Allocation("seq", (NUM_CHANNELS,), torch.int32, False),
         Allocation("arrive", (NUM_CHANNELS,), torch.int32, False),
         Allocation("gather_state", (2,), torch.int32, False),
-        *ll,
     )
 
 
@@ -118,21 +88,17 @@ def workspace_bytes(
     hidden_size: int,
     dtype: torch.dtype = torch.bfloat16,
     double_buffer_tokens: Optional[int] = None,
-    ll_tokens: Optional[int] = None,
 ) -> int:
     """Exact device bytes one rank's P2P transport (and so the communicator) allocates.
 
-    ``double_buffer_tokens``, ``ll_tokens``: as given to the transport (None:
-    NSA_CP_P2P_DOUBLE_BUFFER_TOKENS, NSA_CP_P2P_LL_TOKENS).
+    ``double_buffer_tokens``: as given to the transport (None: NSA_CP_P2P_DOUBLE_BUFFER_TOKENS).
 
-    >>> workspace_bytes(2, 32768, 7168, torch.bfloat16, double_buffer_tokens=0, ll_tokens=0)  # 2 buffers of 2*32768 rows of 14336 B
+    >>> workspace_bytes(2, 32768, 7168, torch.bfloat16, double_buffer_tokens=0)  # 2 buffers of 2*32768 rows of 14336 B
     1879049304
-    >>> workspace_bytes(2, 32768, 7168, torch.bfloat16, double_buffer_tokens=1024, ll_tokens=0)  # + 2*1024 rows
+    >>> workspace_bytes(2, 32768, 7168, torch.bfloat16, double_buffer_tokens=1024)  # + 2*1024 rows
     1908409432
-    >>> workspace_bytes(2, 32768, 7168, torch.bfloat16, double_buffer_tokens=1024, ll_tokens=512)  # + 2*2*512 rows of 120 lines of 128 B
-    1939866728
     """
-    plan = workspace_plan(cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens, ll_tokens)
+    plan = workspace_plan(cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens)
     return sum(a.nbytes for a in plan)
 
 
@@ -143,11 +109,10 @@ def check_budget(
     hidden_size: int,
     dtype: torch.dtype,
     double_buffer_tokens: Optional[int] = None,
-    ll_tokens: Optional[int] = None,
 ) -> int:
     """The bytes required; logs a warning when an explicit ``budget`` is smaller (the transport still
     allocates what it needs: a short workspace would be overrun, never silently used)."""
-    required = workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens, ll_tokens)
+    required = workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens)
     if budget is not None and budget < required:
         logger.warning(
             "nsa_cp workspace: workspace_bytes=%d is smaller than the %d bytes required for cp_size %d x "

@@ -60,35 +60,11 @@ def _gather_once(transport, layout, compact, engine, rank, hidden, dtype, seed, 
     return got, _expected_gather(shards, layout, compact)
 
 
-def _ll_limit(transport) -> int:
-    """The largest max_rank_len the in-band-flag ("ll") gather of ``transport`` serves (0: none)."""
-    return min(transport.max_tokens_per_rank, transport.ll_tokens)
-
-
-def check_ll_refused(transport, rank, world, device) -> Optional[str]:
-    """A transport without the in-band-flag gather (rows not a multiple of 8 bytes) refuses engine "ll"
-    with a ValueError saying why, and "auto" then takes another engine (checked exactly)."""
-    layout = nsa_cp.ShardLayout([2] * world)
-    x = torch.zeros((2, transport.hidden_size), dtype=transport.dtype, device=device)
-    try:
-        transport.all_gather(x, layout, compact=False, engine="ll")
-        return "engine 'll' without a staging area raised nothing"
-    except ValueError as err:
-        if "multiple of 8" not in str(err) and "ll_tokens=0" not in str(err):
-            return f"the refusal does not say why: {err}"
-    if transport.choose_engine("auto", layout, x) == "ll":
-        return "auto chose 'll' on a transport without it"
-    return None
-
-
 def check_gather_sequence(transport, rank, world, device, engine, compact, calls=7, seed=0) -> Optional[str]:
     """An odd number of back-to-back gathers with random layouts, each result checked exactly."""
-    if engine == "ll" and not _ll_limit(transport):
-        return check_ll_refused(transport, rank, world, device)
-    limit = _ll_limit(transport) if engine == "ll" else transport.max_tokens_per_rank
     rng = random.Random(seed)
     for i in range(calls):
-        layout = _random_layout(rng, world, limit)
+        layout = _random_layout(rng, world, transport.max_tokens_per_rank)
         got, want = _gather_once(transport, layout, compact, engine, rank, transport.hidden_size,
                                  transport.dtype, seed * 100 + i, device)
         transport.check_error()
@@ -143,10 +119,8 @@ def check_stress(transport, rank, world, device, calls=40, seed=7) -> Optional[s
             torch.cuda._sleep(delay_rng.randint(10_000, 2_000_000))  # this rank arrives late on the GPU
         if rng.random() < 0.5:
             shards = [_gen(seed * 1000 + i, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
-            engine = rng.choice(["sm", "ce", "ll", "auto"])
-            if engine == "ll" and layout.max_rank_len > _ll_limit(transport):
-                engine = "sm"
-            got = transport.all_gather(shards[rank].to(device), layout, compact=compact, engine=engine).clone()
+            got = transport.all_gather(shards[rank].to(device), layout, compact=compact,
+                                       engine=rng.choice(["sm", "ce"])).clone()
             pending.append(("gather", i, layout, got, _expected_gather(shards, layout, compact)))
         else:
             rows = layout.global_len(compact)
@@ -168,10 +142,10 @@ def check_stress(transport, rank, world, device, calls=40, seed=7) -> Optional[s
     return None
 
 
-def check_graph_replay(transport, rank, world, device, engine="sm", replays=5, seed=3) -> Optional[str]:
+def check_graph_replay(transport, rank, world, device, replays=5, seed=3) -> Optional[str]:
     """Capture one gather + one reduce-scatter (padded, fixed max_rank_len) in a CUDA graph and replay
     it an odd number of times with per-rank counts changed in the device tensors the kernels read."""
-    m = _ll_limit(transport) if engine == "ll" else transport.max_tokens_per_rank
+    m = transport.max_tokens_per_rank
     hidden, dtype = transport.hidden_size, transport.dtype
     bucket = nsa_cp.ShardLayout([m] * world)
     counts_dev = torch.full((world,), m, dtype=torch.int32, device=device)
@@ -182,13 +156,13 @@ def check_graph_replay(transport, rank, world, device, engine="sm", replays=5, s
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm up (loads kernels) outside capture
-        transport.all_gather(x, bucket, compact=False, engine=engine, device_counts=(counts_dev, offsets_dev))
+        transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
         transport.reduce_scatter(y, bucket, compact=False, out=rs_out, device_counts=(counts_dev, offsets_dev))
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gathered = transport.all_gather(x, bucket, compact=False, engine=engine, device_counts=(counts_dev, offsets_dev))
+        gathered = transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
         transport.reduce_scatter(y, bucket, compact=False, out=rs_out, device_counts=(counts_dev, offsets_dev))
     rng = random.Random(seed)
     for replay in range(replays):
@@ -213,14 +187,14 @@ def check_graph_replay(transport, rank, world, device, engine="sm", replays=5, s
     return None
 
 
-def check_slow_readers(transport, rank, world, device, engine="sm", calls=9, seed=5) -> Optional[str]:
+def check_slow_readers(transport, rank, world, device, calls=9, seed=5) -> Optional[str]:
     """Reuse safety of the gather buffers against a slow reader: rank 1 sleeps before it reads each
     result (a clone queued behind the sleep), so rank 0 runs ahead into the next gathers. First eager
     gathers back to back, then CUDA-graph replays of a captured gather alternating with eager gathers:
     the host never sees the replays, so its choice of buffer and the device's record of the last one
     written disagree, and only the device-side check keeps a peer from writing into a buffer whose
     result rank 1 has not read yet. Fresh random rows every call, so a clobbered result shows."""
-    m = _ll_limit(transport) if engine == "ll" else transport.max_tokens_per_rank
+    m = transport.max_tokens_per_rank
     if transport.double_buffer_tokens:  # small enough to alternate buffers (the case under test)
         m = min(m, transport.double_buffer_tokens)
     hidden, dtype = transport.hidden_size, transport.dtype
@@ -236,7 +210,7 @@ def check_slow_readers(transport, rank, world, device, engine="sm", calls=9, see
         layout = nsa_cp.ShardLayout([rng.randint(0, m) for _ in range(world)])
         compact = rng.random() < 0.5
         shards = [_gen(seed * 1000 + i, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
-        got = transport.all_gather(shards[rank].to(device), layout, compact=compact, engine=engine)
+        got = transport.all_gather(shards[rank].to(device), layout, compact=compact, engine="sm")
         read_late(f"{tag} {layout} compact={compact}", got, _expected_gather(shards, layout, compact))
 
     for i in range(calls):
@@ -249,11 +223,11 @@ def check_slow_readers(transport, rank, world, device, engine="sm", calls=9, see
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        transport.all_gather(x, bucket, compact=False, engine=engine, device_counts=(counts_dev, offsets_dev))
+        transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gathered = transport.all_gather(x, bucket, compact=False, engine=engine, device_counts=(counts_dev, offsets_dev))
+        gathered = transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
     for j in range(calls):
         counts = [rng.randint(0, m) for _ in range(world)]
         shards = [_gen(seed * 1000 + calls + j, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(counts)]
@@ -336,18 +310,18 @@ def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]
     return None
 
 
-def check_timeout(rank, world, device, engine="sm") -> Optional[str]:
+def check_timeout(rank, world, device) -> Optional[str]:
     """Rank 0 calls, the others never do: rank 0's call ends in P2PTimeoutError naming the peer."""
     transport = p2p.P2PTransport(None, 64, 256, torch.bfloat16, device, timeout_ms=1500)
     layout = nsa_cp.ShardLayout([8] * world)
-    result = _expect_timeout(transport, layout, device, engine) if rank == 0 else None
+    result = _expect_timeout(transport, layout, device) if rank == 0 else None
     torch.cuda.synchronize()
     dist.barrier()
     transport.close()
     return result
 
 
-def check_bad_geometry(rank, world, device, engine="sm") -> Optional[str]:
+def check_bad_geometry(rank, world, device) -> Optional[str]:
     """Device counts above max_rank_len (a CUDA-graph bucket misused): the kernel moves nothing and the
     next check raises P2PError (not a timeout) naming the rejected geometry. The transport is made with
     device "cuda", which must mean this rank's current device."""
@@ -361,7 +335,7 @@ def check_bad_geometry(rank, world, device, engine="sm") -> Optional[str]:
             return "a tensor on the transport's device does not fit"
         counts = torch.full((world,), 9, dtype=torch.int32, device=device)
         offsets = torch.arange(world, dtype=torch.int32, device=device) * 8
-        transport.all_gather(x, layout, compact=False, engine=engine, device_counts=(counts, offsets))
+        transport.all_gather(x, layout, compact=False, engine="sm", device_counts=(counts, offsets))
         torch.cuda.synchronize()
         try:
             transport.check_error()
@@ -378,11 +352,11 @@ def check_bad_geometry(rank, world, device, engine="sm") -> Optional[str]:
         transport.close()
 
 
-def _expect_timeout(transport, layout, device, engine="sm", waited_limit_s=30.0) -> Optional[str]:
+def _expect_timeout(transport, layout, device, waited_limit_s=30.0) -> Optional[str]:
     """Rank 0's gather whose peer never comes: P2PTimeoutError naming the call and both ranks, in time;
     then the broken transport refuses the next call."""
     t0 = time.time()
-    transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False, engine=engine)
+    transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False, engine="sm")
     torch.cuda.synchronize()
     waited = time.time() - t0
     result = None
@@ -462,9 +436,8 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
     for hidden, dtype in payload["shapes"]:
         tag = f"{hidden}-{str(dtype).split('.')[-1]}"
         transport = nsa_cp.init_p2p(None, payload["max_tokens"], hidden, dtype, device, timeout_ms=20_000,
-                                    double_buffer_tokens=payload.get("double_buffer_tokens", {}).get(tag),
-                                    ll_tokens=payload.get("ll_tokens", {}).get(tag))
-        for engine in ("sm", "ll", "ce"):
+                                    double_buffer_tokens=payload.get("double_buffer_tokens", {}).get(tag))
+        for engine in ("sm", "ce"):
             for compact in (False, True):
                 run(f"gather-{tag}-{engine}-{'compact' if compact else 'padded'}", check_gather_sequence,
                     transport, rank, world, device, engine, compact, seed=zlib.crc32(f"{hidden}-{engine}-{compact}".encode()) % 1000)
@@ -474,18 +447,13 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
         run(f"stress-{tag}", check_stress, transport, rank, world, device)
         run(f"graph-{tag}", check_graph_replay, transport, rank, world, device)
         run(f"slow-readers-{tag}", check_slow_readers, transport, rank, world, device)
-        if _ll_limit(transport):
-            run(f"graph-ll-{tag}", check_graph_replay, transport, rank, world, device, "ll")
-            run(f"slow-readers-ll-{tag}", check_slow_readers, transport, rank, world, device, "ll")
         run(f"capacity-{tag}", check_capacity_errors, transport, rank, world, device)
         if not shared_gpu():
             run(f"capacity-fallback-{tag}", check_capacity_fallback, transport, rank, world, device)
         run(f"communicator-{tag}", check_communicator, transport, rank, world, device)
         p2p.destroy_p2p(None)
     run("bad-geometry", check_bad_geometry, rank, world, device)
-    run("bad-geometry-ll", check_bad_geometry, rank, world, device, "ll")
     if world > 1:
         run("timeout", check_timeout, rank, world, device)
-        run("timeout-ll", check_timeout, rank, world, device, "ll")
     results["__info__"] = info
     return results

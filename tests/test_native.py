@@ -220,16 +220,6 @@ def _gather_args(**kw):
     return args
 
 
-def _ll_args(**kw):
-    args = dict(
-        src=P, src_row_stride_bytes=256, row_bytes=256, out=P, stages=P, stage_rows=16, counts=P, offsets=P,
-        max_rank_len=16, compact=False, rank=0, world=2, pads=P, channel=0, seq=P, arrive=P, timeout_ns=0, err=P,
-        num_blocks=4, stream=0, buffer=0, state=P,
-    )
-    args.update(kw)
-    return args
-
-
 def _reduce_args(**kw):
     args = dict(
         out=P, out_row_stride_bytes=256, bufs=P, counts=P, offsets=P, max_rank_len=16, compact=False,
@@ -271,21 +261,6 @@ GATHER_BAD = DATA_BAD + [
     (dict(state=0), "state"),
     (dict(channel=16), "done counters"),
 ]
-LL_BAD = [(kw if "bufs" not in kw else dict(stages=0), m if "bufs" not in kw else "stages") for kw, m in DATA_BAD] + [
-    (dict(row_bytes=0), "row_bytes must be a positive multiple of 8"),
-    (dict(row_bytes=252, src_row_stride_bytes=252), "row_bytes must be a positive multiple of 8"),
-    (dict(src_row_stride_bytes=-8), "src_row_stride_bytes"),
-    (dict(src_row_stride_bytes=260), "src_row_stride_bytes must be a multiple of 8"),
-    (dict(src=P + 4), "src must be 8-byte aligned"),
-    (dict(out=0), "out"),
-    (dict(out=P + 4), "out"),
-    (dict(row_bytes=2**40, max_rank_len=2**30, stage_rows=2**30), "overflows"),
-    (dict(stage_rows=15), "stage_rows must be >= 1 and >= max_rank_len"),
-    (dict(stage_rows=0, max_rank_len=0), "stage_rows must be >= 1"),
-    (dict(stage_rows=2**30), "fit int32"),
-    (dict(buffer=2), "buffer must be 0 or 1"),
-    (dict(state=0), "state"),
-]
 REDUCE_BAD = DATA_BAD + [
     (dict(dtype=3), "dtype must be"),
     (dict(dtype=-1), "dtype must be"),
@@ -308,13 +283,6 @@ def test_barrier_rejects_bad_arguments(bad, match):
 def test_p2p_gather_rejects_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
         _C.p2p_gather(**_gather_args(**bad))
-
-
-@needs_C
-@pytest.mark.parametrize("bad, match", LL_BAD, ids=lambda v: str(v))
-def test_p2p_gather_ll_rejects_bad_arguments(bad, match):
-    with pytest.raises(ValueError, match=match):
-        _C.p2p_gather_ll(**_ll_args(**bad))
 
 
 @needs_C
@@ -343,8 +311,6 @@ def test_null_src_and_out_are_allowed_for_empty_shards():
         lambda: _C.barrier(**_barrier_args()),
         lambda: _C.p2p_gather(**_gather_args()),
         lambda: _C.p2p_gather(**_gather_args(row_bytes=255, src_row_stride_bytes=255)),  # byte path
-        lambda: _C.p2p_gather_ll(**_ll_args()),
-        lambda: _C.p2p_gather_ll(**_ll_args(src=0, src_row_stride_bytes=0)),  # a rank without rows
         lambda: _C.p2p_reduce_scatter(**_reduce_args(dtype=2, hidden=64)),
         lambda: _C.p2p_reduce_scatter(**_reduce_args(hidden=3, out_row_stride_bytes=6)),  # scalar path
     ],
@@ -601,27 +567,6 @@ class _Ranks:
                 )
         torch.cuda.synchronize()
 
-    def ll_stages(self, stage_rows, row_bytes):
-        """Every rank's zeroed staging area of the in-band-flag gather, and the table of their addresses."""
-        torch = self.torch
-        lines = 2 * self.world * stage_rows * -(-row_bytes // 120)
-        self.stages = [torch.zeros(lines * 16, dtype=torch.int64, device="cuda") for _ in range(self.world)]
-        self.stage_ptrs = torch.tensor([t.data_ptr() for t in self.stages], dtype=torch.int64, device="cuda")
-        self.stage_rows = stage_rows
-
-    def ll_call(self, r, x, dc, do, M, compact, buffer=0, timeout_ns=TIMEOUT_NS, num_blocks=None):
-        """Enqueue rank r's in-band-flag gather into self.bufs[r] on its stream."""
-        kw = self.sig(r, 0)
-        kw["timeout_ns"] = timeout_ns
-        with self.torch.cuda.stream(self.streams[r]):
-            _C.p2p_gather_ll(
-                src=x.data_ptr(), src_row_stride_bytes=x.stride(0) * x.element_size(),
-                row_bytes=self.hidden * x.element_size(), out=self.bufs[r].data_ptr(),
-                stages=self.stage_ptrs.data_ptr(), stage_rows=self.stage_rows, counts=dc.data_ptr(),
-                offsets=do.data_ptr(), max_rank_len=M, compact=compact, num_blocks=num_blocks or self.num_blocks,
-                stream=self.streams[r].cuda_stream, buffer=buffer, state=self.gather_state(r), **kw,
-            )
-
     def reduce_scatter(self, outs, counts, M, compact, dtype_code, channel=1):
         torch = self.torch
         _, dc, do = self.layout(counts, compact)
@@ -651,7 +596,7 @@ def _expected_gather(shards, counts, M, compact, hidden, dtype):
 @needs_gpu
 def test_gpu_kernel_info():
     info = _C.kernel_info()
-    assert len(info) == 11
+    assert len(info) == 10
     for k in info:
         assert k["local_bytes"] == 0, k  # no spills / stack
         assert k["binary_version"] >= 90, k
@@ -686,96 +631,6 @@ def test_gpu_p2p_gather(world, compact, hidden, dtype_name):
                 assert torch.equal(got, expected), (r, counts)
         assert all(int(s[0]) == len(rounds) for s in ranks.seq)
         assert all(int(a[0]) == 0 for a in ranks.arrive)
-    finally:
-        ranks.close()
-
-
-@needs_gpu
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("compact", [False, True])
-@pytest.mark.parametrize(
-    "hidden, dtype_name", [(256, "bfloat16"), (12, "bfloat16"), (30, "float32"), (100, "float32"), (7168, "bfloat16")]
-)
-def test_gpu_p2p_gather_ll(world, compact, hidden, dtype_name):
-    """The in-band-flag gather: rows of one or several lines, a last line partly used or full, strided
-    sources, zero-token ranks, an all-empty layout, an odd number of calls with a push gather in between
-    (the two share the epochs and the buffer record), NaN-poisoned outputs, ranks with different grids."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    M = 37
-    ranks = _Ranks(world, world * M, hidden, dtype)
-    ranks.ll_stages(M + 3, hidden * dtype.itemsize)
-    try:
-        gen = torch.Generator(device="cuda").manual_seed(200 + world)
-        rounds = [
-            ("ll", [M - q for q in range(world)]),
-            ("ll", [0] + [(7 * q) % (M + 1) for q in range(1, world)]),
-            ("push", [M] * world),
-            ("ll", [0] * world),
-            ("ll", [M] * world),
-        ]
-        for kind, counts in rounds:
-            shards = [torch.randn(M, hidden, generator=gen, device="cuda").to(dtype) for _ in range(world)]
-            if world > 1:  # a strided source
-                shards[1] = torch.randn(M, hidden + 8, generator=gen, device="cuda").to(dtype)[:, :hidden]
-            for b in ranks.bufs:
-                b.fill_(float("nan"))
-            if kind == "push":
-                ranks.gather(shards, counts, M, compact)
-            else:
-                _, dc, do = ranks.layout(counts, compact)
-                torch.cuda.synchronize()
-                for r in range(world):
-                    ranks.ll_call(r, shards[r], dc, do, M, compact, num_blocks=3 + 2 * r)
-                torch.cuda.synchronize()
-            assert ranks.errors() == [[0, 0, 0, 0]] * world, (kind, counts)
-            expected = _expected_gather(shards, counts, M, compact, hidden, dtype)
-            for r in range(world):
-                assert torch.equal(ranks.bufs[r][: expected.shape[0]], expected), (r, kind, counts)
-        assert all(int(s[0]) == len(rounds) for s in ranks.seq)
-        assert all(int(a[0]) == 0 for a in ranks.arrive)
-        assert all(int(st[0, 0]) == 0 for st in ranks.state)
-    finally:
-        ranks.close()
-
-
-@needs_gpu
-def test_gpu_ll_timeout_and_bad_geometry():
-    """A peer that never calls: the receiver records a timeout of the call's phase 1 naming the peer and
-    completes. A rank whose device counts are out of range: it records the bad geometry, its peer
-    records the bad geometry of that rank (the abort flags), nobody waits for the timeout."""
-    import time
-
-    import torch
-
-    world, M, hidden, dtype = 2, 8, 64, torch.bfloat16
-    ranks = _Ranks(world, world * M, hidden, dtype)
-    ranks.ll_stages(M, hidden * 2)
-    try:
-        shard = torch.randn(M, hidden, device="cuda").to(dtype)
-        dc, do = ranks.layout([M, M], False)[1:]
-        ranks.ll_call(0, shard, dc, do, M, False, timeout_ns=2_000_000)
-        torch.cuda.synchronize()
-        assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 1, 1, 1]
-        assert int(ranks.seq[0][0]) == 1 and int(ranks.arrive[0][0]) == 0
-
-        # start again in step: every rank's state of the channel zeroed (the staging area included)
-        for t in ranks.pads + ranks.seq + ranks.state + ranks.stages:
-            t.zero_()
-        for host, _ in ranks.err:
-            for i in range(4):
-                _C.write_u32(host, i, 0)
-        bad = torch.tensor([M + 1, M], dtype=torch.int32, device="cuda")
-        good = torch.tensor([M, M], dtype=torch.int32, device="cuda")
-        torch.cuda.synchronize()
-        t0 = time.time()
-        ranks.ll_call(0, shard, bad, do, M, False)
-        ranks.ll_call(1, shard, good, do, M, False)
-        torch.cuda.synchronize()
-        assert time.time() - t0 < TIMEOUT_NS / 1e9 / 2, "a rank waited for the timeout"
-        assert ranks.errors() == [[_C.ERR_BAD_DEVICE_ARG, 0, 0, 1], [_C.ERR_BAD_DEVICE_ARG, 1, 0, 1]]
-        assert [int(s[0]) for s in ranks.seq] == [1, 1]
     finally:
         ranks.close()
 
@@ -926,14 +781,12 @@ def test_gpu_double_buffer_entry_wait():
 
 
 @needs_gpu
-@pytest.mark.parametrize("kernel", ["push", "ll"])
-def test_gpu_graph_replay_with_new_counts(kernel):
+def test_gpu_graph_replay_with_new_counts():
     """Each rank's gather captured once; replays (an odd number) read new counts from device memory."""
     import torch
 
     world, M, hidden, dtype = 2, 16, 64, torch.bfloat16
     ranks = _Ranks(world, world * M, hidden, dtype)
-    ranks.ll_stages(M, hidden * 2)
     try:
         counts_dev = torch.tensor([M, M], dtype=torch.int32, device="cuda")
         offsets_dev = torch.zeros(world, dtype=torch.int32, device="cuda")
@@ -943,20 +796,15 @@ def test_gpu_graph_replay_with_new_counts(kernel):
         for r in range(world):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=ranks.streams[r]):
-                if kernel == "ll":
-                    ranks.ll_call(r, shards[r], counts_dev, offsets_dev, M, False)
-                else:
-                    _C.p2p_gather(
-                        src=shards[r].data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
-                        bufs=ranks.buf_ptrs.data_ptr(), counts=counts_dev.data_ptr(), offsets=offsets_dev.data_ptr(),
-                        max_rank_len=M, compact=False, num_blocks=4, stream=ranks.streams[r].cuda_stream,
-                        buffer=0, state=ranks.gather_state(r), **ranks.sig(r, 0),
-                    )
+                _C.p2p_gather(
+                    src=shards[r].data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
+                    bufs=ranks.buf_ptrs.data_ptr(), counts=counts_dev.data_ptr(), offsets=offsets_dev.data_ptr(),
+                    max_rank_len=M, compact=False, num_blocks=4, stream=ranks.streams[r].cuda_stream,
+                    buffer=0, state=ranks.gather_state(r), **ranks.sig(r, 0),
+                )
             graphs.append(g)
         for counts in ([3, 16], [16, 0], [9, 11]):
             counts_dev.copy_(torch.tensor(counts, dtype=torch.int32))
-            for b in ranks.bufs:
-                b.fill_(float("nan"))
             torch.cuda.synchronize()
             for r in range(world):
                 with torch.cuda.stream(ranks.streams[r]):
@@ -994,7 +842,7 @@ def _nvcc():
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (the CUDA toolkit), not a GPU")
-@pytest.mark.parametrize("source", ["p2p_gather.cu", "p2p_gather_ll.cu", "p2p_reduce_scatter.cu", "barrier.cu"])
+@pytest.mark.parametrize("source", ["p2p_gather.cu", "p2p_reduce_scatter.cu", "barrier.cu"])
 def test_kernels_keep_everything_in_registers(source, tmp_path):
     """ptxas's report for sm_90a: no kernel has a stack frame or spills (the GPU test
     test_gpu_kernel_info checks the loaded module; this catches it on a machine without a GPU)."""

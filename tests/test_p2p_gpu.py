@@ -1,4 +1,4 @@
-"""The intranode P2P transport on real GPUs: the three gather engines (sm, ll, ce), both layouts, back-to-back calls, a stress run
+"""The intranode P2P transport on real GPUs: both engines, both layouts, back-to-back calls, a stress run
 with injected delays, CUDA-graph replays with changing counts, capacity and geometry errors, a peer that
 never arrives and a peer that dies. Needs CUDA GPUs with peer access and nsa_cp._C (on one GPU: one rank
 over NCCL, and two ranks sharing the GPU over gloo); skips cleanly, saying why, otherwise.
@@ -34,16 +34,12 @@ PAYLOAD = {
     # second gather buffer: unset = the default (every call fits: always double buffered); 48 = layouts
     # on both sides of it, so calls mix double buffering with entry waits; 0 = none (always wait)
     "double_buffer_tokens": {"36-bfloat16": 48, "35-bfloat16": 0},
-    # in-band-flag gather: unset = the default (every call fits); 48 = layouts on both sides of it, so
-    # "auto" mixes it with the push kernel. 35 x bf16 rows (70 bytes) cannot take it: refused, checked.
-    "ll_tokens": {"36-bfloat16": 48},
 }
 _TAGS = [f"{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"]]
 CHECKS = (
-    [f"gather-{t}-{e}-{lay}" for t in _TAGS for e in ("sm", "ll", "ce") for lay in ("padded", "compact")]
+    [f"gather-{t}-{e}-{lay}" for t in _TAGS for e in ("sm", "ce") for lay in ("padded", "compact")]
     + [f"scatter-{t}-{lay}" for t in _TAGS for lay in ("padded", "compact")]
     + [f"{k}-{t}" for t in _TAGS for k in ("stress", "graph", "slow-readers", "capacity", "communicator")]
-    + [f"{k}-ll-{t}" for t in _TAGS if t != "35-bfloat16" for k in ("graph", "slow-readers")]
 )
 NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling back to NCCL
 
@@ -51,7 +47,7 @@ NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling ba
 def _params():
     for world, backend in WORLDS or [(2, "nccl")]:
         name = f"w{world}" + ("-shared-gpu" if backend != "nccl" else "")
-        for check in CHECKS + ["bad-geometry", "bad-geometry-ll"] + (["timeout", "timeout-ll"] if world > 1 else []):
+        for check in CHECKS + ["bad-geometry"] + (["timeout"] if world > 1 else []):
             yield pytest.param(world, backend, check, id=f"{name}-{check}")
         for check in NCCL_ONLY:
             marks = [] if backend == "nccl" else [pytest.mark.skip(reason="needs NCCL; the ranks share one GPU")]

@@ -28,24 +28,14 @@ def _recording_allocators(record):
     (3, 96, 35, torch.float16), (4, 513, 100, torch.float32),
 ])
 @pytest.mark.parametrize("double_buffer_tokens", [0, 1, 100, 1024, None])
-@pytest.mark.parametrize("ll_tokens", [0, 5, None])
-def test_workspace_bytes_is_what_is_allocated(cp_size, tokens, hidden, dtype, double_buffer_tokens, ll_tokens, monkeypatch):
+def test_workspace_bytes_is_what_is_allocated(cp_size, tokens, hidden, dtype, double_buffer_tokens, monkeypatch):
     monkeypatch.setenv("NSA_CP_P2P_DOUBLE_BUFFER_TOKENS", "7")  # what None means
-    monkeypatch.setenv("NSA_CP_P2P_LL_TOKENS", "3")
     record = []
-    plan = workspace.workspace_plan(cp_size, tokens, hidden, dtype, double_buffer_tokens, ll_tokens)
+    plan = workspace.workspace_plan(cp_size, tokens, hidden, dtype, double_buffer_tokens)
     tensors = workspace.allocate(plan, *_recording_allocators(record))
     allocated = sum(t.numel() * t.element_size() for t in tensors.values())
     assert allocated == sum(nbytes for _, _, nbytes in record) == nsa_cp.workspace_bytes(
-        cp_size, tokens, hidden, dtype, double_buffer_tokens, ll_tokens)
-    # the in-band-flag gather's staging area: rows of 8-byte multiples only, 120 data bytes per 128-byte line
-    row_bytes = hidden * torch.empty((), dtype=dtype).element_size()
-    ll_rows = min(tokens, 3 if ll_tokens is None else ll_tokens) if row_bytes % 8 == 0 else 0
-    ll_bytes = 2 * cp_size * ll_rows * -(-row_bytes // 120) * 128
-    assert ("ll_stages" in tensors) == (ll_bytes > 0) == ("ll_stage_ptrs" in tensors)
-    if ll_bytes:
-        assert tensors["ll_stages"].numel() * 8 == ll_bytes and record[-2][0] == "symmetric"
-        allocated -= ll_bytes + cp_size * 8
+        cp_size, tokens, hidden, dtype, double_buffer_tokens)
     element = torch.empty((), dtype=dtype).element_size()
     assert tensors["gather"].shape == (cp_size * tokens, hidden) and tensors["reduce"].shape == (cp_size * tokens, hidden)
     alt_tokens = min(tokens, 7 if double_buffer_tokens is None else double_buffer_tokens)
@@ -60,24 +50,8 @@ def test_workspace_bytes_is_what_is_allocated(cp_size, tokens, hidden, dtype, do
 
 def test_known_value():
     small = 1024 + 4 * 2 * 8 + 16 + 8
-    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 0, 0) == 2 * 65536 * 14336 + small
-    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 1024, 0) == (2 * 65536 + 2048) * 14336 + small
-    # + 2 parities x 2 sources x 512 rows x 120 lines x 128 bytes, and the table of 2 addresses
-    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 1024, 512) == (
-        (2 * 65536 + 2048) * 14336 + small + 2 * 2 * 512 * 120 * 128 + 16)
-
-
-def test_ll_setting(monkeypatch):
-    monkeypatch.setenv("NSA_CP_P2P_LL_TOKENS", "64")
-    assert workspace.ll_rows(1000, None, 14336) == 64 and workspace.ll_rows(10, None, 14336) == 10
-    assert workspace.ll_rows(1000, 0, 14336) == 0 and workspace.ll_rows(1000, 5000, 14336) == 1000
-    assert workspace.ll_rows(1000, 64, 70) == 0  # rows not a multiple of 8 bytes: no staging area
-    monkeypatch.delenv("NSA_CP_P2P_LL_TOKENS")
-    assert workspace.ll_rows(1 << 20, None, 14336) == 512  # the default
-    assert [workspace.ll_lines_per_row(b) for b in (8, 120, 128, 240, 14336)] == [1, 1, 2, 2, 120]
-    for bad in (-1, 2.5, True):
-        with pytest.raises(ValueError, match="ll_tokens"):
-            workspace.ll_rows(8, bad, 16)
+    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 0) == 2 * 65536 * 14336 + small
+    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 1024) == (2 * 65536 + 2048) * 14336 + small
 
 
 def test_double_buffer_setting(monkeypatch):

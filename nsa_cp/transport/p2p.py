@@ -19,13 +19,6 @@ padding crosses the link. Two engines:
     zeroing, 16-byte vector stores to all ranks, then each block adds its share to a done counter in
     every rank's signal pad and the last block waits for every rank's (no block funnels the others'
     completion: measured 1.5 us faster at M = 256 than a grid barrier). Small calls are a single launch.
-  * "ll": for layouts of at most ``ll_tokens`` rows per rank, one kernel of nsa_cp._C
-    (csrc/p2p_gather_ll.cu) without any barrier: the rows travel as 128-byte lines whose last 8 bytes
-    are a flag holding the call's epoch (NCCL's LL128 idea, ~7% more bytes), into a staging area of
-    each peer, which copies them into its own gather buffer as they arrive. A small call so saves the
-    done signal's round trip (fence, then flag) of the "sm" kernel. It relies, as NCCL's LL128 does,
-    on a 128-byte line stored by one warp instruction over NVLink arriving whole; rows must be
-    multiples of 8 bytes. "auto" takes it wherever it fits.
   * "ce": the copy engine (cudaMemcpyAsync through ``Tensor.copy_`` onto the peer's mapped buffer), so no
     SM is busy moving bytes; two one-block barrier kernels around the copies.
 The result is a view of this rank's gather buffer (either one), valid until the next gather on this
@@ -48,11 +41,6 @@ contents can still run on the peer. Two ways, chosen per call on the device:
     signal latency instead of two. The kernel compares with the buffer the previous gather wrote
     (device memory), so eager calls interleaved with CUDA-graph replays, which the host never sees,
     still wait whenever two gathers in a row use the same buffer.
-  * the "ll" gather writes only into peers' staging areas, never into their gather buffers, and
-    alternates two staging parities by epoch: a rank reaches call e + 2 only after every peer sent it a
-    line of call e + 1, i.e. after the peer finished reading call e's lines. It records the buffer it
-    wrote like the "sm" kernel, and proves like a done phase that every peer entered it, so the two
-    kernels (and the copy engine) mix freely.
 Epochs live on the device, so CUDA-graph replays stay in step.
 
 Faults. Every wait has a timeout (NSA_CP_P2P_TIMEOUT_MS). A kernel that times out records which call
@@ -80,7 +68,7 @@ __all__ = ["P2PTransport", "P2PError", "P2PTimeoutError", "p2p_unavailable_reaso
 _CHANNEL_GATHER = 0
 _CHANNEL_SCATTER = 1
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_ENGINES = ("auto", "sm", "ll", "ce")
+_ENGINES = ("auto", "sm", "ce")
 _PHASE_NAMES = ("entry barrier", "done barrier")
 _CHANNEL_NAMES = ("all-gather", "reduce-scatter")
 
@@ -261,10 +249,6 @@ class P2PTransport:
             ``max_tokens_per_rank``; 0: none; default NSA_CP_P2P_DOUBLE_BUFFER_TOKENS, 1024). Costs
             ``cp_size * tokens * hidden * element size`` bytes; gathers up to that size skip the entry
             barrier (module docstring, "Reuse safety"). The same on every rank.
-        ll_tokens: largest ``max_rank_len`` the in-band-flag gather (engine "ll") serves (capped at
-            ``max_tokens_per_rank``; 0: none; default NSA_CP_P2P_LL_TOKENS, 512; always 0 for rows that
-            are not a multiple of 8 bytes). Costs ``2 * cp_size * tokens * ceil(row bytes / 120) * 128``
-            bytes. The same on every rank.
     """
 
     def __init__(
@@ -278,7 +262,6 @@ class P2PTransport:
         timeout_ms: Optional[int] = None,
         workspace_bytes: Optional[int] = None,
         double_buffer_tokens: Optional[int] = None,
-        ll_tokens: Optional[int] = None,
     ):
         if max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank: expected an int >= 1, got {max_tokens_per_rank}")
@@ -287,10 +270,8 @@ class P2PTransport:
         if dtype not in _DTYPE_CODES:
             raise ValueError(f"dtype: expected one of {list(_DTYPE_CODES)}, got {dtype}")
         double_buffer_rows = workspace.double_buffer_rows(int(max_tokens_per_rank), double_buffer_tokens)
-        row_bytes = int(hidden_size) * torch.empty((), dtype=dtype).element_size()
-        ll_rows = workspace.ll_rows(int(max_tokens_per_rank), ll_tokens, row_bytes)
         config = {"max_tokens_per_rank": int(max_tokens_per_rank), "hidden_size": int(hidden_size),
-                  "dtype": str(dtype), "double_buffer_tokens": double_buffer_rows, "ll_tokens": ll_rows}
+                  "dtype": str(dtype), "double_buffer_tokens": double_buffer_rows}
         reason, indices = _survey(group, device, config)
         if reason is not None:
             raise RuntimeError(f"nsa_cp P2P transport unavailable: {reason}")
@@ -306,16 +287,18 @@ class P2PTransport:
         self.dtype = dtype
         self.timeout_ns = (envs.NSA_CP_P2P_TIMEOUT_MS if timeout_ms is None else int(timeout_ms)) * 1_000_000
         self.capacity_rows = self.world * self.max_tokens_per_rank
-        self._row_bytes = row_bytes
+        self._row_bytes = self.hidden_size * torch.empty((), dtype=dtype).element_size()
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._broken = None  # (exception class, message) once a call failed on the device
 
         # every device buffer comes from the plan, so nsa_cp.workspace_bytes() is exact
         self.double_buffer_tokens = double_buffer_rows
-        self.ll_tokens = ll_rows
-        sizes = (self.world, self.max_tokens_per_rank, self.hidden_size, dtype, self.double_buffer_tokens, self.ll_tokens)
-        plan = workspace.workspace_plan(*sizes)
-        required = workspace.check_budget(workspace_bytes, *sizes)
+        plan = workspace.workspace_plan(
+            self.world, self.max_tokens_per_rank, self.hidden_size, dtype, self.double_buffer_tokens
+        )
+        required = workspace.check_budget(
+            workspace_bytes, self.world, self.max_tokens_per_rank, self.hidden_size, dtype, self.double_buffer_tokens
+        )
         handles = {}
         self.memory = _memory_kind(indices)
         share = _symmetric if self.memory == "symm_mem" else _cuda_ipc
@@ -337,13 +320,8 @@ class P2PTransport:
         buffers["gather_ptrs"].copy_(
             torch.tensor([handles["gather"].buffer_ptrs, handles[alt].buffer_ptrs], dtype=torch.int64)
         )
-        ll = (("ll_stage_ptrs", "ll_stages"),) if self.ll_tokens else ()
-        for name, handle in (("reduce_ptrs", "reduce"), ("pad_ptrs", "signals"), *ll):
+        for name, handle in (("reduce_ptrs", "reduce"), ("pad_ptrs", "signals")):
             buffers[name].copy_(torch.tensor(handles[handle].buffer_ptrs, dtype=torch.int64))
-        # the flags of the staging area start at 0, which no call's flag equals
-        self._ll_stage_ptrs = buffers["ll_stage_ptrs"] if self.ll_tokens else None
-        if self.ll_tokens:
-            buffers["ll_stages"].zero_()
         self._gather_ptrs, self._reduce_ptrs, self._pad_ptrs = (
             buffers["gather_ptrs"], buffers["reduce_ptrs"], buffers["pad_ptrs"]
         )
@@ -360,10 +338,9 @@ class P2PTransport:
         dist.barrier(group=group)  # every rank's signal area is zero before anyone signals
         logger.info(
             "nsa_cp P2P transport: rank %d/%d, %d tokens/rank x %d x %s, %.1f MiB per buffer, second "
-            "gather buffer for %d tokens/rank, in-band-flag gather up to %d tokens/rank (%s)",
+            "gather buffer for %d tokens/rank (%s)",
             self.rank, self.world, self.max_tokens_per_rank, self.hidden_size, dtype,
-            self._gather.numel() * self._gather.element_size() / 2**20, self.double_buffer_tokens,
-            self.ll_tokens, self.memory,
+            self._gather.numel() * self._gather.element_size() / 2**20, self.double_buffer_tokens, self.memory,
         )
 
     # ------------------------------------------------------------------ sizing and checks
@@ -430,40 +407,15 @@ class P2PTransport:
         )
 
     # ------------------------------------------------------------------ gather
-    def choose_engine(self, engine: str, layout: ShardLayout, rows: Optional[torch.Tensor] = None) -> str:
-        """The engine a gather of ``rows`` (``[n, hidden]``, None: any aligned tensor) on ``layout`` takes:
-        ``engine``, or for "auto" NSA_CP_P2P_ENGINE, and for "auto" there "ll" where it serves the call,
-        else "ce" from NSA_CP_P2P_CE_MIN_BYTES per rank slot, else "sm". A forced "ll" that cannot serve
-        the call raises ValueError saying why."""
+    def choose_engine(self, engine: str, layout: ShardLayout) -> str:
         if engine not in _ENGINES:
             raise ValueError(f"engine: expected one of {_ENGINES}, got {engine!r}")
         if engine == "auto":
             engine = envs.NSA_CP_P2P_ENGINE
         if engine == "auto":
-            if self.ll_problem(layout, rows) is None:
-                return "ll"
             slot_bytes = layout.max_rank_len * self._row_bytes
             engine = "ce" if slot_bytes >= envs.NSA_CP_P2P_CE_MIN_BYTES else "sm"
-        elif engine == "ll":
-            problem = self.ll_problem(layout, rows)
-            if problem is not None:
-                raise ValueError(f"engine: 'll' cannot serve this call: {problem}")
         return engine
-
-    def ll_problem(self, layout: ShardLayout, rows: Optional[torch.Tensor] = None) -> Optional[str]:
-        """Why the in-band-flag gather cannot serve ``layout`` (and ``rows``), or None when it can."""
-        if not self.ll_tokens:
-            if self._row_bytes % 8:
-                return f"rows of {self._row_bytes} bytes (hidden_size x element size) are not a multiple of 8"
-            return "this transport has no staging area for it (ll_tokens=0)"
-        if layout.max_rank_len > self.ll_tokens:
-            return (f"layout: max_rank_len {layout.max_rank_len} exceeds ll_tokens {self.ll_tokens}; raise "
-                    f"ll_tokens (nsa_cp.init_p2p(..., ll_tokens=) / NSA_CP_P2P_LL_TOKENS) to at least "
-                    f"{layout.max_rank_len}")
-        if rows is not None and rows.shape[0] and (rows.data_ptr() % 8 or rows.stride(0) * rows.element_size() % 8):
-            return (f"x: rows must start at 8-byte aligned addresses (data_ptr {rows.data_ptr()}, row stride "
-                    f"{rows.stride(0) * rows.element_size()} bytes); pass a contiguous tensor")
-        return None
 
     def _device_counts(self, layout: ShardLayout, device_counts):
         if device_counts is None:
@@ -484,33 +436,23 @@ class P2PTransport:
         The view stays valid until the next gather on this transport. Inputs are checked by the caller.
         ``device_counts=(counts, offsets)`` (int32 ``[cp_size]`` device tensors) replaces the layout's
         counts on the device, for CUDA graphs captured once per bucket: ``layout`` then gives only the
-        geometry (``max_rank_len``), every count must stay <= it, and the engine must be "sm" or "ll".
+        geometry (``max_rank_len``), every count must stay <= it, and the engine must be "sm".
         """
         self.check_error()
         self.check_fits("x", x, layout)
+        engine = self.choose_engine(engine, layout)
+        if device_counts is not None and engine != "sm":
+            raise ValueError(f"engine: device_counts needs the 'sm' engine (the copy engine reads host counts), got {engine!r}")
         rows = x.reshape(x.shape[0], self.hidden_size)
         if rows.shape[0] and rows.stride(1) != 1:
             rows = rows.contiguous()
-        engine = self.choose_engine(engine, layout, rows)
-        if device_counts is not None and engine == "ce":
-            raise ValueError("engine: device_counts needs the 'sm' or 'll' engine (the copy engine reads host counts), got 'ce'")
         counts, offsets = self._device_counts(layout, device_counts)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         pads, channel, seq, arrive, timeout, err = self._signal_args(_CHANNEL_GATHER)
-        moved = layout.max_rank_len * self._row_bytes * self.world
-        if engine == "ll":
-            buffer = self._next_buffer(layout)
-            out = self._gathers[buffer]
-            self._C.p2p_gather_ll(
-                rows.data_ptr(), rows.stride(0) * rows.element_size() if rows.shape[0] else 0, self._row_bytes,
-                out.data_ptr(), self._ll_stage_ptrs.data_ptr(), self.ll_tokens, counts.data_ptr(), offsets.data_ptr(),
-                layout.max_rank_len, compact, self.rank, self.world, pads, channel, seq, arrive, timeout, err,
-                self._blocks(moved), stream, buffer, self._gather_state.data_ptr(),
-            )
-            return self._view(out, layout, compact, x.shape[1:])
         if engine == "sm":
             buffer = self._next_buffer(layout)
             bufs, state = self._gather_args[buffer]
+            moved = layout.max_rank_len * self._row_bytes * self.world
             self._C.p2p_gather(
                 rows.data_ptr(), rows.stride(0) * rows.element_size(), self._row_bytes,
                 bufs, counts.data_ptr(), offsets.data_ptr(),
@@ -628,7 +570,6 @@ def init_p2p(
     timeout_ms: Optional[int] = None,
     workspace_bytes: Optional[int] = None,
     double_buffer_tokens: Optional[int] = None,
-    ll_tokens: Optional[int] = None,
 ) -> P2PTransport:
     """Create (collectively, on every rank of ``group``) and register the P2P transport of ``group``.
 
@@ -637,7 +578,7 @@ def init_p2p(
     """
     transport = P2PTransport(
         group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms,
-        workspace_bytes=workspace_bytes, double_buffer_tokens=double_buffer_tokens, ll_tokens=ll_tokens,
+        workspace_bytes=workspace_bytes, double_buffer_tokens=double_buffer_tokens,
     )
     old = _REGISTRY.pop(_group_key(group), None)
     if old is not None:
