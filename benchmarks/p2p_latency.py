@@ -10,6 +10,7 @@ interleaved; median over rounds, max over ranks), for bf16 rows of 7168:
     on a single-buffered transport (entry wait every call) and a double-buffered one (no entry wait);
   * the gather of M rows per rank, single- and double-buffered, at the transport's grid size and at
     half and twice of it;
+  * the double-buffered gather of counts [M, 0.8M] (the benchmark's), padded and compact;
   * NCCL's even all-gather of M rows, for scale.
 A diagnostic for the small-size latency target, not part of the results tables.
 """
@@ -55,11 +56,13 @@ def measure(rank, world, m, args):
                 double._C.barrier(pads, rank, world, channel, phase, seq, phase == phases[-1], timeout, err, stream)
         return call
 
-    def gather_with(transport, blocks=None, device_counts=None):
+    def gather_with(transport, blocks=None, device_counts=None, on=layout, compact=True):
+        rows = x[: on.count(rank)]
+
         def call():
             default = type(transport)._blocks.__get__(transport)
             transport._blocks = (lambda total: blocks) if blocks else default
-            transport.all_gather(x, layout, compact=True, engine="sm", device_counts=device_counts)
+            transport.all_gather(rows, on, compact=compact, engine="sm", device_counts=device_counts)
             transport._blocks = default
         return call
 
@@ -74,6 +77,9 @@ def measure(rank, world, m, args):
         mark = " (chosen)" if blocks == chosen else ""
         methods[f"gather {m} rows, {blocks} blocks, single{mark}"] = gather_with(single, blocks)
         methods[f"gather {m} rows, {blocks} blocks, double{mark}"] = gather_with(double, blocks)
+    uneven = nsa_cp.ShardLayout([m] + [round(0.8 * m)] * (world - 1))  # the benchmark's counts [M, 0.8M]
+    methods[f"gather [{m}, {round(0.8 * m)}] padded, double"] = gather_with(double, None, None, uneven, False)
+    methods[f"gather [{m}, {round(0.8 * m)}] compact, double"] = gather_with(double, None, None, uneven, True)
     methods[f"NCCL even all-gather, {m} rows"] = lambda: dist.all_gather_into_tensor(out, x)
 
     names = list(methods)
