@@ -120,8 +120,7 @@ world <= 8. channel: >= 0. phase: 0 (entered) or 1 (done). seq: device address o
 uint32 epoch counter. advance: store seq = epoch at the end. timeout_ns: wait bound in nanoseconds,
 0 = forever. err: device address of host-mapped uint32[4]. stream: cudaStream_t as int.)doc");
 
-  m.def("p2p_gather", &nsa_cp::p2p_gather, py::arg("src"), py::arg("src_rows"), py::arg("src_row_stride_bytes"),
-        py::arg("row_bytes"),
+  m.def("p2p_gather", &nsa_cp::p2p_gather, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("row_bytes"),
         py::arg("bufs"), py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"),
         py::arg("rank"), py::arg("world"), py::arg("pads"), py::arg("channel"), py::arg("seq"), py::arg("arrive"),
         py::arg("timeout_ns"), py::arg("err"), py::arg("num_blocks"), py::arg("stream"), py::arg("buffer"),
@@ -136,9 +135,7 @@ barrier (phase 1: every rank's rows have landed in our buffer). Counts and offse
 device memory, so CUDA-graph replays may change them; size the buffers and the grid for capacity.
 
 src: device address of our shard, row r at src + r*src_row_stride_bytes (may be 0 only when
-counts[rank] == 0). src_rows: rows of the source tensor (>= 0), which the kernel may read before it
-has read the counts (its first loads overlap the geometry's); rows past it are read only when
-counts[rank] says so. src_row_stride_bytes: bytes between source rows (>= 0; 0 repeats one row).
+counts[rank] == 0). src_row_stride_bytes: bytes between source rows (>= 0; 0 repeats one row).
 row_bytes: bytes per row (> 0); gather buffers are dense, row stride row_bytes. 16-byte loads/stores when src,
 its stride and row_bytes are 16-byte aligned, else 4-byte words, else bytes; buffer bases must be
 aligned to the width used. bufs: device address of uint64[world], every rank's gather buffer base

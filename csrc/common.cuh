@@ -246,27 +246,16 @@ struct Word<1> {
 };
 
 // Grid-stride walk over (row, chunk) pairs of a [rows, chunks] work grid without a division per step:
-// the stride is split once into whole rows plus leftover chunks (in 32 bits when everything fits: a
-// 64-bit division is a long software routine, at the start of every launch).
+// the stride is split once into whole rows plus leftover chunks.
 struct RowChunkCursor {
   int64_t row, chunk;
   int64_t chunks, step_rows, step_chunks;
   __device__ __forceinline__ RowChunkCursor(int64_t start, int64_t stride, int64_t chunks_per_row)
-      : chunks(chunks_per_row) {
-    if (((start | stride | chunks_per_row) >> 32) == 0) {
-      const uint32_t a = static_cast<uint32_t>(start), b = static_cast<uint32_t>(stride);
-      const uint32_t d = static_cast<uint32_t>(chunks_per_row);
-      row = a / d;
-      chunk = a - static_cast<uint32_t>(row) * d;
-      step_rows = b / d;
-      step_chunks = b - static_cast<uint32_t>(step_rows) * d;
-    } else {
-      row = start / chunks_per_row;
-      chunk = start % chunks_per_row;
-      step_rows = stride / chunks_per_row;
-      step_chunks = stride % chunks_per_row;
-    }
-  }
+      : row(start / chunks_per_row),
+        chunk(start % chunks_per_row),
+        chunks(chunks_per_row),
+        step_rows(stride / chunks_per_row),
+        step_chunks(stride % chunks_per_row) {}
   __device__ __forceinline__ void advance() {
     chunk += step_chunks;
     row += step_rows;

@@ -45,7 +45,7 @@ void barrier(uint64_t pads, int rank, int world, int channel, int phase, uint64_
              uint64_t timeout_ns, uint64_t err, uint64_t stream);
 
 // ---- p2p_gather.cu ----------------------------------------------------------------------------
-void p2p_gather(uint64_t src, int64_t src_rows, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
+void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
                 uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
                 int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
                 uint64_t stream, int buffer, uint64_t state);

@@ -3,9 +3,8 @@
 //
 // One launch: (a) "entered" barrier, phase 0: no peer still reads its buffer from the previous call;
 // (b) copy our counts[rank] rows from src into every rank's buffer (ourselves included), loading each
-// chunk once and storing it world times (the first loads are issued before anything else); (c) padded
-// layout only: zero the padding rows of every slot of OUR OWN buffer, so padding never crosses a link
-// (nobody else writes them);
+// chunk once and storing it world times; (c) padded layout only: zero the padding rows of every slot
+// of OUR OWN buffer, so padding never crosses a link (nobody else writes them);
 // (d) "done" phase 1: every rank's rows have landed in our buffer.
 //
 // Double buffering: the caller tags the buffers `bufs` points at (`buffer`, 0 or 1, the same on every
@@ -28,7 +27,6 @@ constexpr int kUnroll = 4;  // independent loads in flight per thread
 
 struct GatherParams {
   const char* src;
-  int64_t src_rows;    // rows that may be read at src (the tensor's), whatever the device counts say
   int64_t src_stride;  // bytes
   int64_t row_bytes;   // bytes per row, also the row stride of every gather buffer
   const uint64_t* bufs;
@@ -50,23 +48,6 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   using W = typename Word<VEC>::type;
   __shared__ Geometry g;
 
-  // This thread's first kUnroll words of src, loaded before the geometry and the state: the source
-  // tensor's rows may be read whatever the counts turn out to be, so the two memory latencies overlap
-  // instead of adding up (the push needs both). 16-byte words only: the narrow variants, for odd row
-  // sizes, would spill registers holding them.
-  constexpr bool kPrefetch = VEC == 16;
-  const int64_t chunks = p.row_bytes / VEC;
-  RowChunkCursor c(global_thread(), grid_threads(), chunks);
-  W v[kUnroll];
-  if (kPrefetch) {
-    RowChunkCursor ahead = c;
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (ahead.row < p.src_rows) v[u] = load_src<W>(p.src + ahead.row * p.src_stride + ahead.chunk * VEC);
-      ahead.advance();
-    }
-  }
-
   const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
   const uint32_t last = ld_relaxed_gpu(p.state);
   const uint32_t epoch = read_epoch(s);
@@ -79,6 +60,22 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   const int rank = s.rank, world = s.world;
   const int bad = stage_geometry(g, entry, p.M, p.compact, VEC, p.src, s, epoch);
   const int64_t n = g.counts[rank];
+
+  const int64_t chunks = p.row_bytes / VEC;
+
+  // (c) Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer. (Here,
+  // not after the pushes: that measured no faster on 2x H200 and spilled registers in the 4-byte variant.)
+  if (bad < 0 && !p.compact) {
+    char* own = reinterpret_cast<char*>(g.bufs[rank]);
+    for (int q = 0; q < world; ++q) {
+      const int64_t first = q * p.M + g.counts[q];
+      const int64_t pad_rows = p.M - g.counts[q];
+      if (pad_rows <= 0) continue;
+      for (RowChunkCursor c(global_thread(), grid_threads(), chunks); c.row < pad_rows; c.advance()) {
+        *reinterpret_cast<W*>(own + (first + c.row) * p.row_bytes + c.chunk * VEC) = W{};
+      }
+    }
+  }
 
   bool ok = bad < 0;
   if (ok && wait_entry) ok = block_wait_all(s, 0, epoch);
@@ -93,15 +90,16 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
     for (int i = 0; i < kMaxWorld; ++i) {
       dst[i] = i < world ? reinterpret_cast<char*>(g.bufs[(rank + 1 + i) % world]) + dst0 * p.row_bytes : nullptr;
     }
-    for (bool first = true; c.row < n; first = false) {
+    RowChunkCursor c(global_thread(), grid_threads(), chunks);
+    while (c.row < n) {
+      W v[kUnroll];
       int64_t off[kUnroll];
       bool has[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         has[u] = c.row < n;
         off[u] = c.row * p.row_bytes + c.chunk * VEC;
-        // the first words were prefetched, except rows past src_rows (device counts the tensor lacks)
-        if (has[u] && (!kPrefetch || !first || c.row >= p.src_rows)) v[u] = load_src<W>(p.src + c.row * p.src_stride + c.chunk * VEC);
+        if (has[u]) v[u] = load_src<W>(p.src + c.row * p.src_stride + c.chunk * VEC);
         c.advance();
       }
 #pragma unroll
@@ -115,20 +113,6 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
     }
   }
 
-  // (c) Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer, after the
-  // pushes: off the path of the bytes the peers wait for, and before our done report (kernel end).
-  if (bad < 0 && !p.compact) {
-    char* own = reinterpret_cast<char*>(g.bufs[rank]);
-    for (int q = 0; q < world; ++q) {
-      const int64_t first = q * p.M + g.counts[q];
-      const int64_t pad_rows = p.M - g.counts[q];
-      if (pad_rows <= 0) continue;
-      for (RowChunkCursor z(global_thread(), grid_threads(), chunks); z.row < pad_rows; z.advance()) {
-        *reinterpret_cast<W*>(own + (first + z.row) * p.row_bytes + z.chunk * VEC) = W{};
-      }
-    }
-  }
-
   // (d) Done: every block reports its rows to every rank; the last block waits for every rank's.
   if (grid_done_counters(s, epoch, p.state + 1, !ok) && threadIdx.x == 0) {
     *reinterpret_cast<volatile uint32_t*>(p.state) = p.buffer;
@@ -137,7 +121,7 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
 
 }  // namespace
 
-void p2p_gather(uint64_t src, int64_t src_rows, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
+void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
                 uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
                 int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
                 uint64_t stream, int buffer, uint64_t state) {
@@ -148,8 +132,6 @@ void p2p_gather(uint64_t src, int64_t src_rows, int64_t src_row_stride_bytes, in
   // Any stride >= 0 is safe to read (0 broadcasts one row); only the destination layout is fixed.
   require(src_row_stride_bytes >= 0, fn,
           "src_row_stride_bytes must be >= 0, got " + std::to_string(src_row_stride_bytes));
-  require(src_rows >= 0 && (src_rows == 0 || src != 0), fn,
-          "src_rows must be >= 0 (and src non-null when it is > 0), got " + std::to_string(src_rows));
   require_layout_args(fn, bufs, "bufs (device uint64[world] of gather buffer bases)", counts, offsets, compact,
                       max_rank_len, world, row_bytes, src_row_stride_bytes);
   require_blocks(fn, num_blocks);
@@ -159,7 +141,7 @@ void p2p_gather(uint64_t src, int64_t src_rows, int64_t src_row_stride_bytes, in
           "channel must be < " + std::to_string((kSignalWords - kDoneBase) / kMaxWorld) +
               " (the pad's done counters), got " + std::to_string(channel));
 
-  const GatherParams p{as_ptr<const char>(src), src_rows, src_row_stride_bytes, row_bytes,  as_ptr<const uint64_t>(bufs),
+  const GatherParams p{as_ptr<const char>(src), src_row_stride_bytes, row_bytes,  as_ptr<const uint64_t>(bufs),
                        as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact,
                        static_cast<uint32_t>(buffer),    as_ptr<uint32_t>(state)};
   const cudaStream_t st = as_stream(stream);

@@ -212,7 +212,7 @@ def _barrier_args(**kw):
 
 def _gather_args(**kw):
     args = dict(
-        src=P, src_rows=16, src_row_stride_bytes=256, row_bytes=256, bufs=P, counts=P, offsets=P, max_rank_len=16,
+        src=P, src_row_stride_bytes=256, row_bytes=256, bufs=P, counts=P, offsets=P, max_rank_len=16,
         compact=False, rank=0, world=2, pads=P, channel=0, seq=P, arrive=P, timeout_ns=0, err=P,
         num_blocks=4, stream=0, buffer=0, state=P,
     )
@@ -255,8 +255,6 @@ DATA_BAD = COMMON_BAD + [
 GATHER_BAD = DATA_BAD + [
     (dict(row_bytes=0), "row_bytes must be > 0"),
     (dict(src_row_stride_bytes=-16), "src_row_stride_bytes"),
-    (dict(src_rows=-1), "src_rows must be >= 0"),
-    (dict(src=0), "src non-null"),
     (dict(row_bytes=2**40, max_rank_len=2**30), "overflows"),
     (dict(buffer=2), "buffer must be 0 or 1"),
     (dict(buffer=-1), "buffer must be 0 or 1"),
@@ -301,7 +299,7 @@ def test_null_src_and_out_are_allowed_for_empty_shards():
     if not _NO_GPU:
         pytest.skip("would launch on a real GPU with fake pointers")
     with pytest.raises(RuntimeError):
-        _C.p2p_gather(**_gather_args(src=0, src_rows=0, src_row_stride_bytes=0))
+        _C.p2p_gather(**_gather_args(src=0, src_row_stride_bytes=0))
     with pytest.raises(RuntimeError):
         _C.p2p_reduce_scatter(**_reduce_args(out=0))
 
@@ -553,8 +551,7 @@ class _Ranks:
         do = torch.tensor(offsets, dtype=torch.int32, device="cuda")
         return offsets, dc, do
 
-    def gather(self, shards, counts, M, compact, channel=0, ranks=None, src_rows=None):
-        """Every rank's p2p_gather; ``src_rows``: per-rank rows declared readable (default: the shard's)."""
+    def gather(self, shards, counts, M, compact, channel=0, ranks=None):
         torch = self.torch
         _, dc, do = self.layout(counts, compact)
         torch.cuda.synchronize()
@@ -562,8 +559,7 @@ class _Ranks:
             x = shards[r]
             with torch.cuda.stream(self.streams[r]):
                 _C.p2p_gather(
-                    src=x.data_ptr(), src_rows=x.shape[0] if src_rows is None else src_rows[r],
-                    src_row_stride_bytes=x.stride(0) * x.element_size(),
+                    src=x.data_ptr(), src_row_stride_bytes=x.stride(0) * x.element_size(),
                     row_bytes=self.hidden * x.element_size(), bufs=self.buf_ptrs.data_ptr(), counts=dc.data_ptr(),
                     offsets=do.data_ptr(), max_rank_len=M, compact=compact, num_blocks=self.num_blocks,
                     stream=self.streams[r].cuda_stream, buffer=0, state=self.gather_state(r, channel),
@@ -622,17 +618,14 @@ def test_gpu_p2p_gather(world, compact, hidden, dtype_name):
         # an odd number of calls with changing counts (0 and M included): epochs, stale rows, padding
         rounds = [[M - q for q in range(world)], [(7 * q) % (M + 1) for q in range(world)], [M] * world]
         rounds[1][0] = 0
-        # rows declared readable before the counts are known: all, half of each count (the rest read
-        # after the counts, as device counts past the tensor would be), none
-        readable = [None, [n // 2 for n in rounds[1]], [0] * world]
-        for counts, src_rows in zip(rounds, readable):
+        for counts in rounds:
             shards = [torch.randn(M, hidden, generator=gen, device="cuda").to(dtype) for _ in range(world)]
             if world > 1:  # a strided source
                 wide = torch.randn(M, hidden + 8, generator=gen, device="cuda").to(dtype)
                 shards[1] = wide[:, :hidden]
             for b in ranks.bufs:  # unwritten rows and un-zeroed padding must show
                 b.fill_(float("nan"))
-            ranks.gather(shards, counts, M, compact, src_rows=src_rows)
+            ranks.gather(shards, counts, M, compact)
             assert ranks.errors() == [[0, 0, 0, 0]] * world
             expected = _expected_gather(shards, counts, M, compact, hidden, dtype)
             for r in range(world):
@@ -709,7 +702,7 @@ def test_gpu_barrier_and_timeout_record():
         kw = ranks.sig(0, 0)
         kw["timeout_ns"] = 2_000_000
         dc = torch.tensor([4, 4], dtype=torch.int32, device="cuda")
-        _C.p2p_gather(src=shards[0].data_ptr(), src_rows=4, src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
+        _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
                       counts=dc.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
                       buffer=0, state=ranks.gather_state(0), **kw)
         torch.cuda.synchronize()
@@ -719,7 +712,7 @@ def test_gpu_barrier_and_timeout_record():
 
         # device-side counts out of range: recorded, nothing moved, nobody waits
         bad = torch.tensor([5, 4], dtype=torch.int32, device="cuda")
-        _C.p2p_gather(src=shards[0].data_ptr(), src_rows=4, src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
+        _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
                       counts=bad.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
                       buffer=0, state=ranks.gather_state(0), **kw)
         torch.cuda.synchronize()
@@ -747,7 +740,7 @@ def test_gpu_double_buffer_entry_wait():
             kw = ranks.sig(r, 0)
             kw["timeout_ns"] = timeout_ns
             with torch.cuda.stream(ranks.streams[r]):
-                _C.p2p_gather(src=shard.data_ptr(), src_rows=M, src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
+                _C.p2p_gather(src=shard.data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
                               bufs=ptrs[buffer].data_ptr(), counts=dc.data_ptr(), offsets=0, max_rank_len=M,
                               compact=False, num_blocks=4 + r, stream=ranks.streams[r].cuda_stream, buffer=buffer,
                               state=ranks.gather_state(r), **kw)
@@ -806,7 +799,7 @@ def test_gpu_graph_replay_with_new_counts():
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=ranks.streams[r]):
                 _C.p2p_gather(
-                    src=shards[r].data_ptr(), src_rows=M, src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
+                    src=shards[r].data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
                     bufs=ranks.buf_ptrs.data_ptr(), counts=counts_dev.data_ptr(), offsets=offsets_dev.data_ptr(),
                     max_rank_len=M, compact=False, num_blocks=4, stream=ranks.streams[r].cuda_stream,
                     buffer=0, state=ranks.gather_state(r), **ranks.sig(r, 0),

@@ -454,7 +454,7 @@ class P2PTransport:
             bufs, state = self._gather_args[buffer]
             moved = layout.max_rank_len * self._row_bytes * self.world
             self._C.p2p_gather(
-                rows.data_ptr(), rows.shape[0], rows.stride(0) * rows.element_size(), self._row_bytes,
+                rows.data_ptr(), rows.stride(0) * rows.element_size(), self._row_bytes,
                 bufs, counts.data_ptr(), offsets.data_ptr(),
                 layout.max_rank_len, compact, self.rank, self.world, pads, channel, seq, arrive,
                 timeout, err, self._blocks(moved), stream, buffer, state,
