@@ -4,7 +4,8 @@
 
 Times (perf_counter, median of --calls, GPU kept busy-free by syncing every 20 calls) the public calls
 and their pieces: the input checks, the Triton pack launch, the bare NCCL collective; then prints a
-cProfile of the uneven padded gather. Numbers are host microseconds, not device time. With one GPU the
+cProfile of the uneven padded gather; with 2+ GPUs and nsa_cp._C the same for the P2P backend (rows
+"P2P: ..."). Numbers are host microseconds, not device time. With one GPU the
 group has one rank (the layout is made uneven by align padding): the validation all-reduce then has no
 peer, so its row is a lower bound of the cost on 2 GPUs.
 """
@@ -47,6 +48,40 @@ def _pack_and_gather(x, layout, rank, collectives):
     out = x.new_empty((layout.padded_len, *x.shape[1:]))
     collectives._gather_padded(x, layout, rank, out, None, None)
     return out
+
+
+def _p2p_pieces(nsa_cp, layout, x, rank, world, m, h, args, results):
+    """The P2P backend's pieces (2+ GPUs with nsa_cp._C): the public call, the transport's own call and
+    its host steps; adds rows to ``results`` and returns a cProfile of the public call (or None)."""
+    from nsa_cp import _native
+
+    if world < 2 or not _native.available():
+        return None
+    transport = nsa_cp.init_p2p(None, m, h, torch.bfloat16)
+    stream_of = lambda: torch.cuda.current_stream(transport.device).cuda_stream  # noqa: E731
+    pieces = {
+        "P2P: cp_all_gather padded uneven": lambda: nsa_cp.cp_all_gather(x, layout),
+        "P2P: transport.all_gather (sm)": lambda: transport.all_gather(x, layout, compact=False, engine="sm"),
+        "P2P:   check_error": transport.check_error,
+        "P2P:   check_fits": lambda: transport.check_fits("x", x, layout),
+        "P2P:   current_stream().cuda_stream": stream_of,
+        "P2P:   result view": lambda: transport._view(transport._gather, layout, False, x.shape[1:]),
+    }
+    for fn in pieces.values():
+        for _ in range(5):
+            fn()
+    torch.cuda.synchronize()
+    results.update({name: _median_us(fn, args.calls) for name, fn in pieces.items()})
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(args.calls):
+        nsa_cp.cp_all_gather(x, layout)
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    prof.disable()
+    torch.cuda.synchronize()
+    nsa_cp.destroy_p2p(None)
+    return prof
 
 
 def worker(rank, world, args):
@@ -103,6 +138,7 @@ def worker(rank, world, args):
             torch.cuda.synchronize()
     prof.disable()
     torch.cuda.synchronize()
+    p2p_prof = _p2p_pieces(nsa_cp, layout, x, rank, world, m, h, args, results)
     if rank == 0:
         print(f"host microseconds per call, median of {args.calls} (M={m}, H={h}, bf16, {world} rank(s), {layout})")
         for name, us in results.items():
@@ -111,6 +147,11 @@ def worker(rank, world, args):
         pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(18)
         pstats.Stats(prof, stream=stream).sort_stats("cumulative").print_stats(25)
         print(stream.getvalue()[-9000:])
+        if p2p_prof is not None:
+            stream = io.StringIO()
+            pstats.Stats(p2p_prof, stream=stream).sort_stats("cumulative").print_stats(25)
+            print("cProfile of cp_all_gather on the P2P backend (auto):")
+            print(stream.getvalue()[-6000:])
     dist.barrier()
     dist.destroy_process_group()
 

@@ -204,7 +204,7 @@ def _checked(call: str, validate: Optional[bool], layout, group, t, checks):
     except ValueError as err:
         plan, error = None, err
     valid_layout = layout if isinstance(layout, ShardLayout) else None
-    signature = plan[-1] if plan is not None else ""
+    signature = plan[-1]() if plan is not None else ""  # formatted only when it is compared
     validation.agree(call, valid_layout, group, rank, size, _comm_device(group, t), error, signature)
     return rank, size, plan
 
@@ -280,7 +280,7 @@ def cp_all_gather(
             chosen = _resolve_algo(algo, x.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
         _check_device_counts(device_counts, layout, x, compact)
         transport = select_p2p_transport(backend, group, "x", x, layout)
-        return out_shape, chosen, transport, _signature(x, compact, chosen, transport, device_counts)
+        return out_shape, chosen, transport, lambda: _signature(x, compact, chosen, transport, device_counts)
 
     rank, size, (out_shape, algo, transport, _) = _checked("cp_all_gather", validate, layout, group, x, checks)
     if x.dtype in _FP8_DTYPES:  # a gather moves bits: carry fp8 as uint8, which every transport has
@@ -363,7 +363,7 @@ def cp_reduce_scatter(
             chosen = _resolve_algo(algo, y.is_cuda, slot_bytes, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
         _check_device_counts(device_counts, layout, y, compact)
         transport = select_p2p_transport(backend, group, "y", y, layout)
-        return out_shape, chosen, transport, _signature(y, compact, chosen, transport, device_counts)
+        return out_shape, chosen, transport, lambda: _signature(y, compact, chosen, transport, device_counts)
 
     rank, size, (out_shape, algo, transport, _) = _checked("cp_reduce_scatter", validate, layout, group, y, checks)
     return _reduce_scatter(y, layout, group, rank, size, compact, out, out_shape, algo, transport, device_counts)
