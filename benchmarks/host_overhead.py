@@ -35,6 +35,25 @@ def _median_us(fn, calls):
     return statistics.median(samples)
 
 
+def _time_and_profile(pieces, profiled, calls):
+    """Median host microseconds of every piece (after 5 warm-up calls each), then a cProfile of
+    ``calls`` calls of ``profiled``."""
+    for fn in pieces.values():
+        for _ in range(5):
+            fn()
+    torch.cuda.synchronize()
+    results = {name: _median_us(fn, calls) for name, fn in pieces.items()}
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        profiled()
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    prof.disable()
+    torch.cuda.synchronize()
+    return results, prof
+
+
 def _flags_setitem(world, rank, device):
     flags = torch.zeros(2 + world, dtype=torch.int64, device=device)
     flags[0] = 1
@@ -67,19 +86,8 @@ def _p2p_pieces(nsa_cp, layout, x, rank, world, m, h, args, results):
         "P2P:   current_stream().cuda_stream": stream_of,
         "P2P:   result view": lambda: transport._view(transport._gather, layout, False, x.shape[1:]),
     }
-    for fn in pieces.values():
-        for _ in range(5):
-            fn()
-    torch.cuda.synchronize()
-    results.update({name: _median_us(fn, args.calls) for name, fn in pieces.items()})
-    prof = cProfile.Profile()
-    prof.enable()
-    for i in range(args.calls):
-        nsa_cp.cp_all_gather(x, layout)
-        if i % 20 == 19:
-            torch.cuda.synchronize()
-    prof.disable()
-    torch.cuda.synchronize()
+    timed, prof = _time_and_profile(pieces, lambda: nsa_cp.cp_all_gather(x, layout), args.calls)
+    results.update(timed)
     nsa_cp.destroy_p2p(None)
     return prof
 
@@ -125,19 +133,7 @@ def worker(rank, world, args):
         "  all_reduce int64[2+P]": lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX),
         "  .tolist() of int64[2+P]": lambda: flags.tolist(),
     }
-    for fn in pieces.values():
-        for _ in range(5):
-            fn()
-    torch.cuda.synchronize()
-    results = {name: _median_us(fn, args.calls) for name, fn in pieces.items()}
-    prof = cProfile.Profile()
-    prof.enable()
-    for i in range(args.calls):
-        nsa_cp.cp_all_gather(x, layout)
-        if i % 20 == 19:
-            torch.cuda.synchronize()
-    prof.disable()
-    torch.cuda.synchronize()
+    results, prof = _time_and_profile(pieces, lambda: nsa_cp.cp_all_gather(x, layout), args.calls)
     p2p_prof = _p2p_pieces(nsa_cp, layout, x, rank, world, m, h, args, results)
     if rank == 0:
         print(f"host microseconds per call, median of {args.calls} (M={m}, H={h}, bf16, {world} rank(s), {layout})")

@@ -188,7 +188,8 @@ def _comm_device(group, t) -> torch.device:
 
 
 def _checked(call: str, validate: Optional[bool], layout, group, t, checks):
-    """Run ``checks(rank, size)`` (raises ValueError on bad input); with validation, agree first.
+    """Run ``checks(rank, size)`` (raises ValueError on bad input; returns a plan whose last item
+    formats the call's signature, called only here); with validation, agree first.
 
     With validation every rank takes part in one small all-reduce whatever its own checks said, so a
     rank with bad input or another layout makes every rank raise instead of leaving them in a
