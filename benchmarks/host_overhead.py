@@ -69,7 +69,7 @@ def _pack_and_gather(x, layout, rank, collectives):
     return out
 
 
-def _p2p_pieces(nsa_cp, layout, x, rank, world, m, h, args, results):
+def _p2p_pieces(nsa_cp, layout, x, out, rank, world, m, h, args, results):
     """The P2P backend's pieces (2+ GPUs with nsa_cp._C): the public call, the transport's own call and
     its host steps; adds rows to ``results`` and returns a cProfile of the public call (or None)."""
     from nsa_cp import _native
@@ -80,6 +80,7 @@ def _p2p_pieces(nsa_cp, layout, x, rank, world, m, h, args, results):
     stream_of = lambda: torch.cuda.current_stream(transport.device).cuda_stream  # noqa: E731
     pieces = {
         "P2P: cp_all_gather padded uneven": lambda: nsa_cp.cp_all_gather(x, layout),
+        "P2P: cp_all_gather padded uneven, out=": lambda: nsa_cp.cp_all_gather(x, layout, out=out),
         "P2P: transport.all_gather (sm)": lambda: transport.all_gather(x, layout, compact=False, engine="sm"),
         "P2P:   check_error": transport.check_error,
         "P2P:   check_fits": lambda: transport.check_fits("x", x, layout),
@@ -132,9 +133,11 @@ def worker(rank, world, args):
         "  flags: host list, one copy": lambda: torch.tensor([1, -1] + [0] * world, dtype=torch.int64).to(x.device),
         "  all_reduce int64[2+P]": lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX),
         "  .tolist() of int64[2+P]": lambda: flags.tolist(),
+        # the first row again, last: whether a row's position in the sequence moves its number
+        "cp_all_gather padded uneven (again)": lambda: nsa_cp.cp_all_gather(x, layout),
     }
     results, prof = _time_and_profile(pieces, lambda: nsa_cp.cp_all_gather(x, layout), args.calls)
-    p2p_prof = _p2p_pieces(nsa_cp, layout, x, rank, world, m, h, args, results)
+    p2p_prof = _p2p_pieces(nsa_cp, layout, x, out, rank, world, m, h, args, results)
     if rank == 0:
         print(f"host microseconds per call, median of {args.calls} (M={m}, H={h}, bf16, {world} rank(s), {layout})")
         for name, us in results.items():

@@ -54,7 +54,7 @@ bench_rc=skipped
 if [ "$mode" != tests-only ]; then
   t0=$(date +%s)
   timeout 120 python3 benchmarks/host_overhead.py >"$OUT/host_overhead.log" 2>&1
-  echo "host overhead rc=$?"; head -28 "$OUT/host_overhead.log"
+  echo "host overhead rc=$?"; head -30 "$OUT/host_overhead.log"
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   if [ "$gpus" -ge 2 ]; then
     timeout "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/gather_scatter.py --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" \
