@@ -140,10 +140,11 @@ __device__ __forceinline__ bool block_wait_all(const SignalArgs& s, int phase, u
 }
 
 // The "done" half of the reduce-scatter (the gather's is grid_done_counters). Each block calls it
-// once, from all threads, after its share of the data movement. The last block to arrive signals phase 1 to every rank, waits for every
-// rank's phase-1 signal (skipped if any block of this launch failed: the launch is already in error),
-// then resets `arrive` and publishes seq = epoch for the next launch. Returns true in that last block
-// (after every other block has passed its start: state read at the start may now be rewritten).
+// once, from all threads, after its share of the data movement. The last block to arrive signals
+// phase 1 to every rank, waits for every rank's phase-1 signal (skipped if any block of this launch
+// failed: the launch is already in error), then resets `arrive` and publishes seq = epoch for the
+// next launch. Returns true in that last block (after every other block has passed its start: state
+// read at the start may now be rewritten).
 __device__ __forceinline__ bool grid_done_barrier(const SignalArgs& s, uint32_t epoch, bool block_failed) {
   __shared__ uint32_t s_total;
   // The block's memory operations (remote stores into peers' buffers, or loads from them that must

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   const int64_t chunks = p.row_bytes / VEC;
 
   // (c) Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer. (Here,
-  // not after the pushes: that measured no faster on 2x H200 and spilled registers in the 4-byte variant.)
+  // not after the pushes: that measured no faster on 2x H200, runs 17 and 21 of docs/gpu_runs.md.)
   if (bad < 0 && !p.compact) {
     char* own = reinterpret_cast<char*>(g.bufs[rank]);
     for (int q = 0; q < world; ++q) {
