@@ -3,7 +3,8 @@
     python benchmarks/host_overhead.py [--M 256] [--calls 300]
 
 Times (perf_counter, median of --calls, GPU kept busy-free by syncing every 20 calls) the public calls
-and their pieces: the input checks, the Triton pack launch, the bare NCCL collective; then prints a
+and their pieces: the input checks, the pack and compact launches (Triton and native), the bare NCCL
+collective, the checks and backend choice alone (data movement stubbed out); then prints a
 cProfile of the uneven padded gather; with 2+ GPUs and nsa_cp._C the same for the P2P backend (rows
 "P2P: ..."). Numbers are host microseconds, not device time. With one GPU the
 group has one rank (the layout is made uneven by align padding): the validation all-reduce then has no
@@ -62,11 +63,33 @@ def _flags_setitem(world, rank, device):
     return flags
 
 
-def _pack_and_gather(x, layout, rank, collectives):
-    """What the uneven padded gather does, without the API around it (checks, backend choice)."""
+def _pack_and_gather(x, layout, rank, collectives, torch_pack=False):
+    """What the uneven padded gather does, without the API around it (checks, backend choice); with
+    ``torch_pack`` the slot is filled by two torch kernels (copy_, zero_) instead of nsa_cp's pack."""
     out = x.new_empty((layout.padded_len, *x.shape[1:]))
-    collectives._gather_padded(x, layout, rank, out, None, None)
+    if not torch_pack:
+        collectives._gather_padded(x, layout, rank, out, None, None)
+        return out
+    m, n = layout.max_rank_len, x.shape[0]
+    slot = out[rank * m:(rank + 1) * m]
+    slot[:n].copy_(x)
+    slot[n:].zero_()
+    collectives.nccl.all_gather_equal(out, slot, None)
     return out
+
+
+def _wrapper_only(collectives, call):
+    """``call`` with the data movement of cp_all_gather replaced by nothing: what the API's checks and
+    backend choice cost on their own."""
+
+    def run():
+        moved, collectives._all_gather = collectives._all_gather, lambda *a, **k: None
+        try:
+            call()
+        finally:
+            collectives._all_gather = moved
+
+    return run
 
 
 def _p2p_pieces(nsa_cp, layout, x, out, rank, world, m, h, args, results):
@@ -77,7 +100,13 @@ def _p2p_pieces(nsa_cp, layout, x, out, rank, world, m, h, args, results):
     if world < 2 or not _native.available():
         return None
     transport = nsa_cp.init_p2p(None, m, h, torch.bfloat16)
+    from nsa_cp import collectives, envs
+
     stream_of = lambda: torch.cuda.current_stream(transport.device).cuda_stream  # noqa: E731
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = transport.device.index
+    flat = transport._gather.view(-1)
+    rows = transport._gather.view(-1, h)
     pieces = {
         "P2P: cp_all_gather padded uneven": lambda: nsa_cp.cp_all_gather(x, layout),
         "P2P: cp_all_gather padded uneven, out=": lambda: nsa_cp.cp_all_gather(x, layout, out=out),
@@ -86,6 +115,18 @@ def _p2p_pieces(nsa_cp, layout, x, out, rank, world, m, h, args, results):
         "P2P:   check_fits": lambda: transport.check_fits("x", x, layout),
         "P2P:   current_stream().cuda_stream": stream_of,
         "P2P:   result view": lambda: transport._view(transport._gather, layout, False, x.shape[1:]),
+        "P2P:   wrapper only (checks, choice)": _wrapper_only(collectives, lambda: nsa_cp.cp_all_gather(x, layout)),
+        "P2P:   select_p2p_transport": lambda: collectives.select_p2p_transport("auto", None, "x", x, layout),
+        "P2P:   transport.fits": lambda: transport.fits(x, layout),
+        "P2P:   choose_engine": lambda: transport.choose_engine("auto", layout),
+        "P2P:   envs.NSA_CP_BACKEND": lambda: envs.NSA_CP_BACKEND,
+        "P2P:   torch.compiler.is_compiling": torch.compiler.is_compiling,
+        "P2P:   raw stream (torch._C)": (lambda: raw_stream(index)) if raw_stream else (lambda: None),
+        "P2P:   _native.current_stream": lambda: _native.current_stream(transport.device),
+        "P2P:   flat[:n].view(rows, h)": lambda: flat[: layout.padded_len * h].view(layout.padded_len, h),
+        "P2P:   rows[:n] (2-D buffer)": lambda: rows[: layout.padded_len],
+        "P2P:   x.reshape + stride check": lambda: x.reshape(x.shape[0], h).stride(1) != 1,
+        "P2P:   read_u32 (minimal pybind)": lambda: transport._C.read_u32(transport._err_host, 0),
     }
     timed, prof = _time_and_profile(pieces, lambda: nsa_cp.cp_all_gather(x, layout), args.calls)
     results.update(timed)
@@ -97,7 +138,8 @@ def worker(rank, world, args):
     init_nccl_rank(rank, world, args.store)
     import nsa_cp
     from nsa_cp import collectives, validation
-    from nsa_cp.kernels import pack
+    from nsa_cp import _native
+    from nsa_cp.kernels import compact, pack
     from nsa_cp.transport import nccl
 
     m, h = args.M, 7168
@@ -113,6 +155,9 @@ def worker(rank, world, args):
     slot = out[rank * m:(rank + 1) * m]
     count = layout.device_tensors(x.device)[0][rank]
     flags = torch.zeros(2 + world, dtype=torch.int64, device=x.device)
+    out_cmp = torch.empty(layout.total_len, h, device="cuda", dtype=torch.bfloat16)
+    native = _native.available()
+    skip = lambda: None  # noqa: E731  (rows that need nsa_cp._C, without it: ~0)
     pieces = {
         "cp_all_gather padded uneven": lambda: nsa_cp.cp_all_gather(x, layout),
         "cp_all_gather even": lambda: nsa_cp.cp_all_gather(xe, even),
@@ -120,7 +165,13 @@ def worker(rank, world, args):
         "cp_all_gather padded uneven, out=": lambda: nsa_cp.cp_all_gather(x, layout, out=out),
         "new_empty + pack + bare all_gather": lambda: _pack_and_gather(x, layout, rank, collectives),
         "cp_reduce_scatter padded uneven": lambda: nsa_cp.cp_reduce_scatter(out, layout),
-        "triton pack launch": lambda: pack.pack_into_slot(x, slot, count),
+        "wrapper only (checks, choice)": _wrapper_only(collectives, lambda: nsa_cp.cp_all_gather(x, layout)),
+        "x.new_empty([P*M, H])": lambda: x.new_empty((layout.padded_len, h)),
+        "pack launch, Triton": lambda: pack.pack_into_slot(x, slot, count, impl="triton"),
+        "pack launch, native (_C)": (lambda: pack.pack_into_slot(x, slot, count, impl="native")) if native else skip,
+        "compact launch, Triton": lambda: compact.padded_to_compact(out, layout, out_cmp, impl="triton"),
+        "compact launch, native (_C)": (lambda: compact.padded_to_compact(out, layout, out_cmp, impl="native")) if native else skip,
+        "new_empty + torch copy_/zero_ + bare AG": lambda: _pack_and_gather(x, layout, rank, collectives, torch_pack=True),
         "torch copy_+zero_ (2 kernels)": lambda: (slot[: counts[rank]].copy_(x), slot[counts[rank]:].zero_()),
         "bare all_gather_single": lambda: nccl.all_gather_equal(out, slot, None),
         "F.pad + all_gather": lambda: nccl.all_gather_equal(out, torch.nn.functional.pad(x, (0, 0, 0, m - counts[rank])), None),

@@ -174,4 +174,28 @@ elements per row (> 0). dtype: 0 bfloat16, 1 float16, 2 float32 (DTYPE_* constan
 when out, its stride and the row size are 16-byte aligned (buffer bases must then be too), else one
 element at a time. rank, world, pads, channel, seq, arrive, timeout_ns, err: the signal protocol
 (module doc). num_blocks: grid size, 1..65535, 512 threads each. stream: cudaStream_t as int.)doc");
+
+  m.def("pack_rows", &nsa_cp::pack_rows, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("src_rows"),
+        py::arg("dst"), py::arg("dst_row_stride_bytes"), py::arg("dst_rows"), py::arg("row_bytes"), py::arg("count"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        R"doc(Enqueue dst[r] = src[r] for r < n and dst[r] = 0 for n <= r < dst_rows (one launch).
+
+n = *count (device int32, read on the device, so CUDA-graph replays may change it), clamped to
+[0, min(src_rows, dst_rows)]: no row outside either tensor is read or written. src, dst: device
+addresses of row 0; rows r at base + r*row_stride_bytes (strides >= row_bytes). row_bytes: bytes per
+row (> 0). 16-byte words when both bases, both strides and row_bytes are 16-byte aligned, else 4, else
+1. src may be 0 when src_rows == 0. stream: cudaStream_t as int.)doc");
+
+  m.def("padded_compact", &nsa_cp::padded_compact, py::arg("padded"), py::arg("padded_row_stride_bytes"),
+        py::arg("compact"), py::arg("compact_row_stride_bytes"), py::arg("compact_rows"), py::arg("row_bytes"),
+        py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("world"), py::arg("to_compact"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        R"doc(Enqueue the conversion between the padded and the compact layout (one launch).
+
+padded: [world * max_rank_len] rows, rank q's slot at rows q*M..(q+1)*M; compact: [compact_rows]
+rows, rank q's at offsets[q]... counts, offsets: device int32[world] (read on the device); every
+count is clamped to [0, M]. to_compact: compact[offsets[q] + r] = padded[q*M + r] for r < counts[q];
+else the reverse, and every other row of the padded buffer is written with zeros. Rows whose
+compact index falls outside [0, compact_rows) are never touched (their padded rows get zeros).
+Strides, alignment, stream: as in pack_rows.)doc");
 }

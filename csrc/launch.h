@@ -103,6 +103,7 @@ inline int common_alignment(std::initializer_list<uint64_t> values) {
 void append_kernel_info_barrier(std::vector<KernelInfo>& out);
 void append_kernel_info_gather(std::vector<KernelInfo>& out);
 void append_kernel_info_reduce_scatter(std::vector<KernelInfo>& out);
+void append_kernel_info_row_copy(std::vector<KernelInfo>& out);
 
 template <typename Kernel>
 inline void append_kernel_info(std::vector<KernelInfo>& out, const char* name, Kernel* kernel) {

@@ -56,6 +56,13 @@ void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t buf
                         int world, uint64_t pads, int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns,
                         uint64_t err, int num_blocks, uint64_t stream);
 
+// ---- row_copy.cu (the NCCL path's layout conversions; no signal protocol) -----------------------
+void pack_rows(uint64_t src, int64_t src_row_stride_bytes, int64_t src_rows, uint64_t dst,
+               int64_t dst_row_stride_bytes, int64_t dst_rows, int64_t row_bytes, uint64_t count, uint64_t stream);
+void padded_compact(uint64_t padded, int64_t padded_row_stride_bytes, uint64_t compact,
+                    int64_t compact_row_stride_bytes, int64_t compact_rows, int64_t row_bytes, uint64_t counts,
+                    uint64_t offsets, int64_t max_rank_len, int world, bool to_compact, uint64_t stream);
+
 // ---- runtime.cu: queries and host-mapped memory -----------------------------------------------
 int device_count();                 // 0 when there is no driver or no device; throws on other errors
 std::string device_status();        // "ok", or why device_count() is 0 / failed ("cudaErrorNoDevice: ...")

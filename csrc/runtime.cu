@@ -145,6 +145,7 @@ std::vector<KernelInfo> kernel_info() {
   append_kernel_info_barrier(out);
   append_kernel_info_gather(out);
   append_kernel_info_reduce_scatter(out);
+  append_kernel_info_row_copy(out);
   return out;
 }
 

@@ -18,7 +18,9 @@ import threading
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["load", "available", "unavailable_reason"]
+import torch
+
+__all__ = ["load", "available", "unavailable_reason", "current_stream"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -34,6 +36,8 @@ _reason = ""
 def load() -> Optional[ModuleType]:
     """The ``nsa_cp._C`` module, or None when it was not built or does not import (never raises)."""
     global _loaded, _module, _import_reason
+    if _loaded:  # set once, after _module: no lock on the hot path (every native launch asks)
+        return _module
     with _lock:
         if not _loaded:
             _module, _import_reason = _import()
@@ -57,6 +61,8 @@ def _import():
 def available() -> bool:
     """True when ``nsa_cp._C`` imports and at least one CUDA device is visible (cached)."""
     global _checked, _available, _reason
+    if _checked:
+        return _available
     mod = load()
     with _lock:
         if _checked:
@@ -84,6 +90,22 @@ def unavailable_reason() -> str:
     """Why :func:`available` is False (a non-empty sentence); "" when it is True."""
     available()
     return _reason
+
+
+def current_stream(device) -> int:
+    """The cudaStream_t of torch's current stream on ``device`` (a CUDA ``torch.device``), as the int
+    ``_C``'s launchers take.
+
+    ``torch._C._cuda_getCurrentRawStream`` (what Triton's launcher uses) returns it without building a
+    ``torch.cuda.Stream``: 0.1 against 3.3 us of host time per call on the GPU machine's CPU
+    (benchmarks/host_overhead.py, 2x H200). The public route is the fallback should it ever go.
+    """
+    if _raw_stream is not None:
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _reset_for_tests() -> None:

@@ -85,6 +85,12 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "input; raise LayoutMismatchError / ValueError on every rank otherwise (calls with "
         "validate=None follow this)",
     ),
+    "NSA_CP_ROW_KERNELS": (
+        _choice("NSA_CP_ROW_KERNELS", "auto", ("auto", "native", "triton")),
+        "the NCCL path's pack / compact / expand kernels on CUDA: 'native' (nsa_cp._C: one launch costs a few "
+        "us of host time), 'triton' (the Triton kernels: 20-45 us per launch on the GPU machine's CPU), "
+        "or 'auto': native when nsa_cp._C is available, else Triton",
+    ),
     "NSA_CP_P2P_ENGINE": (
         _choice("NSA_CP_P2P_ENGINE", "auto", ("auto", "sm", "ce")),
         "P2P gather engine: 'sm' (one CUDA kernel pushes with 16-byte stores), 'ce' (copy engine, "

@@ -1,6 +1,7 @@
-"""Triton kernels against the pure-torch reference, exactly (torch.equal), on every dtype and layout.
+"""Row-copy kernels against the pure-torch reference, exactly (torch.equal), on every dtype and layout.
 
-Without a GPU these run under TRITON_INTERPRET=1 on CPU tensors (conftest sets it); with one, on CUDA.
+Both implementations: Triton (without a GPU under TRITON_INTERPRET=1 on CPU tensors, which conftest
+sets; with one, on CUDA) and nsa_cp._C's native kernels (CUDA only: skipped, saying why, elsewhere).
 Outputs are poisoned with NaN first so an unwritten row fails.
 """
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import nsa_cp
-from nsa_cp import reference
+from nsa_cp import _native, reference
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -33,6 +34,17 @@ LAYOUTS = [
 RESTS = [(8,), (33,), (3, 5), (1,), (600,)]
 
 
+IMPLS = ["triton", "native"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    if request.param == "native" and not (DEVICE.type == "cuda" and _native.available()):
+        why = "no CUDA device" if DEVICE.type != "cuda" else _native.unavailable_reason()
+        pytest.skip(f"native row kernels need a CUDA GPU and nsa_cp._C: {why}")
+    return request.param
+
+
 def _rand(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
@@ -50,7 +62,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("counts,align,dtype,rest,contiguous", list(_cases()))
-def test_pack_into_slot(counts, align, dtype, rest, contiguous):
+def test_pack_into_slot(counts, align, dtype, rest, contiguous, impl):
     layout = nsa_cp.ShardLayout(counts, align=align)
     counts_dev, _ = layout.device_tensors(DEVICE)
     for rank, n in enumerate(counts):
@@ -61,19 +73,19 @@ def test_pack_into_slot(counts, align, dtype, rest, contiguous):
         want = _nan((layout.max_rank_len, *rest), dtype)
         got = want.clone()
         reference.pack_into_slot(x, want)
-        pack_kernels.pack_into_slot(x, got, counts_dev[rank])
+        pack_kernels.pack_into_slot(x, got, counts_dev[rank], impl=impl)
         assert torch.equal(got, want)
         assert not torch.isnan(got).any()
 
 
 @pytest.mark.parametrize("counts,align,dtype,rest,contiguous", list(_cases()))
-def test_padded_compact_round_trip(counts, align, dtype, rest, contiguous):
+def test_padded_compact_round_trip(counts, align, dtype, rest, contiguous, impl):
     layout = nsa_cp.ShardLayout(counts, align=align)
     padded = _rand((layout.padded_len, *rest), dtype, 11)
     want = _nan((layout.total_len, *rest), dtype)
     got = want.clone()
     reference.padded_to_compact(padded, layout, want)
-    compact_kernels.padded_to_compact(padded, layout, got)
+    compact_kernels.padded_to_compact(padded, layout, got, impl=impl)
     assert torch.equal(got, want) and not torch.isnan(got).any()
 
     compact = _rand((layout.total_len, *rest), dtype, 12)
@@ -82,7 +94,7 @@ def test_padded_compact_round_trip(counts, align, dtype, rest, contiguous):
     want = _nan((layout.padded_len, *rest), dtype)
     got = want.clone()
     reference.compact_to_padded(compact, layout, want)
-    compact_kernels.compact_to_padded(compact, layout, got)
+    compact_kernels.compact_to_padded(compact, layout, got, impl=impl)
     assert torch.equal(got, want) and not torch.isnan(got).any()
 
 
@@ -98,10 +110,97 @@ def test_reference_layout_semantics():
     assert torch.equal(back, compact)
 
 
-def test_output_must_be_a_dense_view():
+def test_output_must_be_a_dense_view(impl):
     layout = nsa_cp.ShardLayout([2, 2])
     counts_dev, _ = layout.device_tensors(DEVICE)
     x = _rand((2, 4), torch.float32, 0)
     strided_slot = _nan((2, 8), torch.float32)[:, ::2]
     with pytest.raises(ValueError, match="slot"):
-        pack_kernels.pack_into_slot(x, strided_slot, counts_dev[0])
+        pack_kernels.pack_into_slot(x, strided_slot, counts_dev[0], impl=impl)
+
+
+def test_conversion_rejects_wrong_row_counts(impl):
+    layout = nsa_cp.ShardLayout([3, 1])
+    padded = _rand((layout.padded_len, 8), torch.float32, 1)
+    short = _nan((layout.total_len - 1, 8), torch.float32)
+    with pytest.raises(ValueError, match=r"compact: expected 4 rows .* got shape \[3, 8\]"):
+        compact_kernels.padded_to_compact(padded, layout, short, impl=impl)
+    with pytest.raises(ValueError, match=r"padded: expected 6 rows .* got shape \[5, 8\]"):
+        compact_kernels.compact_to_padded(_rand((4, 8), torch.float32, 2), layout, padded[:5], impl=impl)
+    assert not torch.isnan(padded).any() and torch.isnan(short).all()  # nothing written
+
+
+def test_impl_choice_errors():
+    x = torch.randn(2, 4)
+    slot = torch.full((3, 4), float("nan"))
+    count = torch.tensor(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        pack_kernels.pack_into_slot(x, slot, count, impl="cuda")
+    with pytest.raises(ValueError, match="impl: 'native' row kernels cannot run here: the tensors are not on a CUDA"):
+        pack_kernels.pack_into_slot(x, slot, count, impl="native")
+    assert torch.isnan(slot).all()
+
+
+def test_row_kernels_env_choice(monkeypatch):
+    from nsa_cp.kernels import _rows
+
+    t = torch.empty(1, device=DEVICE)
+    monkeypatch.setenv("NSA_CP_ROW_KERNELS", "triton")
+    assert _rows.native_module(t, None) is None
+    monkeypatch.setenv("NSA_CP_ROW_KERNELS", "auto")
+    expect_native = DEVICE.type == "cuda" and _native.available()
+    assert (_rows.native_module(t, None) is not None) == expect_native
+    monkeypatch.setenv("NSA_CP_ROW_KERNELS", "gpu")
+    with pytest.raises(ValueError, match="NSA_CP_ROW_KERNELS: expected one of"):
+        _rows.native_module(t, None)
+
+
+# ---- what only the native kernels promise: device-side counts and offsets never reach out of bounds
+
+
+def _native_only():
+    if not (DEVICE.type == "cuda" and _native.available()):
+        why = "no CUDA device" if DEVICE.type != "cuda" else _native.unavailable_reason()
+        pytest.skip(f"native row kernels need a CUDA GPU and nsa_cp._C: {why}")
+
+
+@pytest.mark.parametrize("device_count,expect_rows", [(-3, 0), (0, 0), (2, 2), (5, 5), (9, 5)])
+def test_native_pack_clamps_the_device_count(device_count, expect_rows):
+    _native_only()
+    x = _rand((5, 24), torch.bfloat16, 3)
+    slot = _nan((7, 24), torch.bfloat16)
+    count = torch.tensor(device_count, dtype=torch.int32, device=DEVICE)
+    pack_kernels.pack_into_slot(x, slot, count, impl="native")
+    want = torch.zeros_like(slot)
+    want[:expect_rows] = x[:expect_rows]
+    assert torch.equal(slot, want)
+
+
+def test_native_expand_and_compact_skip_rows_outside_the_compact_tensor():
+    _native_only()
+    from nsa_cp.kernels import _rows
+
+    layout = nsa_cp.ShardLayout([3, 2])  # M = 3, total 5
+    native = _rows.native_module(torch.empty(1, device=DEVICE), "native")
+    # rank 0 claims offset -1 (rows 1..2 land at 0..1), rank 1 offset 4 (row 0 lands at 4, row 1 outside)
+    counts = torch.tensor([3, 2], dtype=torch.int32, device=DEVICE)
+    offsets = torch.tensor([-1, 4], dtype=torch.int32, device=DEVICE)
+    compact = _rand((5, 16), torch.float32, 4)
+    guard = _rand((8, 16), torch.float32, 5)  # compact sits inside a larger allocation: rows around it stay
+    guard[1:6] = compact
+    padded = _nan((6, 16), torch.float32)
+    stream = _native.current_stream(DEVICE)
+    row_bytes = 16 * 4
+    native.padded_compact(padded.data_ptr(), row_bytes, guard[1:6].data_ptr(), row_bytes, 5, row_bytes,
+                          counts.data_ptr(), offsets.data_ptr(), layout.max_rank_len, 2, False, stream)
+    want = torch.zeros_like(padded)
+    want[1:3] = compact[0:2]  # rank 0 rows 1, 2 <- compact 0, 1; row 0 (index -1) zero
+    want[3] = compact[4]  # rank 1 row 0 <- compact 4; row 1 (index 5) zero
+    assert torch.equal(padded, want)
+    before = guard.clone()
+    native.padded_compact(padded.data_ptr(), row_bytes, guard[1:6].data_ptr(), row_bytes, 5, row_bytes,
+                          counts.data_ptr(), offsets.data_ptr(), layout.max_rank_len, 2, True, stream)
+    after = before.clone()
+    after[1:3] = padded[1:3]
+    after[5] = padded[3]
+    assert torch.equal(guard, after)  # rows 0, 6, 7 of the allocation untouched

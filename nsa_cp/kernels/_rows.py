@@ -1,11 +1,18 @@
-"""Shared launch geometry for the row-copy kernels: tensors are ``[rows, row_len]`` with unit inner stride."""
+"""What the row-copy kernels share: tensors as ``[rows, row_len]`` with unit inner stride, the choice
+between the native and the Triton kernel, and the Triton launch geometry."""
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
+from typing import Optional
 
 import torch
 import triton
+
+from .. import _native, envs
+
+_IMPLS = ("auto", "native", "triton")
 
 _CHUNK_BYTES = 4096  # one program's span along a row: 16-byte vectors for a whole warp group
 _PROGRAM_BYTES = 16384  # bytes one program moves: enough loads in flight, small enough grids stay wide
@@ -22,6 +29,31 @@ def as_rows(t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
     if writable and t.numel() > 0 and (rows.data_ptr() != t.data_ptr() or not dense):
         raise ValueError(f"{name}: trailing dims must be dense to write in place, got strides {tuple(t.stride())}")
     return rows
+
+
+def native_module(t: torch.Tensor, impl: Optional[str]) -> Optional[ModuleType]:
+    """``nsa_cp._C`` when this call on ``t`` takes the native kernel, None for the Triton one.
+
+    ``impl``: "native", "triton" or "auto" (native for CUDA tensors when ``nsa_cp._C`` is available);
+    None reads NSA_CP_ROW_KERNELS. "native" where it cannot run raises ValueError saying why.
+    """
+    if impl is None:
+        impl = envs.NSA_CP_ROW_KERNELS
+    if impl == "triton":
+        return None
+    if impl not in _IMPLS:
+        raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")
+    if t.is_cuda and _native.available():
+        return _native.load()
+    if impl == "native":
+        why = "the tensors are not on a CUDA device" if not t.is_cuda else _native.unavailable_reason()
+        raise ValueError(f"impl: 'native' row kernels cannot run here: {why}")
+    return None
+
+
+def byte_strides(t: torch.Tensor):
+    """``(data_ptr, row stride in bytes, rows)`` of a ``[rows, row_len]`` tensor."""
+    return t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0]
 
 
 def block_shape(row_len: int, element_size: int):

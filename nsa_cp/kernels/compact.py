@@ -3,17 +3,22 @@
 Mirrors ``reference.padded_to_compact`` / ``reference.compact_to_padded``. The grid is
 ``(row blocks of a slot, cp_size, column blocks)``; each program reads its rank's count and offset from
 device tensors, so no host sync and graph replays with new counts work. Expanding writes every row of
-the padded buffer (zeros in the padding); compacting reads only real rows.
+the padded buffer (zeros in the padding); compacting reads only real rows. ``nsa_cp._C.padded_compact``
+(csrc/row_copy.cu) does the same at a fraction of the host time per launch; ``impl`` /
+NSA_CP_ROW_KERNELS choose (see ``_rows.native_module``).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import _native
 from ..layout import ShardLayout
-from ._rows import as_rows, block_shape
+from ._rows import as_rows, block_shape, byte_strides, native_module
 
 __all__ = ["padded_to_compact", "compact_to_padded"]
 
@@ -52,14 +57,24 @@ def _padded_compact_kernel(
         tl.store(padded_ptr + padded_offs, values, mask=in_slot)
 
 
-def _launch(padded: torch.Tensor, compact: torch.Tensor, layout: ShardLayout, to_compact: bool) -> None:
+def _launch(padded: torch.Tensor, compact: torch.Tensor, layout: ShardLayout, to_compact: bool, impl) -> None:
     padded_rows = as_rows(padded, "padded", writable=not to_compact)
     compact_rows = as_rows(compact, "compact", writable=to_compact)
     m = layout.max_rank_len
     row_len = padded_rows.shape[1]
+    for name, t, rows in (("padded", padded_rows, layout.padded_len), ("compact", compact_rows, layout.total_len)):
+        if t.shape[0] != rows:
+            raise ValueError(f"{name}: expected {rows} rows for {layout!r}, got shape {list(t.shape)}")
     if m == 0 or row_len == 0:
         return
     counts, offsets = layout.device_tensors(padded.device)
+    native = native_module(padded, impl)
+    if native is not None:
+        padded_ptr, padded_stride, _ = byte_strides(padded_rows)
+        native.padded_compact(padded_ptr, padded_stride, *byte_strides(compact_rows), row_len * padded.element_size(),
+                              counts.data_ptr(), offsets.data_ptr(), m, layout.cp_size, to_compact,
+                              _native.current_stream(padded.device))
+        return
     block_m, block_n, warps = block_shape(row_len, padded.element_size())
     grid = (triton.cdiv(m, block_m), layout.cp_size, triton.cdiv(row_len, block_n))
     _padded_compact_kernel[grid](
@@ -78,11 +93,17 @@ def _launch(padded: torch.Tensor, compact: torch.Tensor, layout: ShardLayout, to
     )
 
 
-def padded_to_compact(padded: torch.Tensor, layout: ShardLayout, compact: torch.Tensor) -> None:
-    """Copy the real rows of ``padded [P*M, ...]`` into ``compact [T, ...]`` (same trailing shape)."""
-    _launch(padded, compact, layout, to_compact=True)
+def padded_to_compact(
+    padded: torch.Tensor, layout: ShardLayout, compact: torch.Tensor, impl: Optional[str] = None
+) -> None:
+    """Copy the real rows of ``padded [P*M, ...]`` into ``compact [T, ...]`` (same trailing shape).
+    ``impl``: "native", "triton", "auto" or None (NSA_CP_ROW_KERNELS)."""
+    _launch(padded, compact, layout, True, impl)
 
 
-def compact_to_padded(compact: torch.Tensor, layout: ShardLayout, padded: torch.Tensor) -> None:
-    """Copy ``compact [T, ...]`` into ``padded [P*M, ...]``, writing zeros to every padding row."""
-    _launch(padded, compact, layout, to_compact=False)
+def compact_to_padded(
+    compact: torch.Tensor, layout: ShardLayout, padded: torch.Tensor, impl: Optional[str] = None
+) -> None:
+    """Copy ``compact [T, ...]`` into ``padded [P*M, ...]``, writing zeros to every padding row.
+    ``impl`` as for ``padded_to_compact``."""
+    _launch(padded, compact, layout, False, impl)

@@ -2,15 +2,20 @@
 
 Mirrors ``reference.pack_into_slot``. The row count is read from a device tensor (``counts[rank]``), so a
 CUDA graph captured once replays correctly when the counts change; the grid covers the whole slot.
+Two kernels do it: the Triton one here and ``nsa_cp._C.pack_rows`` (csrc/row_copy.cu), which costs far
+less host time per launch; ``impl`` / NSA_CP_ROW_KERNELS choose (see ``_rows.native_module``).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._rows import as_rows, block_shape
+from .. import _native
+from ._rows import as_rows, block_shape, byte_strides, native_module
 
 __all__ = ["pack_into_slot"]
 
@@ -39,18 +44,27 @@ def _pack_into_slot_kernel(
     tl.store(slot_ptr + rows[:, None] * slot_row_stride + cols[None, :], values, mask=in_slot)
 
 
-def pack_into_slot(x: torch.Tensor, slot: torch.Tensor, count: torch.Tensor) -> None:
+def pack_into_slot(x: torch.Tensor, slot: torch.Tensor, count: torch.Tensor, impl: Optional[str] = None) -> None:
     """``slot[:n] = x``, ``slot[n:] = 0`` where ``n = count.item()`` (read on device, never synced).
 
     Args:
         x: ``[n, ...]`` (at least n rows; rows past n are not read), trailing dims dense.
         slot: ``[M, ...]`` with the same trailing shape and dtype, a view into the gather buffer.
         count: int32 scalar tensor on x's device holding n (e.g. ``layout.device_tensors(dev)[0][rank]``).
+            The native kernel clamps n to x's and the slot's rows; the Triton one reads n rows of x.
+        impl: "native", "triton", "auto" or None (NSA_CP_ROW_KERNELS).
     """
     x_rows = as_rows(x, "x", writable=False)
     slot_rows = as_rows(slot, "slot", writable=True)
     m, row_len = slot_rows.shape
     if m == 0 or row_len == 0:
+        return
+    native = native_module(slot, impl)
+    if native is not None:
+        if count.dtype != torch.int32 or count.numel() != 1:
+            raise ValueError(f"count: expected one int32 element, got {count.dtype} {list(count.shape)}")
+        native.pack_rows(*byte_strides(x_rows), *byte_strides(slot_rows), row_len * slot.element_size(),
+                         count.data_ptr(), _native.current_stream(slot.device))
         return
     block_m, block_n, warps = block_shape(row_len, slot.element_size())
     grid = (triton.cdiv(m, block_m), triton.cdiv(row_len, block_n))
