@@ -2,7 +2,7 @@
 
     python benchmarks/host_overhead.py [--M 256] [--calls 300]
 
-Times (perf_counter, median of --calls, GPU kept busy-free by syncing every 20 calls) the public calls
+Times (perf_counter, median of --calls rounds that call every piece once, in turn) the public calls
 and their pieces: the input checks, the pack and compact launches (Triton and native), the bare NCCL
 collective, the checks and backend choice alone (data movement stubbed out); then prints a
 cProfile of the uneven padded gather; with 2+ GPUs and nsa_cp._C the same for the P2P backend (rows
@@ -24,26 +24,31 @@ import torch.distributed as dist
 from _ranks import init_nccl_rank, spawn_ranks
 
 
-def _median_us(fn, calls):
-    samples = []
+def _interleaved_medians_us(pieces, calls):
+    """Median host microseconds of every piece over ``calls`` rounds that call each piece once, in
+    turn: drift of the machine during the run (seen at up to 2x between runs, runs 25-27) and the code
+    that ran just before reach every piece alike, so rows compare within a run. The GPU is synced every
+    5 rounds, outside the timed calls, so no launch queue fills."""
+    samples = {name: [] for name in pieces}
     for i in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-        if i % 20 == 19:
+        for name, fn in pieces.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - t0) * 1e6)
+        if i % 5 == 4:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return statistics.median(samples)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def _time_and_profile(pieces, profiled, calls):
-    """Median host microseconds of every piece (after 5 warm-up calls each), then a cProfile of
-    ``calls`` calls of ``profiled``."""
+    """Median host microseconds of every piece (after 5 warm-up calls each, interleaved), then a
+    cProfile of ``calls`` calls of ``profiled``."""
     for fn in pieces.values():
         for _ in range(5):
             fn()
     torch.cuda.synchronize()
-    results = {name: _median_us(fn, calls) for name, fn in pieces.items()}
+    results = _interleaved_medians_us(pieces, calls)
     prof = cProfile.Profile()
     prof.enable()
     for i in range(calls):
@@ -127,6 +132,7 @@ def _p2p_pieces(nsa_cp, layout, x, out, rank, world, m, h, args, results):
         "P2P:   rows[:n] (2-D buffer)": lambda: rows[: layout.padded_len],
         "P2P:   x.reshape + stride check": lambda: x.reshape(x.shape[0], h).stride(1) != 1,
         "P2P:   read_u32 (minimal pybind)": lambda: transport._C.read_u32(transport._err_host, 0),
+        "P2P: cp_all_gather padded uneven (again)": lambda: nsa_cp.cp_all_gather(x, layout),
     }
     timed, prof = _time_and_profile(pieces, lambda: nsa_cp.cp_all_gather(x, layout), args.calls)
     results.update(timed)
@@ -184,7 +190,7 @@ def worker(rank, world, args):
         "  flags: host list, one copy": lambda: torch.tensor([1, -1] + [0] * world, dtype=torch.int64).to(x.device),
         "  all_reduce int64[2+P]": lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX),
         "  .tolist() of int64[2+P]": lambda: flags.tolist(),
-        # the first row again, last: whether a row's position in the sequence moves its number
+        # the first row again, last: a control (two identical rows differ by the noise of the run)
         "cp_all_gather padded uneven (again)": lambda: nsa_cp.cp_all_gather(x, layout),
     }
     results, prof = _time_and_profile(pieces, lambda: nsa_cp.cp_all_gather(x, layout), args.calls)

@@ -1,3 +1,4 @@
+import os
 import pickle
 
 import pytest
@@ -95,6 +96,26 @@ def test_envs(monkeypatch):
     assert all(name.startswith("NSA_CP_") for name in envs.ENVIRONMENT_VARIABLES)
     with pytest.raises(AttributeError):
         envs.NSA_CP_NOT_A_VARIABLE
+
+
+def test_envs_follow_every_change_of_the_environment(monkeypatch):
+    """Readers cache only the parse of an unchanged raw value: every set, change and unset is seen,
+    through os.environ and monkeypatch alike, and a bad value raises on every read, not just the first."""
+    monkeypatch.delenv("NSA_CP_P2P_TIMEOUT_MS", raising=False)
+    assert envs.NSA_CP_P2P_TIMEOUT_MS == 60_000
+    for raw, want in (("250", 250), ("250", 250), (" 7 ", 7), ("", 60_000), ("0", 0)):
+        monkeypatch.setenv("NSA_CP_P2P_TIMEOUT_MS", raw)
+        assert envs.NSA_CP_P2P_TIMEOUT_MS == want
+    os.environ["NSA_CP_P2P_TIMEOUT_MS"] = "soon"
+    for _ in range(2):
+        with pytest.raises(ValueError, match="NSA_CP_P2P_TIMEOUT_MS: expected an integer, got 'soon'"):
+            envs.NSA_CP_P2P_TIMEOUT_MS
+    del os.environ["NSA_CP_P2P_TIMEOUT_MS"]
+    assert envs.NSA_CP_P2P_TIMEOUT_MS == 60_000
+    monkeypatch.setenv("NSA_CP_VALIDATE", "yes")
+    assert envs.NSA_CP_VALIDATE is True
+    monkeypatch.setenv("NSA_CP_VALIDATE", "off")
+    assert envs.NSA_CP_VALIDATE is False
 
 
 def test_no_nsa_cp_variable_outside_envs():
