@@ -138,6 +138,8 @@ FUNCTIONS = [
     "barrier",
     "p2p_gather",
     "p2p_reduce_scatter",
+    "pack_rows",
+    "padded_compact",
 ]
 
 
@@ -271,6 +273,66 @@ REDUCE_BAD = DATA_BAD + [
 ]
 
 
+def _pack_args(**kw):
+    args = dict(src=P, src_row_stride_bytes=256, src_rows=8, dst=P, dst_row_stride_bytes=256, dst_rows=16,
+                row_bytes=256, count=P, stream=0)
+    args.update(kw)
+    return args
+
+
+def _padded_compact_args(**kw):
+    args = dict(padded=P, padded_row_stride_bytes=256, compact=P, compact_row_stride_bytes=256, compact_rows=20,
+                row_bytes=256, counts=P, offsets=P, max_rank_len=16, world=2, to_compact=True, stream=0)
+    args.update(kw)
+    return args
+
+
+PACK_BAD = [
+    (dict(row_bytes=0), "row_bytes must be > 0"),
+    (dict(dst_rows=-1), "dst rows must be in"),
+    (dict(src_rows=2**31), "src rows must be in"),
+    (dict(dst_row_stride_bytes=128), r"dst row stride \(128 bytes\) must be >= row_bytes \(256\)"),
+    (dict(src_row_stride_bytes=0), "src row stride"),
+    (dict(dst=0), "dst must be a non-null"),
+    (dict(src=0), "src must be a non-null"),
+    (dict(count=0), "count"),
+    (dict(dst_row_stride_bytes=2**62, dst_rows=4), "dst size in bytes overflows"),
+]
+PADDED_COMPACT_BAD = [
+    (dict(row_bytes=-4), "row_bytes must be > 0"),
+    (dict(world=0), "world must be in"),
+    (dict(max_rank_len=-1), "world \\* max_rank_len"),
+    (dict(max_rank_len=2**30), "world \\* max_rank_len"),
+    (dict(padded=0), "padded must be a non-null"),
+    (dict(compact=0), "compact must be a non-null"),
+    (dict(compact_row_stride_bytes=8), "compact row stride"),
+    (dict(counts=0), "counts"),
+    (dict(offsets=0), "offsets"),
+]
+
+
+@needs_C
+@pytest.mark.parametrize("bad, match", PACK_BAD, ids=lambda v: str(v))
+def test_pack_rows_rejects_bad_arguments(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _C.pack_rows(**_pack_args(**bad))
+
+
+@needs_C
+@pytest.mark.parametrize("bad, match", PADDED_COMPACT_BAD, ids=lambda v: str(v))
+def test_padded_compact_rejects_bad_arguments(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _C.padded_compact(**_padded_compact_args(**bad))
+
+
+@needs_C
+def test_row_copies_with_nothing_to_do_launch_nothing():
+    # zero destination rows (pack) or an empty slot (padded_compact): validated, then no launch, so
+    # null tensors of empty layouts are fine and no GPU is needed
+    assert _C.pack_rows(**_pack_args(src=0, src_rows=0, dst=0, dst_rows=0)) is None
+    assert _C.padded_compact(**_padded_compact_args(padded=0, compact=0, compact_rows=0, max_rank_len=0)) is None
+
+
 @needs_C
 @pytest.mark.parametrize("bad, match", BARRIER_BAD, ids=lambda v: str(v))
 def test_barrier_rejects_bad_arguments(bad, match):
@@ -313,6 +375,10 @@ def test_null_src_and_out_are_allowed_for_empty_shards():
         lambda: _C.p2p_gather(**_gather_args(row_bytes=255, src_row_stride_bytes=255)),  # byte path
         lambda: _C.p2p_reduce_scatter(**_reduce_args(dtype=2, hidden=64)),
         lambda: _C.p2p_reduce_scatter(**_reduce_args(hidden=3, out_row_stride_bytes=6)),  # scalar path
+        lambda: _C.pack_rows(**_pack_args()),
+        lambda: _C.pack_rows(**_pack_args(row_bytes=6, src_row_stride_bytes=6, dst_row_stride_bytes=6)),
+        lambda: _C.padded_compact(**_padded_compact_args()),
+        lambda: _C.padded_compact(**_padded_compact_args(to_compact=False, row_bytes=4, compact_row_stride_bytes=4)),
     ],
 )
 def test_valid_launch_without_gpu_is_a_clean_runtime_error(call):
