@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -97,6 +98,23 @@ inline int common_alignment(std::initializer_list<uint64_t> values) {
   if (bits % 16 == 0) return 16;
   if (bits % 4 == 0) return 4;
   return 1;
+}
+
+// Calls f(std::integral_constant<int, W>{}) for the word width W in {16, 4, 1} that `vec` names (any other
+// value: 1), so a launcher instantiates its kernel template once per width in one place.
+template <typename F>
+inline void with_word_width(int vec, F&& f) {
+  switch (vec) {
+    case 16:
+      f(std::integral_constant<int, 16>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, 1>{});
+      break;
+  }
 }
 
 // Each kernel family adds its kernels' attributes (kernel_info() in runtime.cu collects them).

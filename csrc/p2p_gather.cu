@@ -144,18 +144,10 @@ void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, u
   const GatherParams p{as_ptr<const char>(src), src_row_stride_bytes, row_bytes,  as_ptr<const uint64_t>(bufs),
                        as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact,
                        static_cast<uint32_t>(buffer),    as_ptr<uint32_t>(state)};
-  const cudaStream_t st = as_stream(stream);
-  switch (common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes)})) {
-    case 16:
-      p2p_gather_kernel<16><<<num_blocks, kDataThreads, 0, st>>>(p, s);
-      break;
-    case 4:
-      p2p_gather_kernel<4><<<num_blocks, kDataThreads, 0, st>>>(p, s);
-      break;
-    default:
-      p2p_gather_kernel<1><<<num_blocks, kDataThreads, 0, st>>>(p, s);
-      break;
-  }
+  const int vec = common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes)});
+  with_word_width(vec, [&](auto width) {
+    p2p_gather_kernel<decltype(width)::value><<<num_blocks, kDataThreads, 0, as_stream(stream)>>>(p, s);
+  });
   check_launch(fn);
 }
 

@@ -147,19 +147,10 @@ void pack_rows(uint64_t src, int64_t src_row_stride_bytes, int64_t src_rows, uin
                      dst_row_stride_bytes,     dst_rows,            row_bytes, as_ptr<const int>(count)};
   const int vec = common_alignment({src, dst, static_cast<uint64_t>(src_row_stride_bytes),
                                     static_cast<uint64_t>(dst_row_stride_bytes), static_cast<uint64_t>(row_bytes)});
-  const cudaStream_t st = as_stream(stream);
   const int blocks = copy_blocks(dst_rows, row_bytes / vec);
-  switch (vec) {
-    case 16:
-      pack_rows_kernel<16><<<blocks, kCopyThreads, 0, st>>>(p);
-      break;
-    case 4:
-      pack_rows_kernel<4><<<blocks, kCopyThreads, 0, st>>>(p);
-      break;
-    default:
-      pack_rows_kernel<1><<<blocks, kCopyThreads, 0, st>>>(p);
-      break;
-  }
+  with_word_width(vec, [&](auto width) {
+    pack_rows_kernel<decltype(width)::value><<<blocks, kCopyThreads, 0, as_stream(stream)>>>(p);
+  });
   check_launch(fn);
 }
 
@@ -183,18 +174,9 @@ void padded_compact(uint64_t padded, int64_t padded_row_stride_bytes, uint64_t c
   const int vec = common_alignment({padded, compact, static_cast<uint64_t>(padded_row_stride_bytes),
                                     static_cast<uint64_t>(compact_row_stride_bytes), static_cast<uint64_t>(row_bytes)});
   const dim3 grid(copy_blocks(max_rank_len, row_bytes / vec), world);
-  const cudaStream_t st = as_stream(stream);
-  switch (vec) {
-    case 16:
-      padded_compact_kernel<16><<<grid, kCopyThreads, 0, st>>>(p);
-      break;
-    case 4:
-      padded_compact_kernel<4><<<grid, kCopyThreads, 0, st>>>(p);
-      break;
-    default:
-      padded_compact_kernel<1><<<grid, kCopyThreads, 0, st>>>(p);
-      break;
-  }
+  with_word_width(vec, [&](auto width) {
+    padded_compact_kernel<decltype(width)::value><<<grid, kCopyThreads, 0, as_stream(stream)>>>(p);
+  });
   check_launch(fn);
 }
 
