@@ -60,6 +60,7 @@ if [ "$mode" != tests-only ]; then
     timeout "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/gather_scatter.py --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" \
       >"$OUT/bench.log" 2>&1
     bench_rc=$?
+    python3 benchmarks/plot_busbw.py "$OUT/bench.csv" --out "$OUT/bench.png" >"$OUT/plot.log" 2>&1 || echo "plot failed (see plot.log)"
     # where a small gather's microseconds go: sync floor, entry barrier, push (diagnostic)
     # shellcheck disable=SC2086  # LATENCY_M is a list of sizes
     timeout 120 python3 benchmarks/p2p_latency.py --M ${LATENCY_M:-256} >"$OUT/p2p_latency.log" 2>&1
