@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "available", "unavailable_reason", "current_stream"]
+__all__ = ["load", "available", "unavailable_reason", "device_unsupported_reason", "current_stream"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -92,6 +92,37 @@ def unavailable_reason() -> str:
     return _reason
 
 
+def device_unsupported_reason(index: int) -> str:
+    """"" when the kernels of ``nsa_cp._C`` load on ``cuda:index``, else why not (cached per device).
+
+    The module holds machine code for its build's archs (e.g. sm_90a) and PTX of the lowest, so a GPU
+    of an older architecture (an A100) has none it can run: loading every kernel once on that device
+    (``kernel_info``) says so before any launch would fail, and the callers take another path.
+    """
+    reason = _device_reasons.get(index)
+    if reason is not None:
+        return reason
+    if not available():
+        reason = unavailable_reason()
+    else:
+        try:
+            _load_kernels_on(index)
+            reason = ""
+        except RuntimeError as err:
+            reason = f"nsa_cp._C (built for {getattr(_module, 'CUDA_ARCHS', '?')}) has no kernels for cuda:{index}: {err}"
+            logger.info("nsa_cp native kernels unavailable on cuda:%d: %s", index, reason)
+    _device_reasons[index] = reason
+    return reason
+
+
+def _load_kernels_on(index: int) -> None:
+    with torch.cuda.device(index):
+        _module.kernel_info()  # cudaFuncGetAttributes of every kernel: fails without a usable image
+
+
+_device_reasons: dict = {}
+
+
 def current_stream(device) -> int:
     """The cudaStream_t of torch's current stream on ``device`` (a CUDA ``torch.device``), as the int
     ``_C``'s launchers take.
@@ -114,3 +145,4 @@ def _reset_for_tests() -> None:
     with _lock:
         _loaded, _module, _import_reason = False, None, ""
         _checked, _available, _reason = False, False, ""
+        _device_reasons.clear()

@@ -155,6 +155,19 @@ def test_row_kernels_env_choice(monkeypatch):
         _rows.native_module(t, None)
 
 
+def test_row_kernels_fall_back_to_triton_on_a_gpu_without_native_code(monkeypatch):
+    """auto takes Triton on a device the native build cannot run on; "native" there says why."""
+    from types import SimpleNamespace
+
+    from nsa_cp.kernels import _rows
+
+    monkeypatch.setattr(_native, "device_unsupported_reason", lambda index: f"no kernels for cuda:{index}")
+    gpu_tensor = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=3))  # all native_module reads
+    assert _rows.native_module(gpu_tensor, "auto") is None
+    with pytest.raises(ValueError, match="cannot run here: no kernels for cuda:3"):
+        _rows.native_module(gpu_tensor, "native")
+
+
 # ---- what only the native kernels promise: device-side counts and offsets never reach out of bounds
 
 

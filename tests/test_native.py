@@ -108,6 +108,29 @@ def test_available_with_a_device(fresh_native, monkeypatch):
     assert fresh_native.unavailable_reason() == ""
 
 
+def test_device_reason_when_the_kernels_do_not_load_there(fresh_native, monkeypatch):
+    """A GPU the build has no machine code or PTX for (e.g. an A100 for a 90a build): the kernels fail
+    to load there, which is said once per device and cached, before any launch could fail."""
+    _fake_import(monkeypatch, _FakeC(2, "ok"))
+    tried = []
+
+    def no_image(index):
+        tried.append(index)
+        raise RuntimeError("kernel_info: cudaFuncGetAttributes failed: cudaErrorNoKernelImageForDevice: no kernel image")
+
+    monkeypatch.setattr(fresh_native, "_load_kernels_on", no_image)
+    reason = fresh_native.device_unsupported_reason(1)
+    assert reason.startswith("nsa_cp._C (built for ?) has no kernels for cuda:1") and "NoKernelImage" in reason
+    assert fresh_native.device_unsupported_reason(1) == reason and tried == [1]  # cached
+    monkeypatch.setattr(fresh_native, "_load_kernels_on", lambda index: tried.append(index))
+    assert fresh_native.device_unsupported_reason(0) == "" and tried == [1, 0]
+
+
+def test_device_reason_without_the_module(fresh_native, monkeypatch):
+    _fake_import(monkeypatch, ModuleNotFoundError("x", name="nsa_cp._C"))
+    assert "nsa_cp._C was not built" in fresh_native.device_unsupported_reason(0)
+
+
 def test_native_logs_instead_of_printing(fresh_native, monkeypatch, caplog, capsys):
     _fake_import(monkeypatch, ModuleNotFoundError("x", name="nsa_cp._C"))
     with caplog.at_level("DEBUG", logger="nsa_cp"):
@@ -666,6 +689,9 @@ def test_gpu_kernel_info():
     families = ("barrier", "p2p_gather", "p2p_reduce_scatter", "pack_rows", "padded_compact")
     assert {n.split("<")[0] for n in names} == set(families), names
     assert len(info) == 16
+    import torch
+
+    assert _native.device_unsupported_reason(torch.cuda.current_device()) == ""  # this GPU runs them
     for k in info:
         assert k["local_bytes"] == 0, k  # no spills / stack
         assert k["binary_version"] >= 90, k

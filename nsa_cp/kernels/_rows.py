@@ -34,7 +34,8 @@ def as_rows(t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
 def native_module(t: torch.Tensor, impl: Optional[str]) -> Optional[ModuleType]:
     """``nsa_cp._C`` when this call on ``t`` takes the native kernel, None for the Triton one.
 
-    ``impl``: "native", "triton" or "auto" (native for CUDA tensors when ``nsa_cp._C`` is available);
+    ``impl``: "native", "triton" or "auto" (native for CUDA tensors when ``nsa_cp._C`` is available and
+    has kernels for their device: see ``_native.device_unsupported_reason``);
     None reads NSA_CP_ROW_KERNELS. "native" where it cannot run raises ValueError saying why.
     """
     if impl is None:
@@ -43,10 +44,13 @@ def native_module(t: torch.Tensor, impl: Optional[str]) -> Optional[ModuleType]:
         return None
     if impl not in _IMPLS:
         raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")
-    if t.is_cuda and _native.available():
-        return _native.load()
+    if t.is_cuda:
+        why = _native.device_unsupported_reason(t.device.index)
+        if not why:
+            return _native.load()
+    else:
+        why = "the tensors are not on a CUDA device"
     if impl == "native":
-        why = "the tensors are not on a CUDA device" if not t.is_cuda else _native.unavailable_reason()
         raise ValueError(f"impl: 'native' row kernels cannot run here: {why}")
     return None
 

@@ -129,6 +129,8 @@ def _survey(group, device, config: Optional[dict] = None) -> Tuple[Optional[str]
     index = torch.device(device).index if device is not None else None
     if index is None:  # no device, or "cuda": the current one
         index = torch.cuda.current_device() if local is None else -1
+    if local is None:
+        local = _native.device_unsupported_reason(index) or None
     everyone = [None] * world
     dist.all_gather_object(everyone, (socket.gethostname(), index, local, config), group=group)
     for key in config or {}:
