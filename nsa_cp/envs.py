@@ -116,9 +116,9 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
     ),
     "NSA_CP_ROW_KERNELS": (
         _choice("NSA_CP_ROW_KERNELS", "auto", ("auto", "native", "triton")),
-        "the NCCL path's pack / compact / expand kernels on CUDA: 'native' (nsa_cp._C: one launch costs a few "
-        "us of host time), 'triton' (the Triton kernels: 20-45 us per launch on the GPU machine's CPU), "
-        "or 'auto': native when nsa_cp._C is available, else Triton",
+        "the NCCL path's pack / compact / expand kernels on CUDA: 'native' (nsa_cp._C), 'triton' (the "
+        "Triton kernels: the same copies, 2-4x the host time per launch on 2x H200's CPU), or 'auto': "
+        "native when nsa_cp._C has kernels for the tensors' GPU, else Triton",
     ),
     "NSA_CP_P2P_ENGINE": (
         _choice("NSA_CP_P2P_ENGINE", "auto", ("auto", "sm", "ce")),
