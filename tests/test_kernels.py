@@ -217,3 +217,47 @@ def test_native_expand_and_compact_skip_rows_outside_the_compact_tensor():
     after[1:3] = padded[1:3]
     after[5] = padded[3]
     assert torch.equal(guard, after)  # rows 0, 6, 7 of the allocation untouched
+
+
+_FIRST_USE_IN_A_GRAPH = """
+import torch
+from nsa_cp.kernels import compact, pack
+import nsa_cp
+
+layout = nsa_cp.ShardLayout([5, 3])
+x = torch.randn(5, 64, device="cuda").bfloat16()
+slot = torch.full((5, 64), float("nan"), device="cuda").bfloat16()
+padded = torch.randn(layout.padded_len, 64, device="cuda").bfloat16()
+out = torch.full((layout.total_len, 64), float("nan"), device="cuda").bfloat16()
+count = torch.tensor([4], dtype=torch.int32, device="cuda")
+layout.device_tensors(x.device)  # the layout's device tensors exist before capture (as in the collectives)
+stream = torch.cuda.Stream()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+    pack.pack_into_slot(x, slot, count[0])  # the first native launch of this process, inside the capture
+    compact.padded_to_compact(padded, layout, out)
+from nsa_cp import _native
+assert _native.device_unsupported_reason(0) == "", _native.device_unsupported_reason(0)
+for n in (4, 0, 5):
+    count.fill_(n)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.zeros_like(slot)
+    want[:n] = x[:n]
+    assert torch.equal(slot, want), n
+assert torch.equal(out, torch.cat([padded[:5], padded[5:8]]))
+print("ok")
+"""
+
+
+def test_first_native_launch_inside_a_cuda_graph_capture():
+    """A process whose first row-copy launch is captured (e.g. a serving engine capturing its first
+    forward): the per-device check of the native kernels (which loads them) runs inside the capture and
+    must neither break it nor fall back; the replays then follow the device counts."""
+    _native_only()
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FIRST_USE_IN_A_GRAPH], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
