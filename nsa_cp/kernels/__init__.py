@@ -1,7 +1,10 @@
-"""Triton kernels, one family per module; each mirrors a function of ``nsa_cp.reference``.
+"""Row-copy kernels, one family per module; each mirrors a function of ``nsa_cp.reference``.
 
+Each module holds the Triton kernel and dispatches to its native twin in ``nsa_cp._C``
+(csrc/row_copy.cu) where that is available for the tensors' GPU (``_rows.native_module``,
+NSA_CP_ROW_KERNELS): the same copies for a fraction of the host time per launch.
 Triton is imported lazily: a CPU-only install without Triton still imports nsa_cp and uses the
-pure-torch path. ``TRITON_INTERPRET=1`` runs these kernels on CPU tensors (the tests do).
+pure-torch path. ``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors (the tests do).
 """
 
 from __future__ import annotations
