@@ -41,7 +41,9 @@ contents can still run on the peer. Two ways, chosen per call on the device:
     signal latency instead of two. The kernel compares with the buffer the previous gather wrote
     (device memory), so eager calls interleaved with CUDA-graph replays, which the host never sees,
     still wait whenever two gathers in a row use the same buffer.
-Epochs live on the device, so CUDA-graph replays stay in step.
+Epochs live on the device, so CUDA-graph replays stay in step. All of this is ordered on the calling
+stream: readers of a result (or writers of the reduce buffer) on other streams must be joined into it
+before the next call on the transport is enqueued (README, "Streams").
 
 Faults. Every wait has a timeout (NSA_CP_P2P_TIMEOUT_MS). A kernel that times out records which call
 and which peer into host-mapped memory and gives up; the next call on the transport (or
