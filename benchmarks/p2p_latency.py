@@ -1,6 +1,6 @@
 """Where the microseconds of a small P2P gather go (2 GPUs): the sync floor against the push.
 
-    python benchmarks/p2p_latency.py [--M 256 [1024 ...]] [--rounds 50]
+    python benchmarks/p2p_latency.py [--M 256 [1024 ...]] [--rounds 50] [--cold 16] [--align]
 
 Times on the device (CUDA events; the GPU sleeps first so the host has enqueued the whole round; methods
 interleaved; median over rounds, max over ranks), for bf16 rows of 7168:
@@ -12,6 +12,11 @@ interleaved; median over rounds, max over ranks), for bf16 rows of 7168:
     half and twice of it;
   * the double-buffered gather of counts [M, 0.8M] (the benchmark's), padded and compact;
   * NCCL's even all-gather of M rows, for scale.
+``--cold K`` gives every data call the next of K source tensors (NCCL also the next of K outputs), so
+that a call's source was last read K calls ago and is no longer in L2, as in gather_scatter.py's rotating buffer sets;
+``--align`` releases the ranks together before every method with the transport's one-block barrier
+(untimed), as gather_scatter.py does. Without them the source stays hot and each method inherits the
+skew its predecessor leaves.
 A diagnostic for the small-size latency target, not part of the results tables.
 """
 
@@ -42,8 +47,18 @@ def measure(rank, world, m, args):
     double = nsa_cp.init_p2p(None, m, HIDDEN, torch.bfloat16, double_buffer_tokens=m)
     single = p2p.P2PTransport(None, m, HIDDEN, torch.bfloat16, double_buffer_tokens=0)
     layout = nsa_cp.ShardLayout([m] * world)
-    x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
-    out = torch.empty(world * m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    sources = [torch.randn(m, HIDDEN, device="cuda").bfloat16() for _ in range(max(1, args.cold))]
+    outs = [torch.empty(world * m, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(max(1, args.cold))]
+    turn = [0]  # calls so far: every data call takes the next source, so it was last read K calls ago
+
+    def x():
+        turn[0] += 1
+        return sources[turn[0] % len(sources)]
+
+    def nccl_gather():
+        src = x()
+        dist.all_gather_into_tensor(outs[turn[0] % len(outs)], src)
+
     zeros = (torch.zeros(world, dtype=torch.int32, device="cuda"),  # compact counts and offsets: all 0
              torch.zeros(world, dtype=torch.int32, device="cuda"))
     chosen = double._blocks(m * double._row_bytes * world)
@@ -57,12 +72,10 @@ def measure(rank, world, m, args):
         return call
 
     def gather_with(transport, blocks=None, device_counts=None, on=layout, compact=True):
-        rows = x[: on.count(rank)]
-
         def call():
             default = type(transport)._blocks.__get__(transport)
             transport._blocks = (lambda total: blocks) if blocks else default
-            transport.all_gather(rows, on, compact=compact, engine="sm", device_counts=device_counts)
+            transport.all_gather(x()[: on.count(rank)], on, compact=compact, engine="sm", device_counts=device_counts)
             transport._blocks = default
         return call
 
@@ -80,7 +93,7 @@ def measure(rank, world, m, args):
     uneven = nsa_cp.ShardLayout([m] + [round(0.8 * m)] * (world - 1))  # the benchmark's counts [M, 0.8M]
     methods[f"gather [{m}, {round(0.8 * m)}] padded, double"] = gather_with(double, None, None, uneven, False)
     methods[f"gather [{m}, {round(0.8 * m)}] compact, double"] = gather_with(double, None, None, uneven, True)
-    methods[f"NCCL even all-gather, {m} rows"] = lambda: dist.all_gather_into_tensor(out, x)
+    methods[f"NCCL even all-gather, {m} rows"] = nccl_gather
 
     names = list(methods)
     samples = {n: [] for n in names}
@@ -91,6 +104,8 @@ def measure(rank, world, m, args):
         events = []
         for name in order:
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if args.align:
+                double.barrier()
             start.record()
             methods[name]()
             stop.record()
@@ -104,8 +119,10 @@ def measure(rank, world, m, args):
     medians = torch.tensor([statistics.median(samples[n]) for n in names], dtype=torch.float64, device="cuda")
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     if rank == 0:
+        setting = (f"sources rotated among {args.cold}" if args.cold > 1 else "one hot source") + (
+            ", ranks aligned before each method" if args.align else "")
         print(f"device microseconds, median of {args.rounds} rounds, max over {world} ranks "
-              f"(M={m}, H={HIDDEN}, bf16, {m * HIDDEN * 2 / 1e6:.2f} MB pushed to each peer)")
+              f"(M={m}, H={HIDDEN}, bf16, {m * HIDDEN * 2 / 1e6:.2f} MB pushed to each peer; {setting})")
         for name, us in zip(names, medians.tolist()):
             print(f"  {name:<48}{us:8.1f}")
     single.close()
@@ -118,6 +135,8 @@ def main():
     parser.add_argument("--M", type=int, nargs="+", default=[256])
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--cold", type=int, default=1, help="rotate among this many sources (1: one hot source)")
+    parser.add_argument("--align", action="store_true", help="release the ranks together before every method")
     spawn_ranks(worker, parser.parse_args(), "p2p_latency.py", min_gpus=2)
 
 
