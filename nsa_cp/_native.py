@@ -12,6 +12,7 @@ so do not call it in a parent process that will fork CUDA workers.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import threading
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "available", "unavailable_reason", "device_unsupported_reason", "current_stream"]
+__all__ = ["load", "available", "unavailable_reason", "device_unsupported_reason", "current_stream", "launch_device"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -137,6 +138,14 @@ def current_stream(device) -> int:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def launch_device(device):
+    """A context that makes ``device`` current for a launch through ``_C`` (which launches on the
+    current device, on the stream it is given): a no-op when it already is, as in a process that called
+    ``torch.cuda.set_device``, else ``torch.cuda.device(device)``, as torch's own kernels do."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return contextlib.nullcontext() if index == torch.cuda.current_device() else torch.cuda.device(index)
 
 
 def _reset_for_tests() -> None:

@@ -219,6 +219,35 @@ def test_native_expand_and_compact_skip_rows_outside_the_compact_tensor():
     assert torch.equal(guard, after)  # rows 0, 6, 7 of the allocation untouched
 
 
+def test_native_kernels_launch_on_the_tensors_gpu_whatever_the_current_one():
+    """Tensors on cuda:1 while cuda:0 is current: the launch goes to cuda:1 (as torch's kernels do)."""
+    _native_only()
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    other = torch.device("cuda", 1)
+    layout = nsa_cp.ShardLayout([6, 2])
+    counts_dev, _ = layout.device_tensors(other)
+    x = torch.randn(2, 40, device=other).bfloat16()
+    padded = torch.randn(layout.padded_len, 40, device=other).bfloat16()
+    with torch.cuda.device(0):
+        slot = torch.full((6, 40), float("nan"), device=other).bfloat16()
+        pack_kernels.pack_into_slot(x, slot, counts_dev[1], impl="native")
+        compact = torch.full((layout.total_len, 40), float("nan"), device=other).bfloat16()
+        compact_kernels.padded_to_compact(padded, layout, compact, impl="native")
+        back = torch.full((layout.padded_len, 40), float("nan"), device=other).bfloat16()
+        compact_kernels.compact_to_padded(compact, layout, back, impl="native")
+        assert torch.cuda.current_device() == 0
+    want = torch.zeros_like(slot)
+    want[:2] = x
+    assert torch.equal(slot, want)
+    want_compact = torch.full_like(compact, float("nan"))
+    reference.padded_to_compact(padded, layout, want_compact)
+    assert torch.equal(compact, want_compact)
+    want_back = torch.full_like(back, float("nan"))
+    reference.compact_to_padded(compact, layout, want_back)
+    assert torch.equal(back, want_back)
+
+
 _FIRST_USE_IN_A_GRAPH = """
 import torch
 from nsa_cp.kernels import compact, pack

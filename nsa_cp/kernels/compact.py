@@ -71,9 +71,10 @@ def _launch(padded: torch.Tensor, compact: torch.Tensor, layout: ShardLayout, to
     native = native_module(padded, impl)
     if native is not None:
         padded_ptr, padded_stride, _ = byte_strides(padded_rows)
-        native.padded_compact(padded_ptr, padded_stride, *byte_strides(compact_rows), row_len * padded.element_size(),
-                              counts.data_ptr(), offsets.data_ptr(), m, layout.cp_size, to_compact,
-                              _native.current_stream(padded.device))
+        with _native.launch_device(padded.device):
+            native.padded_compact(padded_ptr, padded_stride, *byte_strides(compact_rows),
+                                  row_len * padded.element_size(), counts.data_ptr(), offsets.data_ptr(), m,
+                                  layout.cp_size, to_compact, _native.current_stream(padded.device))
         return
     block_m, block_n, warps = block_shape(row_len, padded.element_size())
     grid = (triton.cdiv(m, block_m), layout.cp_size, triton.cdiv(row_len, block_n))

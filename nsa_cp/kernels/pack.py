@@ -63,8 +63,9 @@ def pack_into_slot(x: torch.Tensor, slot: torch.Tensor, count: torch.Tensor, imp
     if native is not None:
         if count.dtype != torch.int32 or count.numel() != 1:
             raise ValueError(f"count: expected one int32 element, got {count.dtype} {list(count.shape)}")
-        native.pack_rows(*byte_strides(x_rows), *byte_strides(slot_rows), row_len * slot.element_size(),
-                         count.data_ptr(), _native.current_stream(slot.device))
+        with _native.launch_device(slot.device):
+            native.pack_rows(*byte_strides(x_rows), *byte_strides(slot_rows), row_len * slot.element_size(),
+                             count.data_ptr(), _native.current_stream(slot.device))
         return
     block_m, block_n, warps = block_shape(row_len, slot.element_size())
     grid = (triton.cdiv(m, block_m), triton.cdiv(row_len, block_n))

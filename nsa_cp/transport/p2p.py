@@ -454,6 +454,11 @@ class P2PTransport:
         if rows.shape[0] and rows.stride(1) != 1:
             rows = rows.contiguous()
         counts, offsets = self._device_counts(layout, device_counts)
+        with _native.launch_device(self.device):  # _C launches on the current device
+            return self._enqueue_gather(rows, layout, compact, engine, counts, offsets, x.shape[1:])
+
+    def _enqueue_gather(self, rows, layout, compact, engine, counts, offsets, rest) -> torch.Tensor:
+        """all_gather's launches, on this transport's device (checked arguments)."""
         stream = _native.current_stream(self.device)
         pads, channel, seq, arrive, timeout, err = self._signal_args(_CHANNEL_GATHER)
         if engine == "sm":
@@ -466,11 +471,11 @@ class P2PTransport:
                 layout.max_rank_len, compact, self.rank, self.world, pads, channel, seq, arrive,
                 timeout, err, self._blocks(moved), stream, buffer, state,
             )
-            return self._view(self._gathers[buffer], layout, compact, x.shape[1:])
+            return self._view(self._gathers[buffer], layout, compact, rest)
         # copy engine, on buffer 0: entry barrier, one copy per rank, local zeroing of padding, done
         # barrier; then the record of the last buffer written, which the next sm gather reads
         self._last_buffer = 0
-        result = self._view(self._gather, layout, compact, x.shape[1:])
+        result = self._view(self._gather, layout, compact, rest)
         self._C.barrier(pads, self.rank, self.world, channel, 0, seq, False, timeout, err, stream)
         start, stop = layout.rows(self.rank, compact)
         if stop > start:
@@ -494,7 +499,8 @@ class P2PTransport:
         self.check_error()
         pads, channel, seq, _, timeout, err = self._signal_args(_CHANNEL_GATHER)
         stream = _native.current_stream(self.device)
-        self._C.barrier(pads, self.rank, self.world, channel, 1, seq, True, timeout, err, stream)
+        with _native.launch_device(self.device):
+            self._C.barrier(pads, self.rank, self.world, channel, 1, seq, True, timeout, err, stream)
 
     def _next_buffer(self, layout: ShardLayout) -> int:
         """The gather buffer of the next sm gather: the other one than last time when the layout fits the
@@ -539,12 +545,13 @@ class P2PTransport:
         stream = _native.current_stream(self.device)
         pads, channel, seq, arrive, timeout, err = self._signal_args(_CHANNEL_SCATTER)
         moved = layout.max_rank_len * self._row_bytes * self.world
-        self._C.p2p_reduce_scatter(
-            out_rows.data_ptr(), self._row_bytes, self._reduce_ptrs.data_ptr(), counts.data_ptr(),
-            offsets.data_ptr(), layout.max_rank_len, compact, self.hidden_size, _DTYPE_CODES[self.dtype],
-            self.rank, self.world, pads, channel, seq, arrive, timeout, err,
-            self._blocks(moved), stream,
-        )
+        with _native.launch_device(self.device):
+            self._C.p2p_reduce_scatter(
+                out_rows.data_ptr(), self._row_bytes, self._reduce_ptrs.data_ptr(), counts.data_ptr(),
+                offsets.data_ptr(), layout.max_rank_len, compact, self.hidden_size, _DTYPE_CODES[self.dtype],
+                self.rank, self.world, pads, channel, seq, arrive, timeout, err,
+                self._blocks(moved), stream,
+            )
         return out
 
     def close(self) -> None:
