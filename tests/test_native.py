@@ -334,18 +334,25 @@ PADDED_COMPACT_BAD = [
 ]
 
 
-@needs_C
-@pytest.mark.parametrize("bad, match", PACK_BAD, ids=lambda v: str(v))
-def test_pack_rows_rejects_bad_arguments(bad, match):
-    with pytest.raises(ValueError, match=match):
-        _C.pack_rows(**_pack_args(**bad))
+# (launcher, valid arguments, one bad override, the message it must raise), every launcher of _C
+BAD_ARGUMENTS = [
+    (fn, args, bad, match)
+    for fn, args, table in (
+        ("barrier", _barrier_args, BARRIER_BAD),
+        ("p2p_gather", _gather_args, GATHER_BAD),
+        ("p2p_reduce_scatter", _reduce_args, REDUCE_BAD),
+        ("pack_rows", _pack_args, PACK_BAD),
+        ("padded_compact", _padded_compact_args, PADDED_COMPACT_BAD),
+    )
+    for bad, match in table
+]
 
 
 @needs_C
-@pytest.mark.parametrize("bad, match", PADDED_COMPACT_BAD, ids=lambda v: str(v))
-def test_padded_compact_rejects_bad_arguments(bad, match):
+@pytest.mark.parametrize("fn, args, bad, match", BAD_ARGUMENTS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_launcher_rejects_bad_arguments(fn, args, bad, match):
     with pytest.raises(ValueError, match=match):
-        _C.padded_compact(**_padded_compact_args(**bad))
+        getattr(_C, fn)(**args(**bad))
 
 
 @needs_C
@@ -354,27 +361,6 @@ def test_row_copies_with_nothing_to_do_launch_nothing():
     # null tensors of empty layouts are fine and no GPU is needed
     assert _C.pack_rows(**_pack_args(src=0, src_rows=0, dst=0, dst_rows=0)) is None
     assert _C.padded_compact(**_padded_compact_args(padded=0, compact=0, compact_rows=0, max_rank_len=0)) is None
-
-
-@needs_C
-@pytest.mark.parametrize("bad, match", BARRIER_BAD, ids=lambda v: str(v))
-def test_barrier_rejects_bad_arguments(bad, match):
-    with pytest.raises(ValueError, match=match):
-        _C.barrier(**_barrier_args(**bad))
-
-
-@needs_C
-@pytest.mark.parametrize("bad, match", GATHER_BAD, ids=lambda v: str(v))
-def test_p2p_gather_rejects_bad_arguments(bad, match):
-    with pytest.raises(ValueError, match=match):
-        _C.p2p_gather(**_gather_args(**bad))
-
-
-@needs_C
-@pytest.mark.parametrize("bad, match", REDUCE_BAD, ids=lambda v: str(v))
-def test_p2p_reduce_scatter_rejects_bad_arguments(bad, match):
-    with pytest.raises(ValueError, match=match):
-        _C.p2p_reduce_scatter(**_reduce_args(**bad))
 
 
 @needs_C
