@@ -31,6 +31,21 @@ reduce-scatter, global rows -> local ``[n_r, H]`` summed over ranks:
                       input)``. Gloo happens to accept uneven lists here, so it also runs on CPU.
 * ``nsa_rs_padded``   ``nsa_cp.cp_reduce_scatter(compact=False)``.
 * ``nsa_rs_compact``  ``compact=True``, ``algo="auto"``; ``_padded`` / ``_coalesced`` force each algorithm.
+* ``nsa_rs_*_auto``   ``backend="auto"`` after ``init_p2p`` (P2P), on the buffer the communicator hands the
+                      MoE (``NSACPLayerCommunicator.mlp_output_buffer``, looked up once per configuration).
+
+NCCL on symmetric buffers (``symm_ag`` / ``symm_rs``; ``--symm off`` drops them): what SGLang's
+``--enable-symm-mem`` gives its CP gather. ``torch.distributed._symmetric_memory.set_backend("NCCL")``,
+``symm_mem.empty`` + ``rendezvous`` (an NCCL window on the group's communicator), then the plain
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on those buffers, even layouts of every M swept.
+torch fixes the symmetric-memory backend per process at the first allocation and the P2P transport
+allocates with the CUDA backend, so these rows run in processes of their own, with their own even
+references (``even_ag@symm``, ``even_rs@symm``) for ``x even``. Skipped, saying why, where torch lacks
+the NCCL backend or the rendezvous fails.
+
+Last, a host table: host microseconds per call of the plain collectives, ``F.pad`` + all-gather and
+nsa_cp's NCCL and P2P paths, with the ratio to the plain collective and issue 12's targets (P2P <=
+0.35x, NCCL path <= 1.0x).
 
 Every method writes into preallocated outputs where its API allows (``out=``); ``F.pad`` and
 ``torch.cat`` allocate, because that is what those methods are.
@@ -168,9 +183,14 @@ class Bufs:
     out_cmp: torch.Tensor  # [T, H]    gather output, compact
     rs_full: torch.Tensor  # [M, H]    output of even_rs
     rs_out: torch.Tensor  # [n_r, H]  view of rs_full's first n_r rows
+    idx: int = 0  # which rotating set this is
+    # buffers a method's ``bind`` hook attaches (e.g. symmetric-memory copies of the inputs); those
+    # listed in ``extra_outputs`` are poisoned before the correctness check like the outputs above
+    extra: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    extra_outputs: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def outputs(self) -> List[torch.Tensor]:
-        return [self.out_pad, self.out_cmp, self.rs_full]
+        return [self.out_pad, self.out_cmp, self.rs_full, *self.extra_outputs]
 
 
 def _seed(*parts: int) -> int:
@@ -196,7 +216,7 @@ def _inputs_of(rank, layout, hidden, dtype, device, seed) -> Tuple[torch.Tensor,
     return x_full, y_cmp, y_pad
 
 
-def make_bufs(ctx: Ctx, hidden, dtype, seed) -> Bufs:
+def make_bufs(ctx: Ctx, hidden, dtype, seed, idx: int = 0) -> Bufs:
     x_full, y_cmp, y_pad = _inputs_of(ctx.rank, ctx.layout, hidden, dtype, ctx.device, seed)
     L = ctx.layout
     rs_full = torch.empty((ctx.M, hidden), dtype=dtype, device=ctx.device)
@@ -209,6 +229,7 @@ def make_bufs(ctx: Ctx, hidden, dtype, seed) -> Bufs:
         out_cmp=torch.empty((L.total_len, hidden), dtype=dtype, device=ctx.device),
         rs_full=rs_full,
         rs_out=rs_full[: ctx.n],
+        idx=idx,
     )
 
 
@@ -233,6 +254,12 @@ class Method:
     # waits on the host for the GPU (validation's verdict): timed in rounds of its own, since a host
     # sync inside a round would drain the run-ahead of every method after it
     syncs_host: bool = False
+    # once per configuration, after the rotating buffer sets exist (untimed): attach per-set buffers
+    bind: Optional[Callable[[Ctx, List["Bufs"]], None]] = None
+    # which processes run it: "main", or "symm" (separate processes whose symmetric-memory backend is
+    # NCCL: torch fixes that backend per process at the first allocation, and the P2P transport of
+    # the main processes allocates with the CUDA backend)
+    process: str = "main"
 
     @property
     def is_nsa(self) -> bool:
@@ -300,9 +327,14 @@ def _p2p_prepare(c: Ctx):
 def _p2p_needs(c: Ctx) -> Optional[str]:
     if c.backend != "nccl":
         return "P2P needs CUDA GPUs"
-    from nsa_cp import _native
+    try:
+        from nsa_cp import _native
 
-    return None if _native.available() else f"nsa_cp._C unavailable: {_native.unavailable_reason()}"
+        if not _native.available():
+            return f"nsa_cp._C unavailable: {_native.unavailable_reason()}"
+    except (ImportError, AttributeError):  # the native module's API moved: init_p2p decides (and says why)
+        pass
+    return None
 
 
 def p2p_ag(compact: bool, engine: str):
@@ -324,20 +356,119 @@ def p2p_auto_ag(compact: bool):
 
 
 def p2p_rs(compact: bool):
-    """cp_reduce_scatter, auto backend, on the transport's reduce buffer (the MoE wrote there: no copy)."""
+    """cp_reduce_scatter, auto backend, on the buffer the communicator hands the MoE
+    (``mlp_output_buffer``; with P2P the transport's reduce buffer, so no copy before the pull). The
+    buffer is looked up once per configuration (``p2p_bind``), as a layer loop would per batch, so the
+    call's host time is the reduce-scatter's alone."""
+    key = f"mlp_out_{int(compact)}"
 
     def fn(c: Ctx, b: Bufs):
-        y = c.nsa.get_p2p(c.group).reduce_buffer(c.layout, compact)
-        return c.nsa.cp_reduce_scatter(y, c.layout, c.group, compact=compact, out=b.rs_out, backend="auto")
+        return c.nsa.cp_reduce_scatter(b.extra[key], c.layout, c.group, compact=compact, out=b.rs_out, backend="auto")
 
     return fn
 
 
+def p2p_bind(compact: bool):
+    key = f"mlp_out_{int(compact)}"
+
+    def bind(c: Ctx, bufsets: List[Bufs]):
+        comm = c.nsa.NSACPLayerCommunicator(c.group, _identity_norm, _identity_norm, compact=compact, backend="auto")
+        buf = comm.mlp_output_buffer(c.layout, bufsets[0].x)
+        for b in bufsets:
+            b.extra[key] = buf
+
+    return bind
+
+
+def _identity_norm(x, residual=None):
+    return x if residual is None else (x, residual)
+
+
 def p2p_stage(compact: bool):
+    key = f"mlp_out_{int(compact)}"
+
     def stage(c: Ctx, b: Bufs):
-        c.nsa.get_p2p(c.group).reduce_buffer(c.layout, compact).copy_(b.y_cmp if compact else b.y_pad)
+        b.extra[key].copy_(b.y_cmp if compact else b.y_pad)
 
     return stage
+
+
+# ---- NCCL on symmetric buffers (what SGLang's --enable-symm-mem gives its CP gather): torch's
+# symmetric memory with the NCCL backend, i.e. ncclMemAlloc + an NCCL window registered on the group's
+# communicator at rendezvous, then the plain collectives on those buffers (NCCL picks its symmetric
+# kernels for them). Runs in processes of its own (Method.process = "symm"), on even layouts.
+_SYMM: Dict[str, object] = {"error": None, "cache": {}}
+
+
+def symm_setup() -> None:
+    """In a "symm" process, before any symmetric allocation: select the NCCL backend, or record why not."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError as e:
+        _SYMM["error"] = f"torch {torch.__version__} has no torch.distributed._symmetric_memory ({e})"
+        return
+    missing = [n for n in ("set_backend", "empty", "rendezvous") if not hasattr(symm_mem, n)]
+    if missing:
+        _SYMM["error"] = f"torch {torch.__version__}: _symmetric_memory lacks {', '.join(missing)}"
+        return
+    try:
+        symm_mem.set_backend("NCCL")
+    except Exception as e:  # noqa: BLE001 - any refusal is a reason to skip, printed
+        _SYMM["error"] = f"torch {torch.__version__}: set_backend('NCCL') failed: {type(e).__name__}: {e}"
+
+
+def _symm_needs(c: Ctx) -> Optional[str]:
+    if c.backend != "nccl":
+        return f"{c.backend}: symmetric memory needs NCCL on CUDA GPUs"
+    if not c.layout.is_even:
+        return "symmetric-buffer rows run on even layouts only (the plain collectives)"
+    return _SYMM["error"]
+
+
+def _symm_empty(shape, c: Ctx) -> torch.Tensor:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    t = symm_mem.empty(*shape, dtype=c.dtype, device=c.device)
+    symm_mem.rendezvous(t, c.group if c.group is not None else dist.group.WORLD)
+    return t
+
+
+def symm_bind(c: Ctx, bufsets: List[Bufs]) -> None:
+    """Symmetric copies of each set's inputs and outputs (allocated once per (M, set), kept: windows
+    stay registered for the whole run). A failure here skips the rows, with the reason."""
+    M, P, H = c.M, c.world, c.hidden
+    for b in bufsets:
+        key = (M, H, b.idx)
+        if key not in _SYMM["cache"]:
+            try:
+                _SYMM["cache"][key] = {
+                    "ag_in": _symm_empty((M, H), c),
+                    "ag_out": _symm_empty((M * P, H), c),
+                    "rs_in": _symm_empty((M * P, H), c),
+                    "rs_out": _symm_empty((M, H), c),
+                }
+            except Exception as e:  # noqa: BLE001
+                _SYMM["error"] = f"symmetric allocation/rendezvous failed: {type(e).__name__}: {e}"
+                return
+        bufs = _SYMM["cache"][key]
+        bufs["ag_in"].copy_(b.x_full)
+        bufs["rs_in"].copy_(b.y_pad)
+        b.extra.update({f"symm_{k}": v for k, v in bufs.items()})
+        b.extra_outputs += [bufs["ag_out"], bufs["rs_out"]]
+
+
+def symm_ag(c: Ctx, b: Bufs):
+    if _SYMM["error"]:
+        raise NotImplementedError(_SYMM["error"])
+    _all_gather_single(b.extra["symm_ag_out"], b.extra["symm_ag_in"], group=c.group)
+    return b.extra["symm_ag_out"]
+
+
+def symm_rs(c: Ctx, b: Bufs):
+    if _SYMM["error"]:
+        raise NotImplementedError(_SYMM["error"])
+    _reduce_scatter_single(b.extra["symm_rs_out"], b.extra["symm_rs_in"], group=c.group)
+    return b.extra["symm_rs_out"][: c.n]
 
 
 def _nccl_only(what):
@@ -364,6 +495,7 @@ METHODS: List[Method] = [
     Method("p2p_ag_padded_ce", "ag", "padded", p2p_ag(False, "ce"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_compact_sm", "ag", "compact", p2p_ag(True, "sm"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_compact_ce", "ag", "compact", p2p_ag(True, "ce"), _p2p_needs, _p2p_prepare),
+    Method("symm_ag", "ag", "even", symm_ag, _symm_needs, bind=symm_bind, process="symm"),
     # ---- reduce-scatter
     Method("even_rs", "rs", "even", even_rs),
     Method("list_rs", "rs", "compact", list_rs),
@@ -372,23 +504,33 @@ METHODS: List[Method] = [
     Method("nsa_rs_compact_padded", "rs", "compact", nsa_rs(True, algo="padded", backend="nccl")),
     Method("nsa_rs_compact_coalesced", "rs", "compact", nsa_rs(True, algo="coalesced", backend="nccl")),
     Method("nsa_rs_padded_validated", "rs", "padded", nsa_rs(False, backend="nccl", validate=True), syncs_host=True),
-    Method("nsa_rs_padded_auto", "rs", "padded", p2p_rs(False), _p2p_needs, _p2p_prepare, p2p_stage(False)),
-    Method("nsa_rs_compact_auto", "rs", "compact", p2p_rs(True), _p2p_needs, _p2p_prepare, p2p_stage(True)),
+    Method("nsa_rs_padded_auto", "rs", "padded", p2p_rs(False), _p2p_needs, _p2p_prepare, p2p_stage(False),
+           bind=p2p_bind(False)),
+    Method("nsa_rs_compact_auto", "rs", "compact", p2p_rs(True), _p2p_needs, _p2p_prepare, p2p_stage(True),
+           bind=p2p_bind(True)),
+    Method("symm_rs", "rs", "even", symm_rs, _symm_needs, bind=symm_bind, process="symm"),
 ]
 EVEN = {"ag": "even_ag", "rs": "even_rs"}
 
 
-def select_methods(patterns: Optional[str]) -> List[Method]:
-    """Methods matching any comma-separated name/glob; the even reference of each direction is kept."""
-    if not patterns:
-        return list(METHODS)
-    pats = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen = {m.name for m in METHODS if any(fnmatch.fnmatchcase(m.name, p) for p in pats)}
-    if not chosen:
-        raise SystemExit(f"--methods {patterns!r} matches none of {[m.name for m in METHODS]}")
+def select_methods(patterns: Optional[str], process: Optional[str] = None) -> List[Method]:
+    """Methods matching any comma-separated name/glob; the even reference of each direction is kept.
+    With ``process``, only that process kind's methods (plus the even references, which every kind
+    times so that its ``x even`` compares within its own processes); empty when it has none."""
+    if patterns:
+        pats = [p.strip() for p in patterns.split(",") if p.strip()]
+        chosen = {m.name for m in METHODS if any(fnmatch.fnmatchcase(m.name, p) for p in pats)}
+        if not chosen:
+            raise SystemExit(f"--methods {patterns!r} matches none of {[m.name for m in METHODS]}")
+    else:
+        chosen = {m.name for m in METHODS}
+    if process is not None:
+        chosen = {m.name for m in METHODS if m.name in chosen and m.process == process}
     for m in METHODS:
         if m.name in chosen:
             chosen.add(EVEN[m.direction])
+    if process is not None and not any(m.process == process for m in METHODS if m.name in chosen):
+        return []
     return [m for m in METHODS if m.name in chosen]
 
 
@@ -413,8 +555,8 @@ def _poison(ctx: Ctx, bufs: Bufs):
     for t in bufs.outputs():
         t.fill_(float("nan"))
     transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
-    if transport is not None:  # P2P gathers return views of these buffers
-        for t in transport._gathers:
+    if transport is not None:  # P2P gathers return views of these buffers (private names: best effort)
+        for t in getattr(transport, "_gathers", ()):
             t.fill_(float("nan"))
     # every rank's fill is done before any rank starts the next call: a double-buffered P2P gather
     # writes into a peer's buffer without waiting for that peer to enter the call
@@ -512,7 +654,7 @@ def _aligner(ctx: Ctx):
     if ctx.device.type != "cuda":
         return None
     transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
-    if transport is not None:
+    if transport is not None and callable(getattr(transport, "barrier", None)):
         return transport.barrier
     flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
     return lambda: dist.all_reduce(flag, group=ctx.group)
@@ -704,7 +846,9 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
         nbuf = max(2, min(args.max_bufs, math.ceil(4 * l2 / max(1, bytes_per_set(L, hidden, dtype)))))
     else:
         nbuf = 2
-    bufsets = [make_bufs(ctx, hidden, dtype, _seed(args.seed, cfg_idx, b)) for b in range(nbuf)]
+    bufsets = [make_bufs(ctx, hidden, dtype, _seed(args.seed, cfg_idx, b), b) for b in range(nbuf)]
+    for bind in dict.fromkeys(m.bind for m in active if m.bind):  # each hook once, in order
+        bind(ctx, bufsets)
     skipped.update(check_methods(ctx, active, bufsets[0], hidden, dtype, _seed(args.seed, cfg_idx, 0), log))
     active = [m for m in active if m.name not in skipped]
     stats = {}
@@ -749,7 +893,7 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
     return rows, skipped
 
 
-def worker(rank, world, use_cuda, port, args, configs, result_path):
+def worker(rank, world, use_cuda, port, args, configs, result_path, process="main"):
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*")
     if use_cuda:
         device = torch.device("cuda", rank)
@@ -761,8 +905,10 @@ def worker(rank, world, use_cuda, port, args, configs, result_path):
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if process == "symm":
+        symm_setup()  # before anything allocates symmetric memory in this process
     nsa = _import_nsa_cp()
-    methods = select_methods(args.methods)
+    methods = select_methods(args.methods, process)
 
     def log(msg):
         if rank == 0:
@@ -776,6 +922,8 @@ def worker(rank, world, use_cuda, port, args, configs, result_path):
             if result["tags"] is None:
                 result["tags"] = env_tags(ctx)
             rows, skipped = run_config(ctx, methods, args, i, log)
+            for r in rows:
+                r["process"] = process
             result["rows"] += rows
             result["skipped"][str(i)] = skipped
         if rank == 0:
@@ -792,15 +940,29 @@ def format_table(result, cpu: bool) -> str:
     lines = []
     if cpu:
         lines.append("*** CPU/gloo run: a smoke test of the harness; these numbers say NOTHING about GPUs ***")
-    lines.append(
-        f"{tags['gpu']} x{tags['world']} | torch {tags['torch']} | NCCL {tags['nccl']} | triton {tags['triton']}"
-        f" | nsa_cp {tags['nsa_cp']} ({tags['nsa_cp_path']}, git {tags['git_rev']}) | {tags['date']}"
-    )
+    if tags:
+        lines.append(
+            f"{tags['gpu']} x{tags['world']} | torch {tags['torch']} | NCCL {tags['nccl']} | triton {tags['triton']}"
+            f" | nsa_cp {tags['nsa_cp']} ({tags['nsa_cp_path']}, git {tags['git_rev']}) | {tags['date']}"
+        )
     hdr = f"{'method':<26}{'ms':>9}{'spread':>8}{'host ms':>9}{'algbw':>9}{'busbw':>9}{'link':>9}{'x even':>8}"
     by_cfg: Dict[int, List[dict]] = {}
     for r in rows:
         by_cfg.setdefault(r["config"], []).append(r)
-    for cfg, rs in sorted(by_cfg.items()):
+    symm_header = False
+    for cfg in sorted(set(by_cfg) | {int(k) for k, v in result["skipped"].items() if v}):
+        if cfg >= SYMM_CONFIG_BASE and not symm_header:
+            symm_header = True
+            lines.append("")
+            lines.append("--- NCCL on symmetric buffers (torch symmetric memory, NCCL backend: what SGLang's "
+                         "--enable-symm-mem uses), timed in processes of their own; 'x even' against the even "
+                         "collective timed there (even_*@symm)")
+        rs = by_cfg.get(cfg)
+        if not rs:
+            lines.append("")
+            for name, why in result["skipped"].get(str(cfg), {}).items():
+                lines.append(f"{name:<26}skipped: {why}")
+            continue
         r0 = rs[0]
         lines.append("")
         lines.append(
@@ -819,8 +981,46 @@ def format_table(result, cpu: bool) -> str:
     return "\n".join(lines)
 
 
+# issue-12 host targets, per call, against the plain collective of the same direction
+HOST_ROWS = {
+    "ag": [("even_ag", "plain all_gather_into_tensor", None), ("fpad_ag", "F.pad + all-gather", None),
+           ("nsa_ag_padded", "nsa NCCL padded", 1.0), ("nsa_ag_compact", "nsa NCCL compact", 1.0),
+           ("nsa_ag_padded_auto", "nsa P2P padded (auto)", 0.35), ("nsa_ag_compact_auto", "nsa P2P compact (auto)", 0.35)],
+    "rs": [("even_rs", "plain reduce_scatter_tensor", None), ("nsa_rs_padded", "nsa NCCL padded", 1.0),
+           ("nsa_rs_compact", "nsa NCCL compact", 1.0), ("nsa_rs_padded_auto", "nsa P2P padded (auto)", 0.35),
+           ("nsa_rs_compact_auto", "nsa P2P compact (auto)", 0.35)],
+}
+
+
+def format_host_summary(result) -> str:
+    """Host microseconds per call (median over rounds, max over ranks) of the calls issue 12 sets
+    targets for, with the ratio to the plain collective of the same direction and the verdict."""
+    by_cfg: Dict[int, Dict[str, dict]] = {}
+    for r in result["rows"]:
+        if r["config"] < SYMM_CONFIG_BASE:
+            by_cfg.setdefault(r["config"], {})[r["method"]] = r
+    lines = ["", "host us per call (median over rounds, max over ranks; targets: P2P <= 0.35x, NCCL path <= 1.0x "
+             "of the plain collective's host time)"]
+    if (result.get("tags") or {}).get("backend") == "gloo":
+        lines.append("*** CPU/gloo run: host times of the CPU path, not of a GPU launch ***")
+    for cfg, rows in sorted(by_cfg.items()):
+        r0 = next(iter(rows.values()))
+        lines.append(f"counts [{r0['counts'].replace('/', ', ')}]  M={r0['max_rank_len']}")
+        for direction, specs in HOST_ROWS.items():
+            base = rows.get(specs[0][0])
+            for name, label, target in specs:
+                r = rows.get(name)
+                if r is None:
+                    continue
+                us = r["host_ms"] * 1e3
+                ratio = r["host_ms"] / base["host_ms"] if base and base["host_ms"] > 0 else float("nan")
+                verdict = "" if target is None else f"  target <= {target:.2f}x: {'ok' if ratio <= target else 'MISS'}"
+                lines.append(f"  {direction}  {label:<30}{us:9.1f} us  {ratio:6.2f}x{verdict}")
+    return "\n".join(lines)
+
+
 def write_outputs(result, csv_path, json_path):
-    rows = [{**result["tags"], **r} for r in result["rows"]]
+    rows = [{**(result["tags"] or {}), **r} for r in result["rows"]]
     if csv_path and rows:
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
@@ -855,6 +1055,8 @@ def parse_args(argv=None):
     p.add_argument("--cpu-ranks", type=int, help="run N gloo ranks on the CPU (default 2 when no GPU)")
     p.add_argument("--max-bufs", type=int, default=8, help="most rotating buffer sets per configuration")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--symm", choices=("auto", "off"), default="auto",
+                   help="auto: also time NCCL on symmetric buffers (symm_ag/symm_rs, separate processes); off: don't")
     p.add_argument("--csv", help="write one row per (configuration, method)")
     p.add_argument("--json", help="same rows as JSON")
     args = p.parse_args(argv)
@@ -887,16 +1089,59 @@ def main(argv=None):
     if world < 2:
         raise SystemExit(f"need at least 2 ranks, have {world} (use --cpu-ranks N for a CPU run)")
     configs = make_configs(args, world)
+    result = _spawn(world, use_cuda, args, configs, "main") if select_methods(args.methods, "main") else None
+    symm = None
+    if select_methods(args.methods, "symm") and args.symm != "off":
+        # the even layout of every M swept (the symmetric rows are plain collectives on even shards)
+        even = list(dict.fromkeys(tuple([max(c)] * world) for c in configs))
+        if use_cuda:
+            print(f"NCCL on symmetric buffers: separate processes, even layouts M = {[c[0] for c in even]}", flush=True)
+            symm = _spawn(world, use_cuda, args, even, "symm")
+        else:
+            why = "symmetric memory needs NCCL on CUDA GPUs (this is a CPU/gloo run)"
+            symm = {"tags": None, "rows": [], "skipped": {str(i): {"symm_ag": why, "symm_rs": why} for i in range(len(even))},
+                    "configs": [list(c) for c in even]}
+    result = merge_results(result, symm)
+    write_outputs(result, args.csv, args.json)
+    print(format_table(result, cpu=not use_cuda), flush=True)
+    print(format_host_summary(result), flush=True)
+
+
+def _spawn(world, use_cuda, args, configs, process) -> dict:
     fd, result_path = tempfile.mkstemp(prefix="gather_scatter_", suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(worker, args=(world, use_cuda, _free_port(), args, configs, result_path), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, use_cuda, _free_port(), args, configs, result_path, process), nprocs=world,
+                 join=True)
         with open(result_path) as f:
             result = json.load(f)
     finally:
         os.unlink(result_path)
-    write_outputs(result, args.csv, args.json)
-    print(format_table(result, cpu=not use_cuda), flush=True)
+    result["configs"] = [list(c) for c in configs]
+    return result
+
+
+SYMM_CONFIG_BASE = 1000  # the symmetric-memory run's configurations are numbered from here
+
+
+def merge_results(main: Optional[dict], symm: Optional[dict]) -> dict:
+    """One result: the main run's rows, then the symmetric-memory run's (config ids from
+    SYMM_CONFIG_BASE, their even references renamed ``even_ag@symm`` / ``even_rs@symm`` so that no
+    name repeats within the CSV's (M, method) pairs)."""
+    out = {"tags": None, "rows": [], "skipped": {}}
+    if main is not None:
+        out.update(tags=main["tags"], rows=list(main["rows"]), skipped=dict(main["skipped"]))
+    if symm is not None:
+        out["tags"] = out["tags"] or symm["tags"]
+        for r in symm["rows"]:
+            r = dict(r, config=r["config"] + SYMM_CONFIG_BASE)
+            if r["method"] in EVEN.values():
+                r["method"] += "@symm"
+            out["rows"].append(r)
+        for i, sk in symm["skipped"].items():
+            out["skipped"][str(int(i) + SYMM_CONFIG_BASE)] = sk
+        out["symm_configs"] = symm.get("configs", [])
+    return out
 
 
 if __name__ == "__main__":
