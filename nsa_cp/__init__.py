@@ -1,25 +1,39 @@
-"""nsa_cp: pad-aware context-parallel all-gather / reduce-scatter for uneven shards.
+"""nsa_cp: pad-aware context-parallel all-gather / reduce-scatter for uneven shards (NSA prefill CP).
 
-Public API (see README.md and ../shared/DESIGN.md for the contract):
+Public API (README.md; docs/design.md for how it works):
 
 * ``ShardLayout``: per-rank token counts and the padded / compact layouts they define.
-* ``cp_all_gather`` / ``cp_reduce_scatter``: the collectives over any torch.distributed group.
+* ``cp_all_gather`` / ``cp_reduce_scatter``: the collectives over any torch.distributed group, with the
+  ordered gather (``positions=``) and the FP8 wire (``quant=``); ``cp_reduce_scatter_buffer``: where a MoE
+  writes its partials.
+* ``fused_add_rmsnorm_all_gather`` / ``reduce_scatter_fused_add_rmsnorm``: the fused layer boundary.
+* ``quant_fp8_g128`` / ``dequant_fp8_g128``: the FP8 wire's quantizer (SGLang's convention).
 * ``in_seq_split`` / ``in_seq_positions`` / ``in_seq_restore_index``: the page-aligned zigzag split.
-* ``NSACPLayerCommunicator`` and ``RMSNorm``: the per-layer glue for a FULL-mode MoE.
+* ``NSACPLayerCommunicator`` and ``RMSNorm``: the per-layer glue for a FULL-mode MoE;
+  ``mask_padding_topk_ids`` for MoEs that route padding rows; ``nsa_cp.integrations.sglang``: SGLang.
 * ``init_p2p``: the intranode P2P transport (symmetric memory + nsa_cp._C) for a group.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import logging as _logging
 
 from . import ops as _ops  # noqa: F401  registers torch.ops.nsa_cp.* (for graphs loaded by torch.export and friends)
-from .collectives import cp_all_gather, cp_reduce_scatter
+from .collectives import (
+    cp_all_gather,
+    cp_reduce_scatter,
+    cp_reduce_scatter_buffer,
+    fused_add_rmsnorm_all_gather,
+    reduce_scatter_fused_add_rmsnorm,
+)
 from .communicator import NSACPLayerCommunicator
 from .layout import ShardLayout
+from .moe import mask_padding_topk_ids
 from .norm import RMSNorm
+from .quant import dequant_fp8_g128, quant_fp8_g128
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
-from .transport.p2p import P2PError, P2PTimeoutError, destroy_p2p, get_p2p, init_p2p
+from .support import Support
+from .transport.p2p import P2PError, P2PTimeoutError, destroy_p2p, get_p2p, init_p2p, p2p_unavailable_reason
 from .validation import LayoutMismatchError
 from .workspace import workspace_bytes
 
@@ -29,14 +43,22 @@ __all__ = [
     "ShardLayout",
     "cp_all_gather",
     "cp_reduce_scatter",
+    "cp_reduce_scatter_buffer",
+    "fused_add_rmsnorm_all_gather",
+    "reduce_scatter_fused_add_rmsnorm",
+    "quant_fp8_g128",
+    "dequant_fp8_g128",
+    "mask_padding_topk_ids",
     "in_seq_split",
     "in_seq_positions",
     "in_seq_restore_index",
     "NSACPLayerCommunicator",
     "RMSNorm",
+    "Support",
     "init_p2p",
     "get_p2p",
     "destroy_p2p",
+    "p2p_unavailable_reason",
     "P2PError",
     "P2PTimeoutError",
     "LayoutMismatchError",

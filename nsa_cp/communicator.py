@@ -5,32 +5,68 @@ Data flow of one layer (names as in SGLang's LayerCommunicator)::
     prepare_attn       residual add + input_layernorm                  local [n_r, H]
     (attention)        CP-local (the KV cache is shared through the in-seq split)
     prepare_mlp        residual add + post_attention_layernorm, then in "full" mode
-                       cp_all_gather -> every token on every rank      [M*P, H] or [T, H]
-    (MoE)              partial sums for every token
-    postprocess_layer  "full" mode: cp_reduce_scatter -> own tokens    local [n_r, H]
+                       the gather -> every token on every rank          [M*P, H] or [T, H]
+    (MoE)              partial sums for every token, written into mlp_output_buffer()
+    postprocess_layer  "full" mode: reduce-scatter -> own tokens        local [n_r, H]
 
 The residual always stays local ``[n_r, H]``. ``layout=None`` means CP is off for this batch: norms
 only, no communication. In "scattered" mode the MLP runs on local tokens and nothing is communicated.
+
+Fused paths (the default where the norms allow it, ``fuse=True``): a norm that exposes its ``weight`` and
+epsilon (``nsa_cp.RMSNorm``; SGLang's and vLLM's ``RMSNorm``, with ``variance_epsilon``) is applied
+inside the collective: ``prepare_mlp`` is one ``fused_add_rmsnorm_all_gather`` (on P2P one kernel
+normalises each row and pushes it to every peer). Other norm objects keep norm-then-gather.
+
+Reduce-scatter + next norm: ``comm.set_next(next_comm)`` (or ``NSACPLayerCommunicator.chain(comms)``
+for a whole stack) lets ``postprocess_layer`` run ``reduce_scatter_fused_add_rmsnorm`` with the next
+layer's ``input_layernorm``. It returns the next layer's normed input and residual, and hands the pair
+to ``next_comm``: when the decoder loop passes exactly those two tensors to ``next_comm.prepare_attn``,
+it returns them as they are instead of norming again. The loop itself does not change; any other pair
+(a different tensor, a skipped layer) is normed as usual.
+
+FP8 wire: ``quant="fp8_e4m3_g128"`` makes ``prepare_mlp`` return ``((q, scale), residual)``: the rows are
+quantized before they move (half the bytes), for an FP8 block-scale MoE (nsa_cp.quant_fp8_g128).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .collectives import cp_all_gather, cp_reduce_scatter, select_p2p_transport
+from .collectives import (
+    cp_all_gather,
+    cp_reduce_scatter,
+    cp_reduce_scatter_buffer,
+    fused_add_rmsnorm_all_gather,
+    reduce_scatter_fused_add_rmsnorm,
+)
 from .layout import ShardLayout
-from .transport import p2p
-from .transport.nccl import group_rank_and_size
+from .transport.p2p import get_p2p, init_p2p, p2p_unavailable_reason
 
-__all__ = ["NSACPLayerCommunicator"]
+__all__ = ["NSACPLayerCommunicator", "norm_parameters"]
 
 logger = logging.getLogger("nsa_cp")
 
 _MLP_MODES = ("full", "scattered")
+
+
+def norm_parameters(norm) -> Optional[Tuple[torch.Tensor, float]]:
+    """``(weight, eps)`` of an RMSNorm the fused kernels can apply in its place, or None.
+
+    Accepted: classes named ``RMSNorm`` (nsa_cp's, SGLang's, vLLM's: ``y = x * rsqrt(mean(x^2) + eps) *
+    weight``) with a ``[H]`` tensor ``weight`` and a float ``variance_epsilon`` or ``eps``, and no partial
+    variance (``variance_size_override``). Other classes (e.g. Gemma's ``1 + weight``) are not fused.
+    """
+    if type(norm).__name__ != "RMSNorm" or getattr(norm, "variance_size_override", None) is not None:
+        return None
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or isinstance(eps, bool) or not isinstance(eps, (float, int)):
+        return None
+    return weight, float(eps)
 
 
 class NSACPLayerCommunicator:
@@ -39,12 +75,14 @@ class NSACPLayerCommunicator:
     Args:
         group: the CP process group (None: the default group).
         input_layernorm, post_attention_layernorm: norms with the convention ``norm(x) -> y``,
-            ``norm(x, residual) -> (y, x + residual)`` (e.g. ``nsa_cp.RMSNorm``).
+            ``norm(x, residual) -> (y, residual)`` (e.g. ``nsa_cp.RMSNorm``).
         mlp_mode: "full" (gather before the MLP, reduce-scatter after) or "scattered" (local MLP).
         compact: gather into / reduce from the compact layout (no padding rows for the MoE).
         algo: compact algorithm on NCCL, see ``cp_all_gather``.
         backend: "auto", "nccl" or "p2p", see ``cp_all_gather``.
         validate: rank-agreement check on every collective (None: NSA_CP_VALIDATE), see ``cp_all_gather``.
+        fuse: apply the norms inside the collectives where they allow it (module docstring).
+        quant: None or "fp8_e4m3_g128": the FP8 wire for ``prepare_mlp`` (module docstring).
         p2p_max_tokens_per_rank, hidden_size, dtype: when given, the communicator creates the group's
             intranode P2P transport up front (collective; before any CUDA-graph capture) with this
             capacity, unless one that large is registered already. Needs all three. Where P2P is
@@ -65,6 +103,8 @@ class NSACPLayerCommunicator:
         algo: str = "auto",
         backend: str = "auto",
         validate: Optional[bool] = None,
+        fuse: bool = True,
+        quant: Optional[str] = None,
         p2p_max_tokens_per_rank: Optional[int] = None,
         hidden_size: Optional[int] = None,
         dtype: Optional[torch.dtype] = None,
@@ -72,12 +112,12 @@ class NSACPLayerCommunicator:
     ):
         if mlp_mode not in _MLP_MODES:
             raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
-        self.backend = backend
-        self.validate = validate
+        if quant not in (None, "fp8_e4m3_g128"):
+            raise ValueError(f"quant: expected None or 'fp8_e4m3_g128', got {quant!r}")
         if p2p_max_tokens_per_rank is not None:
             if hidden_size is None or dtype is None:
                 raise ValueError("hidden_size, dtype: expected both with p2p_max_tokens_per_rank, got None")
-            existing = p2p.get_p2p(group)
+            existing = get_p2p(group)
             if (
                 existing is None
                 or existing.max_tokens_per_rank < p2p_max_tokens_per_rank
@@ -86,9 +126,9 @@ class NSACPLayerCommunicator:
             ):
                 # collective; the same verdict on every rank. backend="auto" falls back to NCCL (e.g. a
                 # group spanning nodes), backend="p2p" insists.
-                reason = p2p.p2p_unavailable_reason(group) if backend != "p2p" else None
+                reason = p2p_unavailable_reason(group) if backend != "p2p" else None
                 if reason is None:
-                    p2p.init_p2p(group, p2p_max_tokens_per_rank, hidden_size, dtype, workspace_bytes=workspace_bytes)
+                    init_p2p(group, p2p_max_tokens_per_rank, hidden_size, dtype, workspace_bytes=workspace_bytes)
                 else:
                     logger.info("nsa_cp communicator: P2P transport unavailable (%s); using NCCL", reason)
         self.group = group
@@ -97,18 +137,33 @@ class NSACPLayerCommunicator:
         self.mlp_mode = mlp_mode
         self.compact = compact
         self.algo = algo
+        self.backend = backend
+        self.validate = validate
+        self.quant = quant
+        self.fuse = fuse
+        self._mlp_norm = norm_parameters(post_attention_layernorm) if fuse else None
+        self._next: Optional["NSACPLayerCommunicator"] = None
+        self._next_norm = None
+        self._prenormed = None  # (hidden, residual) handed over by the previous layer's postprocess_layer
+        if quant is not None and mlp_mode == "full" and self._mlp_norm is None and fuse:
+            logger.info("nsa_cp communicator: %s is not fusable; FP8 wire after a separate norm",
+                        type(post_attention_layernorm).__name__)
 
-    def _check_local(self, name: str, t: torch.Tensor, layout: Optional[ShardLayout]) -> None:
-        if layout is None:
-            return
-        rank, _ = group_rank_and_size(self.group)
-        expected = layout.per_rank_actual_token[rank] if rank < layout.cp_size else None
-        if expected is None or t.shape[0] != expected:
-            raise ValueError(
-                f"{name}: expected {expected} rows (per_rank_actual_token[{rank}] of {layout!r}), "
-                f"got shape {list(t.shape)}"
-            )
+    # ------------------------------------------------------------------ chaining
+    def set_next(self, next_comm: Optional["NSACPLayerCommunicator"]) -> None:
+        """Fuse this layer's reduce-scatter with ``next_comm``'s input norm (None: stop fusing)."""
+        self._next = next_comm
+        self._next_norm = None
+        if next_comm is not None and self.fuse and next_comm.fuse:
+            self._next_norm = norm_parameters(next_comm.input_layernorm)
 
+    @staticmethod
+    def chain(comms: Sequence["NSACPLayerCommunicator"]) -> None:
+        """``set_next`` along a decoder stack: layer i's reduce-scatter fuses layer i+1's input norm."""
+        for this, following in zip(comms, comms[1:]):
+            this.set_next(following)
+
+    # ------------------------------------------------------------------ the layer
     @staticmethod
     def _norm(norm: Callable, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
         if residual is None:
@@ -118,8 +173,13 @@ class NSACPLayerCommunicator:
     def prepare_attn(
         self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor], layout: Optional[ShardLayout]
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Residual add + input_layernorm on local tokens; returns ``(normed [n_r,H], residual [n_r,H])``."""
-        self._check_local("hidden_states", hidden_states, layout)
+        """Residual add + input_layernorm on local tokens; returns ``(normed [n_r,H], residual [n_r,H])``.
+
+        The pair the previous layer's fused ``postprocess_layer`` returned is already normed: returned as is.
+        """
+        handed, self._prenormed = self._prenormed, None
+        if handed is not None and handed[0] is hidden_states and handed[1] is residual:
+            return hidden_states, residual
         return self._norm(self.input_layernorm, hidden_states, residual)
 
     def prepare_mlp(
@@ -128,32 +188,30 @@ class NSACPLayerCommunicator:
         residual: Optional[torch.Tensor],
         layout: Optional[ShardLayout],
         device_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ):
         """Residual add + post_attention_layernorm, then (full mode) gather every rank's tokens.
 
         Returns ``(hidden, residual)``: hidden is ``[M*P, H]`` (padded) or ``[T, H]`` (compact) in full
-        mode with a layout, else local ``[n_r, H]``; residual is local ``[n_r, H]``.
-        ``device_counts``: for CUDA graphs captured per bucket, see ``cp_all_gather`` (padded only).
+        mode with a layout (``(q, scale)`` with the FP8 wire), else local ``[n_r, H]``; residual is local
+        ``[n_r, H]``. ``device_counts``: for CUDA graphs captured per bucket, see ``cp_all_gather``.
         """
-        self._check_local("hidden_states", hidden_states, layout)
+        if self.mlp_mode != "full" or layout is None:
+            return self._norm(self.post_attention_layernorm, hidden_states, residual)
+        kw = dict(compact=self.compact, algo=self.algo, backend=self.backend, validate=self.validate,
+                  device_counts=device_counts)
+        if self._mlp_norm is not None:
+            weight, eps = self._mlp_norm
+            return fused_add_rmsnorm_all_gather(hidden_states, residual, weight, eps, layout, self.group,
+                                                quant=self.quant, **kw)
         hidden_states, residual = self._norm(self.post_attention_layernorm, hidden_states, residual)
-        if self.mlp_mode == "full" and layout is not None:
-            hidden_states = cp_all_gather(
-                hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend,
-                validate=self.validate, device_counts=device_counts,
-            )
-        return hidden_states, residual
+        return cp_all_gather(hidden_states, layout, self.group, quant=self.quant, **kw), residual
 
     def mlp_output_buffer(self, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
-        """Where the MLP should write its partials for ``postprocess_layer``: ``[global_len, H]``.
-
-        With a P2P transport that this call would use, it is the transport's symmetric reduce buffer (no
-        copy before the pull); otherwise a fresh tensor like ``like`` (any tensor works for NCCL).
-        """
-        transport = select_p2p_transport(self.backend, self.group, "like", like, layout)
-        if self.mlp_mode == "full" and transport is not None:
-            return transport.reduce_buffer(layout, self.compact, like.shape[1:])
-        return like.new_empty((layout.global_len(self.compact), *like.shape[1:]))
+        """Where the MLP should write its partials for ``postprocess_layer``: ``[global_len, H]`` like
+        ``like``'s rows (the P2P transport's reduce buffer where the reduce-scatter will use it)."""
+        if self.mlp_mode != "full":
+            return like.new_empty((layout.global_len(self.compact), *like.shape[1:]))
+        return cp_reduce_scatter_buffer(like, layout, self.group, compact=self.compact, backend=self.backend)
 
     def postprocess_layer(
         self,
@@ -162,10 +220,19 @@ class NSACPLayerCommunicator:
         layout: Optional[ShardLayout],
         device_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Full mode: reduce-scatter the MLP's partials back to this rank's ``[n_r, H]``."""
-        if self.mlp_mode == "full" and layout is not None:
-            hidden_states = cp_reduce_scatter(
-                hidden_states, layout, self.group, compact=self.compact, algo=self.algo, backend=self.backend,
-                validate=self.validate, device_counts=device_counts,
-            )
-        return hidden_states, residual
+        """Full mode: reduce-scatter the MLP's partials back to this rank's ``[n_r, H]``.
+
+        With ``set_next`` and a fusable next norm: the next layer's add + norm too, and the returned
+        ``(normed, residual)`` is handed to the next communicator's ``prepare_attn`` (module docstring).
+        """
+        if self.mlp_mode != "full" or layout is None:
+            return hidden_states, residual
+        kw = dict(compact=self.compact, algo=self.algo, backend=self.backend, validate=self.validate,
+                  device_counts=device_counts)
+        if self._next_norm is None:
+            return cp_reduce_scatter(hidden_states, layout, self.group, **kw), residual
+        weight, eps = self._next_norm
+        normed, residual = reduce_scatter_fused_add_rmsnorm(hidden_states, residual, weight, eps, layout, self.group,
+                                                            **kw)
+        self._next._prenormed = (normed, residual)
+        return normed, residual

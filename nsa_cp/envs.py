@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
-__all__ = ["ENVIRONMENT_VARIABLES", "describe"]
+__all__ = ["ENVIRONMENT_VARIABLES", "PLAN_VARIABLES", "describe", "plan_state"]
 
 _UNSET = object()
 # CPython keeps os.environ's values in a dict (``_data``, encoded keys and values) that every write
@@ -120,6 +120,12 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "Triton kernels: the same copies, 2-4x the host time per launch on 2x H200's CPU), or 'auto': "
         "native when nsa_cp._C has kernels for the tensors' GPU, else Triton",
     ),
+    "NSA_CP_NCCL_CALL": (
+        _choice("NSA_CP_NCCL_CALL", "direct", ("direct", "public")),
+        "how the NCCL/gloo path calls its equal-shard collectives: 'direct' (the process group's own "
+        "method, bound once per plan: the same collective without the Python around the public function) "
+        "or 'public' (torch.distributed's functions)",
+    ),
     "NSA_CP_P2P_ENGINE": (
         _choice("NSA_CP_P2P_ENGINE", "auto", ("auto", "sm", "ce")),
         "P2P gather engine: 'sm' (one CUDA kernel pushes with 16-byte stores), 'ce' (copy engine, "
@@ -157,6 +163,23 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "100a where nvcc supports it)",
     ),
 }
+
+
+# The variables a cached plan (nsa_cp/plan.py) depends on: their raw values are part of its key, so a
+# change takes effect on the next call, as it did before plans were cached.
+PLAN_VARIABLES = (
+    "NSA_CP_COMPACT_ALGO", "NSA_CP_COALESCED_GATHER_MIN_BYTES", "NSA_CP_COALESCED_SCATTER_MIN_BYTES",
+    "NSA_CP_BACKEND", "NSA_CP_ROW_KERNELS", "NSA_CP_NCCL_CALL", "NSA_CP_P2P_ENGINE", "NSA_CP_P2P_CE_MIN_BYTES",
+)
+_PLAN_KEYS = tuple(os.environ.encodekey(n) for n in PLAN_VARIABLES) if _ENVIRON_DATA is not None else None
+
+
+def plan_state() -> Tuple[Any, ...]:
+    """The raw values of PLAN_VARIABLES (None where unset): cheap, one dict lookup each."""
+    if _PLAN_KEYS is not None:
+        get = _ENVIRON_DATA.get
+        return tuple([get(k) for k in _PLAN_KEYS])
+    return tuple([os.environ.get(n) for n in PLAN_VARIABLES])
 
 
 def describe() -> Dict[str, Any]:

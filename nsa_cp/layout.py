@@ -36,6 +36,7 @@ class ShardLayout:
         "_max_rank_len",
         "_offsets",
         "_total_len",
+        "_hash",
         "_device_cache",
     )
 
@@ -74,6 +75,7 @@ class ShardLayout:
             running += n
         self._offsets: Tuple[int, ...] = tuple(offsets)
         self._total_len = running
+        self._hash = hash((counts, align))  # layouts key every plan lookup: hash once
         self._device_cache: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- attributes
@@ -156,7 +158,7 @@ class ShardLayout:
         return self._key() == other._key()
 
     def __hash__(self):
-        return hash(self._key())
+        return self._hash
 
     def __setattr__(self, name, value):
         if hasattr(self, "_device_cache"):

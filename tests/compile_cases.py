@@ -151,13 +151,13 @@ def _unused_gather(x, y, layout, group):
 
 def _run_unused(case, rank, world, group, device, dtype) -> Optional[str]:
     """Dead-code elimination must keep a gather whose result is unused and a zero-row reduce-scatter."""
-    from nsa_cp import collectives
+    from nsa_cp import eager
 
     torch._dynamo.reset()
     layout, x = _inputs(case, rank, device, dtype)
     y = torch.ones(layout.padded_len, HIDDEN, dtype=dtype, device=device)
     calls = []
-    originals = {name: getattr(collectives, name) for name in ("cp_all_gather", "cp_reduce_scatter")}
+    originals = {name: getattr(eager, name) for name in ("all_gather", "reduce_scatter")}
 
     def spy(name):
         def wrapper(*args, **kwargs):
@@ -167,12 +167,12 @@ def _run_unused(case, rank, world, group, device, dtype) -> Optional[str]:
 
     try:  # the ops' real implementations look these up on the module at every call
         for name in originals:
-            setattr(collectives, name, spy(name))
+            setattr(eager, name, spy(name))
         mine = torch.compile(_unused_gather, backend=case["backend"], fullgraph=True)(x, y, layout, group)
     finally:
         for name, original in originals.items():
-            setattr(collectives, name, original)
-    if calls != ["cp_all_gather", "cp_reduce_scatter"]:
+            setattr(eager, name, original)
+    if calls != ["all_gather", "reduce_scatter"]:
         return f"the compiled function ran {calls}, expected one gather then one reduce-scatter"
     if not torch.equal(mine, torch.full_like(mine, world)):
         return "reduce-scatter of ones is not the world size"

@@ -1,8 +1,16 @@
 """Moving bytes through torch.distributed (NCCL on GPUs, gloo on CPU).
 
-Thin wrappers that pick the collective names the installed torch has: torch 2.13 renamed
-``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
-``reduce_scatter_single`` and deprecates the old names; torch 2.11 has only the old ones.
+``Collectives(group)`` is bound once per process group (the plan keeps it) and calls the process group's
+own methods, ``_allgather_base`` / ``_reduce_scatter_base``, with option objects built once. That is the
+collective ``dist.all_gather_into_tensor`` / ``reduce_scatter_tensor`` (torch 2.13: ``all_gather_single`` /
+``reduce_scatter_single``) runs, without the Python around it: argument checks the plan already made,
+the default-group lookup, torch-function dispatch and two decorators. Inside a coalescing manager
+(``torch.distributed._coalescing_manager``) it defers to the public function, which records the call
+instead. ``NSA_CP_NCCL_CALL=public`` makes every call take the public functions.
+
+The uneven-list collectives (``all_gather`` / ``reduce_scatter`` with one view per rank: grouped
+broadcasts / reduces on NCCL) stay on the public functions: they are the bandwidth path, where host
+time does not show.
 """
 
 from __future__ import annotations
@@ -11,45 +19,71 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 
-__all__ = [
-    "all_gather_equal",
-    "reduce_scatter_equal",
-    "all_gather_uneven",
-    "reduce_scatter_uneven",
-    "group_rank_and_size",
-]
+from .. import envs
+
+__all__ = ["Collectives", "group_rank_and_size", "resolve_group"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """``group``, or the default group for None (raises when torch.distributed is not initialized)."""
+    if group is not None:
+        return group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("nsa_cp collectives need torch.distributed to be initialized")
+    return _c10d._get_default_group()
+
+
 def group_rank_and_size(group: Optional[dist.ProcessGroup]):
     """``(rank, size)`` of this process in ``group`` (None: the default group)."""
-    if group is None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("nsa_cp collectives need torch.distributed to be initialized")
-        group = dist.group.WORLD
     # ProcessGroup.rank()/size() are plain C++ getters: dist.get_rank() costs microseconds of checks
-    # on every call, and this runs on every collective.
+    group = resolve_group(group)
     return group.rank(), group.size()
 
 
-def all_gather_equal(out: torch.Tensor, shard: torch.Tensor, group) -> None:
-    """NCCL-style equal-shard all-gather; ``shard`` may be ``out``'s own slot (in place)."""
-    _all_gather_single(out, shard, group=group)
+class Collectives:
+    """The equal-shard and uneven-list collectives of one process group, bound once."""
 
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._gather_opts = _c10d.AllgatherOptions()
+        self._scatter_opts = _c10d.ReduceScatterOptions()
+        self._scatter_opts.reduceOp = dist.ReduceOp.SUM
+        self._direct = (
+            hasattr(group, "_allgather_base") and hasattr(group, "_reduce_scatter_base")
+            and envs.NSA_CP_NCCL_CALL == "direct"
+        )
 
-def reduce_scatter_equal(out: torch.Tensor, full: torch.Tensor, group) -> None:
-    """Sum ``full [P*m, ...]`` over ranks; this rank's ``[m, ...]`` chunk lands in ``out``."""
-    _reduce_scatter_single(out, full, group=group)
+    def _coalescing(self) -> bool:
+        return self.group in _c10d._world.pg_coalesce_state
 
+    def all_gather_equal(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        """Equal-shard all-gather of ``shard [m, ...]`` into ``out [P*m, ...]``; ``shard`` may be ``out``'s
+        own slot (in place)."""
+        if self._direct and not self._coalescing():
+            work = self.group._allgather_base(out, shard, self._gather_opts)
+            if work is not None:
+                work.wait()
+            return
+        _all_gather_single(out, shard, group=self.group)
 
-def all_gather_uneven(outs: List[torch.Tensor], shard: torch.Tensor, group) -> None:
-    """torch's uneven-list all-gather: on NCCL, grouped broadcasts straight into ``outs`` (views)."""
-    dist.all_gather(outs, shard, group=group)
+    def reduce_scatter_equal(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        """Sum ``full [P*m, ...]`` over ranks; this rank's ``[m, ...]`` chunk lands in ``out``."""
+        if self._direct and not self._coalescing():
+            work = self.group._reduce_scatter_base(out, full, self._scatter_opts)
+            if work is not None:
+                work.wait()
+            return
+        _reduce_scatter_single(out, full, group=self.group)
 
+    def all_gather_uneven(self, outs: List[torch.Tensor], shard: torch.Tensor) -> None:
+        """torch's uneven-list all-gather: on NCCL, grouped broadcasts straight into ``outs`` (views)."""
+        dist.all_gather(outs, shard, group=self.group)
 
-def reduce_scatter_uneven(out: torch.Tensor, inputs: List[torch.Tensor], group) -> None:
-    """torch's uneven-list reduce-scatter: on NCCL, grouped reduces with rank q as root of ``inputs[q]``."""
-    dist.reduce_scatter(out, inputs, group=group)
+    def reduce_scatter_uneven(self, out: torch.Tensor, inputs: List[torch.Tensor]) -> None:
+        """torch's uneven-list reduce-scatter: on NCCL, grouped reduces with rank q as root of ``inputs[q]``."""
+        dist.reduce_scatter(out, inputs, group=self.group)

@@ -1,0 +1,253 @@
+"""The NCCL / gloo paths: how a plan moves rows through torch.distributed when no P2P transport serves it.
+
+Every gather is one *source stage* then one *movement*:
+
+* source stage (``Source``): what this rank contributes, written straight into its slot of the
+  collective's buffer, padding rows included: a copy of ``x`` ("copy"), its FP8 quantization
+  ("quant"), the fused add + RMSNorm ("norm") or both ("norm_quant"). One kernel on CUDA
+  (nsa_cp.kernels), the pure-torch reference on CPU (nsa_cp.reference). FP8 produces two streams,
+  ``q [rows, H]`` (float8_e4m3fn, carried as uint8) and ``scale [rows, H/128]`` (fp32, padding rows
+  ``1e-10/448``, what quantizing a zero row gives); the others one.
+* movement, chosen once per plan (``algo``):
+  - "even": every rank fills its slot; one equal-shard all-gather, in place. A plain copy of an even
+    layout skips the source stage: one all-gather on the caller's tensor, bitwise the old even path.
+  - "padded": the source stage writes this rank's slot of the padded output, then an in-place
+    equal-shard all-gather. No F.pad, no temporary.
+  - "padded+compact": the padded movement into a workspace, then one kernel compacts.
+  - "coalesced": the source stage writes a local ``[n_r, ...]`` tensor, then torch's uneven-list
+    all-gather (grouped broadcasts on NCCL) writes straight into views of the compact output.
+  - ordered (``positions``): the compact result, then ``index_copy_`` into batch order (positions
+    clamped into range, so a bad value never writes outside the output; ``validate=True`` checks it is
+    a permutation).
+
+Reduce-scatters: "even" (one ``reduce_scatter_tensor`` on the caller's tensor), "padded" (into an
+``[M, ...]`` buffer, the result is a view of its first ``n_r`` rows), "padded+compact" (expand, then
+padded), "coalesced" (grouped reduces straight from views of the compact input), ordered (one
+``index_select`` into rank-major order first); then optionally the fused add + RMSNorm on the result.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import reference
+from .layout import ShardLayout
+from .transport.nccl import Collectives
+
+__all__ = ["Source", "gather_runner", "scatter_runner"]
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+class Source:
+    """What a rank contributes to a gather: ``mode`` in copy / quant / norm / norm_quant."""
+
+    __slots__ = ("mode", "streams")
+
+    def __init__(self, mode: str, row_shape: Tuple[int, ...], dtype: torch.dtype):
+        self.mode = mode
+        if mode in ("quant", "norm_quant"):
+            hidden = row_shape[-1]
+            # (row shape, dtype of the result, dtype on the wire)
+            self.streams = (((hidden,), _FP8, torch.uint8), ((hidden // 128,), torch.float32, torch.float32))
+        else:
+            wire = torch.uint8 if dtype in _FP8_DTYPES else dtype
+            self.streams = ((row_shape, dtype, wire),)
+
+    def fill(self, slots: Sequence[torch.Tensor], x: torch.Tensor, n: int, count: Optional[torch.Tensor], norm_args) -> None:
+        """Write this rank's rows into ``slots`` (one ``[m, ...]`` tensor per stream, in the result dtype):
+        rows ``[0, n)`` real, the rest padding. ``count``: the scalar tensor holding n when it is read
+        on the device (CUDA; under CUDA graphs it may differ from the host's n) or given as device counts;
+        None on CPU without device counts."""
+        if self.mode == "copy" and x.dtype in _FP8_DTYPES:  # a copy moves bits: fp8 as uint8
+            x, slots = x.view(torch.uint8), [slots[0].view(torch.uint8)]
+        if x.is_cuda:
+            _fill_cuda(self.mode, slots, x, count, norm_args)
+        else:  # device counts on CPU: read them (no device to keep them on)
+            _fill_reference(self.mode, slots, x, n if count is None else int(count), norm_args)
+
+
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                    if hasattr(torch, n))
+
+
+def _fill_reference(mode: str, slots, x: torch.Tensor, n: int, norm_args) -> None:
+    if mode == "copy":
+        reference.pack_into_slot(x[:n], slots[0])
+    elif mode == "quant":
+        reference.quant_fp8_g128_into_slot(x, slots[0], slots[1], n)
+    elif mode == "norm":
+        reference.fused_add_rmsnorm_into_slot(x, *norm_args, slots[0], n)
+    else:
+        reference.fused_add_rmsnorm_quant_into_slot(x, *norm_args, slots[0], slots[1], n)
+
+
+def _fill_cuda(mode: str, slots, x: torch.Tensor, count: torch.Tensor, norm_args) -> None:
+    if mode == "copy":
+        from .kernels import pack
+
+        pack.pack_into_slot(x, slots[0], count)
+        return
+    from .kernels import norm as kernels  # the fused source stages: one Triton kernel each
+
+    if mode == "quant":
+        kernels.quant_fp8_g128_into(x, slots[0], slots[1], count)
+    elif mode == "norm":
+        kernels.fused_add_rmsnorm_into(x, *norm_args, slots[0], count)
+    else:
+        kernels.fused_add_rmsnorm_into(x, *norm_args, slots[0], count, quant="fp8_e4m3_g128", dst_scale=slots[1])
+
+
+def _padded_to_compact(padded: torch.Tensor, layout: ShardLayout, compact: torch.Tensor) -> None:
+    if padded.is_cuda:
+        from .kernels import compact as kernels
+
+        kernels.padded_to_compact(padded, layout, compact)
+    else:
+        reference.padded_to_compact(padded, layout, compact)
+
+
+def _compact_to_padded(compact: torch.Tensor, layout: ShardLayout, padded: torch.Tensor) -> None:
+    if compact.is_cuda:
+        from .kernels import compact as kernels
+
+        kernels.compact_to_padded(compact, layout, padded)
+    else:
+        reference.compact_to_padded(compact, layout, padded)
+
+
+def _wire(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == wire else t.view(wire)
+
+
+# --------------------------------------------------------------------------- gathers
+def gather_runner(
+    coll: Collectives, layout: ShardLayout, rank: int, source: Source, compact: bool, algo: str, ordered: bool,
+    has_device_counts: bool,
+) -> Callable:
+    """``run(x, outs, device_counts, positions, norm_args) -> [results]``: one result per stream, each
+    ``[global_len or T, *row]``; ``outs`` (or None) are the caller's output tensors (checked)."""
+    streams = source.streams
+    size = layout.cp_size
+    m, n = layout.max_rank_len, layout.count(rank)
+    padded_len, total = layout.padded_len, layout.total_len
+    result_len = total if (compact or ordered) else padded_len
+
+    def new_outputs(x, outs):
+        if outs is not None:
+            return outs
+        return [x.new_empty((result_len, *shape), dtype=dtype) for shape, dtype, _ in streams]
+
+    def counts_of(x, device_counts):
+        if device_counts is not None:
+            return device_counts[0][rank]
+        return layout.device_tensors(x.device)[0][rank] if x.is_cuda else None
+
+    if total == 0:
+        def run(x, outs, device_counts, positions, norm_args):
+            return new_outputs(x, outs)
+        return run
+
+    def padded_into(x, bufs, device_counts, norm_args):
+        """The source stage into this rank's slot of each ``[P*M, ...]`` buffer, then in-place gathers."""
+        slots = [b.narrow(0, rank * m, m) for b in bufs]
+        source.fill(slots, x, n, counts_of(x, device_counts), norm_args)
+        for (_, _, wire), buf, slot in zip(streams, bufs, slots):
+            coll.all_gather_equal(_wire(buf, wire), _wire(slot, wire))
+
+    if algo == "even" and source.mode == "copy" and not has_device_counts:
+        def gather_compact(x, bufs, device_counts, norm_args):
+            wire = streams[0][2]
+            coll.all_gather_equal(_wire(bufs[0], wire), _wire(x if x.is_contiguous() else x.contiguous(), wire))
+    elif algo in ("even", "padded") and not compact and not ordered:
+        gather_compact = None  # the padded result is the output itself
+    elif algo == "coalesced":
+        def gather_compact(x, bufs, device_counts, norm_args):
+            local = [x.new_empty((n, *shape), dtype=dtype) for shape, dtype, _ in streams]
+            if n:
+                source.fill(local, x, n, counts_of(x, device_counts), norm_args)
+            for (_, _, wire), buf, mine in zip(streams, bufs, local):
+                views = [_wire(buf, wire)[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(size))]
+                coll.all_gather_uneven(views, _wire(mine, wire))
+    elif algo == "even":
+        gather_compact = padded_into  # padded == compact
+    else:  # padded movement into a workspace, then compact
+        def gather_compact(x, bufs, device_counts, norm_args):
+            work = [x.new_empty((padded_len, *shape), dtype=dtype) for shape, dtype, _ in streams]
+            padded_into(x, work, device_counts, norm_args)
+            for (_, _, wire), w, buf in zip(streams, work, bufs):
+                _padded_to_compact(_wire(w, wire), layout, _wire(buf, wire))
+
+    if gather_compact is None:
+        def run(x, outs, device_counts, positions, norm_args):
+            outs = new_outputs(x, outs)
+            padded_into(x, outs, device_counts, norm_args)
+            return outs
+    elif not ordered:
+        def run(x, outs, device_counts, positions, norm_args):
+            outs = new_outputs(x, outs)
+            gather_compact(x, outs, device_counts, norm_args)
+            return outs
+    else:
+        def run(x, outs, device_counts, positions, norm_args):
+            outs = new_outputs(x, outs)
+            staged = [x.new_empty((total, *shape), dtype=dtype) for shape, dtype, _ in streams]
+            gather_compact(x, staged, device_counts, norm_args)
+            rows = positions.clamp(0, total - 1)  # a bad value lands inside the output, never outside
+            for (_, _, wire), out, s in zip(streams, outs, staged):
+                _wire(out, wire).index_copy_(0, rows, _wire(s, wire))
+            return outs
+    return run
+
+
+# --------------------------------------------------------------------------- reduce-scatters
+def scatter_runner(
+    coll: Collectives, layout: ShardLayout, rank: int, compact: bool, algo: str, ordered: bool,
+) -> Callable:
+    """``run(y, out, positions) -> [n_r, ...]`` (a view of a private ``[M, ...]`` buffer on the padded
+    uneven path without ``out``)."""
+    m, n = layout.max_rank_len, layout.count(rank)
+    total = layout.total_len
+
+    def new_out(y, out):
+        return out if out is not None else y.new_empty((n, *y.shape[1:]))
+
+    if total == 0:
+        def run(y, out, positions):
+            return new_out(y, out)
+        return run
+
+    if algo == "even":
+        def reduce(y, out):
+            out = new_out(y, out)
+            coll.reduce_scatter_equal(out, y if y.is_contiguous() else y.contiguous())
+            return out
+    elif algo == "coalesced":
+        def reduce(y, out):
+            out = new_out(y, out)
+            y = y if y.is_contiguous() else y.contiguous()
+            coll.reduce_scatter_uneven(out, [y[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(layout.cp_size))])
+            return out
+    else:
+        def reduce(y, out):
+            if compact or ordered:
+                padded = y.new_empty((layout.padded_len, *y.shape[1:]))
+                _compact_to_padded(y, layout, padded)
+                y = padded
+            slot = y.new_empty((m, *y.shape[1:]))
+            coll.reduce_scatter_equal(slot, y if y.is_contiguous() else y.contiguous())
+            if out is None:
+                return slot[:n]
+            out.copy_(slot[:n])
+            return out
+
+    if not ordered:
+        def run(y, out, positions):
+            return reduce(y, out)
+    else:
+        def run(y, out, positions):
+            # batch order -> rank-major compact order, one gather of rows; then the compact path
+            return reduce(y.index_select(0, positions.clamp(0, total - 1)), out)
+    return run

@@ -1,0 +1,148 @@
+"""Input checks of the public functions: each raises ``ValueError`` naming the argument, the expected and
+the actual value, before anything is written.
+
+Two kinds, kept apart on purpose (nsa_cp/plan.py):
+
+* plan checks: everything a cached plan is keyed on (layout against the group, dtype, row shape,
+  compact, algorithm, backend, quantization). They run once, when a plan is built.
+* call checks: what changes from call to call with the same plan (the row count of ``x``, the ``out``
+  tensor, ``device_counts``, ``positions``, the norm's ``residual`` and ``weight``). They are a handful
+  of attribute reads and run on every call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .layout import ShardLayout
+
+__all__ = [
+    "shape_str", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
+    "check_device_counts", "check_positions", "check_norm_args", "SUM_DTYPES", "FP8_DTYPES", "GATHER_DTYPES",
+    "NORM_DTYPES", "QUANTS",
+]
+
+# A reduce-scatter sums: floating dtypes that NCCL and gloo both add. A gather only moves bytes: fp8 is
+# carried as uint8 (same bits), so every dtype either transport carries is accepted.
+SUM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                   if hasattr(torch, n))
+GATHER_DTYPES = SUM_DTYPES + FP8_DTYPES + (torch.uint8, torch.int8, torch.int32, torch.int64)
+NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+QUANTS = (None, "fp8_e4m3_g128")
+FP8_GROUP = 128
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def check_layout(layout, group_size: int) -> None:
+    if not isinstance(layout, ShardLayout):
+        raise ValueError(f"layout: expected an nsa_cp.ShardLayout, got {type(layout).__name__}")
+    if layout.cp_size != group_size:
+        raise ValueError(
+            f"layout: expected cp_size == group size {group_size}, got cp_size {layout.cp_size} ({layout!r})"
+        )
+
+
+def check_tensor(name: str, t, what: str) -> None:
+    """``t`` is a tensor of 2 or more dims (dim 0: tokens)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() < 2:
+        raise ValueError(f"{name}: expected a tensor of 2 or more dims [{what}, ...], got shape {shape_str(t.shape)}")
+
+
+def check_rows(name: str, t: torch.Tensor, expected_rows: int, what: str) -> None:
+    if t.shape[0] != expected_rows:
+        raise ValueError(
+            f"{name}: expected shape {shape_str((expected_rows, *t.shape[1:]))} ({what}), got {shape_str(t.shape)}"
+        )
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ValueError(f"{name}: expected dtype one of [{names}], got {t.dtype}")
+
+
+def check_out(name: str, out, expected_shape, dtype: torch.dtype, device: torch.device) -> None:
+    """``out`` (never None here): contiguous, of exactly that shape, dtype and device, no autograd history."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(expected_shape):
+        raise ValueError(f"{name}: expected shape {shape_str(expected_shape)}, got {shape_str(out.shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"{name}: expected device {device} (the input's), got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor of shape {shape_str(expected_shape)}, got strides {tuple(out.stride())}")
+    if out.requires_grad:
+        raise ValueError(f"{name}: expected a tensor without autograd history (the collectives are not "
+                         f"differentiable), got one with requires_grad=True")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+def check_device_counts(device_counts, layout: ShardLayout, device: torch.device, compact: bool) -> None:
+    if compact:
+        raise ValueError("device_counts: supported for the padded layout only (compact shapes depend on the counts), got compact=True")
+    if not isinstance(device_counts, (tuple, list)) or len(device_counts) != 2:
+        raise ValueError(f"device_counts: expected a (counts, offsets) pair of tensors, got {type(device_counts).__name__}")
+    for name, t in zip(("device_counts[0]", "device_counts[1]"), device_counts):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (layout.cp_size,) or t.device != device:
+            got = f"{t.dtype} {shape_str(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected int32 [{layout.cp_size}] on {device}, got {got}")
+
+
+def check_positions(positions, layout: ShardLayout, device: torch.device) -> None:
+    """``positions``: int64 ``[total_len]`` on the tensors' device (the batch row of each compact row)."""
+    if not isinstance(positions, torch.Tensor):
+        raise ValueError(f"positions: expected an int64 tensor [{layout.total_len}], got {type(positions).__name__}")
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (layout.total_len,) or positions.device != device:
+        raise ValueError(
+            f"positions: expected int64 [{layout.total_len}] (total_len of {layout!r}) on {device}, got "
+            f"{positions.dtype} {shape_str(positions.shape)} on {positions.device}"
+        )
+
+
+def check_permutation(positions: torch.Tensor, total: int) -> None:
+    """``validate=True`` only: positions is a permutation of ``range(total)`` (syncs with the device)."""
+    if total == 0:
+        return
+    seen = torch.zeros(total, dtype=torch.int32, device=positions.device)
+    in_range = (positions >= 0) & (positions < total)
+    seen.index_add_(0, positions.clamp(0, total - 1), in_range.to(torch.int32))
+    if not bool(in_range.all()) or not bool((seen == 1).all()):
+        bad = positions[~in_range][:4].tolist()
+        raise ValueError(
+            f"positions: expected a permutation of range({total}), got "
+            + (f"values out of range, e.g. {bad}" if bad else "repeated values")
+        )
+
+
+def check_norm_args(shape, dtype: torch.dtype, device: torch.device, residual, weight, eps) -> None:
+    """The norm's tensors against the rows they apply to, ``[n, H]`` of ``dtype`` on ``device`` (call checks)."""
+    hidden = shape[-1]
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != tuple(shape):
+            got = shape_str(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+            raise ValueError(f"residual: expected shape {shape_str(shape)}, got {got}")
+        if residual.dtype != dtype or residual.device != device:
+            raise ValueError(f"residual: expected {dtype} on {device}, got {residual.dtype} on {residual.device}")
+        if residual.shape[0] and residual.stride(-1) != 1:
+            raise ValueError(f"residual: expected unit stride along hidden (it is updated in place), got strides {tuple(residual.stride())}")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (hidden,):
+        got = shape_str(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight: expected shape [{hidden}] (the hidden size), got {got}")
+    if weight.dtype not in NORM_DTYPES or weight.device != device:
+        raise ValueError(f"weight: expected a bf16, fp16 or fp32 tensor on {device}, got {weight.dtype} on {weight.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
+        raise ValueError(f"eps: expected a float >= 0, got {eps!r}")
