@@ -1,17 +1,48 @@
-"""Pure-torch implementations of the data movement: the oracle for the kernels, and the CPU path.
+"""Pure-torch implementations: the oracle for the kernels, and the CPU path.
 
-Every function here has a Triton twin in ``nsa_cp.kernels`` with the same signature and the same
-result bit for bit (they only move data). Tensors are viewed as rows: ``[rows, row_len]`` after
-flattening the trailing dims. Shapes use ``P = cp_size``, ``M = max_rank_len``, ``T = total_len``.
+Data movement (``pack_into_slot``, ``padded_to_compact``, ``compact_to_padded``): every function has a
+Triton twin in ``nsa_cp.kernels`` with the same signature and the same result bit for bit. Tensors are
+viewed as rows: ``[rows, row_len]`` after flattening the trailing dims. Shapes use ``P = cp_size``,
+``M = max_rank_len``, ``T = total_len``.
+
+Norm and FP8 (``fused_add_rmsnorm``, ``quant_fp8_g128``, ``dequant_fp8_g128`` and their ``*_into_slot``
+forms) follow DESIGN.md's conventions, written so that every step is one IEEE fp32 operation whose
+order a kernel can reproduce: the mean is ``sum(s^2) / H`` (a sum, then one division; torch's CPU
+``mean`` does the same, CUDA's multiplies by 1/H), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
+rounded steps), ``y = (s * rstd) * w``. The kernels in ``nsa_cp.kernels.norm`` follow that order, so
+they differ from this oracle only by the order of the sum of squares (see tests/test_norm_kernels.py).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 
 from .layout import ShardLayout
 
-__all__ = ["pack_into_slot", "padded_to_compact", "compact_to_padded"]
+__all__ = [
+    "pack_into_slot",
+    "padded_to_compact",
+    "compact_to_padded",
+    "fused_add_rmsnorm",
+    "rmsnorm_fp32",
+    "fused_add_rmsnorm_into_slot",
+    "fused_add_rmsnorm_quant_into_slot",
+    "quant_fp8_g128",
+    "dequant_fp8_g128",
+    "quant_fp8_g128_into_slot",
+    "FP8_GROUP",
+    "FP8_MAX",
+    "FP8_AMAX_FLOOR",
+    "FP8_PAD_SCALE",
+]
+
+FP8_GROUP = 128  # columns per scale (DeepSeek-V3's activation block, SGLang's group_size)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_AMAX_FLOOR = 1e-10  # SGLang's eps for the group amax: an all-zero group gets a tiny, finite scale
+# The scale of an all-zero group (and of every padding row): 1e-10 rounded to fp32, divided by 448 in fp32.
+FP8_PAD_SCALE = float(torch.tensor(FP8_AMAX_FLOOR, dtype=torch.float32) / FP8_MAX)
 
 
 def pack_into_slot(x: torch.Tensor, slot: torch.Tensor) -> None:
@@ -35,3 +66,106 @@ def compact_to_padded(compact: torch.Tensor, layout: ShardLayout, padded: torch.
         src_start, src_stop = layout.rows(rank, compact=True)
         slot = padded[rank * layout.max_rank_len : (rank + 1) * layout.max_rank_len]
         pack_into_slot(compact[src_start:src_stop], slot)
+
+
+# ---- norm
+
+
+def rmsnorm_fp32(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``s [rows, H]`` (fp32) -> ``s * rstd * weight`` in fp32, ``rstd = 1 / sqrt(sum(s^2) / H + eps)``."""
+    h = s.shape[-1]
+    variance = s.square().sum(dim=-1, keepdim=True) / h
+    # sqrt in fp64, rounded to fp32: the correctly rounded fp32 square root (torch's vectorised fp32 sqrt on
+    # CPU is not always; the kernels use sqrt_rn)
+    rstd = 1.0 / torch.sqrt((variance + eps).double()).float()
+    return (s * rstd) * weight.detach().to(torch.float32)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Add + RMSNorm over the last dim: ``(y, residual)``.
+
+    ``s = x + residual`` in fp32; ``residual`` is overwritten IN PLACE with ``s`` rounded to its dtype
+    (and returned); ``y = s * rstd * weight`` in fp32 (weight cast to fp32), rounded once to x's dtype.
+    ``residual=None``: ``y = rmsnorm(x)`` and the residual returned is ``x`` itself (same tensor).
+    Works on values: tensors with autograd history are read detached, nothing is recorded.
+    """
+    with torch.no_grad():
+        s = x.detach().to(torch.float32)
+        if residual is not None:
+            s = s + residual.detach().to(torch.float32)
+            residual.detach().copy_(s)  # one rounding to residual's dtype
+        y = rmsnorm_fp32(s, weight, eps).to(x.dtype)
+    return y, (x if residual is None else residual)
+
+
+def fused_add_rmsnorm_into_slot(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    slot: torch.Tensor,
+    n: int,
+) -> None:
+    """Rows ``[0, n)`` of x / residual: add + norm as ``fused_add_rmsnorm`` (residual rows updated in place),
+    ``slot[:n] = y``; ``slot[n:] = 0``. Rows of x / residual from n on are not touched."""
+    if n:
+        y, _ = fused_add_rmsnorm(x[:n], None if residual is None else residual[:n], weight, eps)
+        slot[:n].copy_(y)
+    slot[n:].zero_()
+
+
+# ---- FP8, per-token groups of 128 columns
+
+
+def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, H]`` (H a multiple of 128) -> ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``.
+
+    Per row and group of 128 columns: ``amax = max(|x|)`` in fp32, clamped to >= 1e-10;
+    ``scale = amax / 448``; ``q = clamp(x / scale, -448, 448)`` rounded to nearest even.
+    Shapes are not checked here (``nsa_cp.quant`` does it).
+    """
+    rows, h = x.shape
+    with torch.no_grad():
+        groups = x.detach().to(torch.float32).reshape(rows, h // FP8_GROUP, FP8_GROUP)
+        amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+        scale = amax / FP8_MAX
+        q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(rows, h), scale.reshape(rows, h // FP8_GROUP)
+
+
+def dequant_fp8_g128(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``q [rows, H]``, ``scale [rows, H/128]`` -> ``q * scale`` in fp32, rounded once to ``dtype``."""
+    rows, h = q.shape
+    groups = q.to(torch.float32).reshape(rows, h // FP8_GROUP, FP8_GROUP)
+    return (groups * scale.to(torch.float32).reshape(rows, h // FP8_GROUP, 1)).reshape(rows, h).to(dtype)
+
+
+def quant_fp8_g128_into_slot(x: torch.Tensor, q_slot: torch.Tensor, scale_slot: torch.Tensor, n: int) -> None:
+    """Quantize rows ``[0, n)`` of x into ``q_slot [M, H]`` / ``scale_slot [M, H/128]``; rows ``[n, M)`` get
+    ``q = 0`` and ``scale = FP8_PAD_SCALE`` (what quantizing a zero row gives)."""
+    if n:
+        q, scale = quant_fp8_g128(x[:n])
+        q_slot[:n].copy_(q)
+        scale_slot[:n].copy_(scale)
+    q_slot[n:].view(torch.uint8).zero_()  # +0.0 in e4m3fn is the zero byte
+    scale_slot[n:].fill_(FP8_PAD_SCALE)
+
+
+def fused_add_rmsnorm_quant_into_slot(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    q_slot: torch.Tensor,
+    scale_slot: torch.Tensor,
+    n: int,
+) -> None:
+    """``fused_add_rmsnorm_into_slot`` followed by ``quant_fp8_g128`` of y (y rounded to x's dtype first, so the
+    result equals quantizing the bf16 rows a norm-then-gather would have sent)."""
+    if n:
+        y, _ = fused_add_rmsnorm(x[:n], None if residual is None else residual[:n], weight, eps)
+        quant_fp8_g128_into_slot(y, q_slot, scale_slot, n)
+    else:
+        quant_fp8_g128_into_slot(x[:0], q_slot, scale_slot, 0)

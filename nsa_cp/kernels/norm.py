@@ -1,0 +1,346 @@
+"""Fused residual add + RMSNorm (+ FP8 per-token-group quantization) over rows, one program per row.
+
+Mirrors ``reference.fused_add_rmsnorm`` / ``fused_add_rmsnorm_into_slot`` /
+``fused_add_rmsnorm_quant_into_slot`` / ``quant_fp8_g128_into_slot``. The NCCL path of the fused layer
+boundary calls the ``*_into`` forms on this rank's slot of the padded gather buffer (the collective then
+runs in place); the norm after a reduce-scatter calls ``fused_add_rmsnorm`` on the local rows.
+
+Design record:
+- A program holds its whole row in registers as ``[BLOCK_G, GROUP]`` (GROUP = 128 columns, one FP8
+  scale group per tile row), so the row is read once, the residual written once, and y (or q and the
+  scales) written once; y is never materialised in memory on the FP8 path. Rows up to 65536 columns.
+- Every arithmetic step is the reference's, in the same order and with correctly rounded fp32
+  division and square root (``div_rn`` / ``sqrt_rn``; Triton's ``/`` is an approximate division on
+  GPUs): ``var = sum(s^2) / H``, ``rstd = 1 / sqrt(var + eps)``, ``y = (s * rstd) * w``; FP8
+  ``scale = max(amax, 1e-10) / 448``, ``q = clamp(y / scale, +-448)``. Only the order of the sum of
+  squares differs from torch's, so y matches the reference except where that moves rstd by an fp32
+  ulp across a rounding boundary of the output dtype (then by one ulp of it). The FP8 path quantizes
+  y after rounding it to x's dtype: the gathered ``(q, scale)`` equal ``quant_fp8_g128`` of the bf16
+  rows a norm-then-gather would have sent.
+- The row count of the slot is read from a device scalar, so a CUDA graph replays with new counts;
+  the grid covers the whole slot and rows ``[n, M)`` are written as padding (zeros; FP8: q = 0,
+  scale = 1e-10/448). x and residual may have more rows than n (a bucket); rows from n on are not
+  touched. n is clamped to ``[0, rows of x]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+
+__all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_fp8_g128_into", "quant_fp8_g128", "QUANT_MODES"]
+
+QUANT_MODES = ("fp8_e4m3_g128",)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_ROW = 65536  # elements a program holds in registers; longer rows are refused (ValueError)
+_GROUP = reference.FP8_GROUP
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32. The store's own conversion is then exact,
+    on GPUs and in Triton's interpreter alike (whose fp32 -> bf16 cast rounds ties away and drops the carry
+    of a rounded-up mantissa into the exponent)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 with |v| <= 448 -> the nearest float8_e4m3fn value (ties to even), as fp32 (see ``_round_bf16``).
+    Adding ``C = 1.5 * 2^(k + 23)`` rounds v to a multiple of 2^k (IEEE round-to-nearest-even), subtracting C
+    is exact; k is v's quantum in e4m3: 2^(e - 3) for normals (e >= -6), 2^-9 below (subnormals)."""
+    v_bits = v.to(tl.uint32, bitcast=True)
+    mag = (v_bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    e = ((v_bits >> 23) & 0xFF).to(tl.int32) - 127
+    k = tl.maximum(e, -6) - 3
+    c = (((k + 23 + 127) << 23) | (1 << 22)).to(tl.uint32).to(tl.float32, bitcast=True)
+    rounded = (mag + c) - c
+    # the sign bit back on (a negative value that rounds to zero stays -0, as in torch's conversion)
+    return (rounded.to(tl.uint32, bitcast=True) | (v_bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rows_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    q_ptr,
+    scale_ptr,
+    count_ptr,
+    x_rows,
+    eps,
+    pad_scale,
+    x_stride,
+    res_stride,
+    y_stride,
+    q_stride,
+    scale_stride,
+    ROW_LEN: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    NORM: tl.constexpr,
+    QUANT: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    n = x_rows
+    if HAS_COUNT:
+        n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), x_rows)
+    g = tl.arange(0, BLOCK_G)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    col_ok = cols < ROW_LEN
+    groups_ok = g < ROW_LEN // GROUP
+    if row < n:
+        s = tl.load(x_ptr + row * x_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s += tl.load(res_ptr + row * res_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
+            rounded = s
+            if IS_BF16:
+                rounded = _round_bf16(s)
+            tl.store(res_ptr + row * res_stride + cols, rounded.to(res_ptr.dtype.element_ty), mask=col_ok)
+        if NORM:
+            variance = tl.math.div_rn(tl.sum(s * s), tl.full([], ROW_LEN, tl.float32))
+            rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.math.sqrt_rn(variance + eps))
+            w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            y = (s * rstd) * w
+        else:
+            y = s
+        # one rounding to x's dtype (exact when y is x itself)
+        if IS_BF16:
+            y = _round_bf16(y)
+        y = y.to(x_ptr.dtype.element_ty)
+        if QUANT:
+            yf = y.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10)
+            scale = tl.math.div_rn(amax, tl.full([BLOCK_G], 448.0, tl.float32))
+            q = tl.math.div_rn(yf, scale[:, None])
+            q = _round_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+            tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=col_ok)
+            tl.store(scale_ptr + row * scale_stride + g, scale, mask=groups_ok)
+        else:
+            tl.store(y_ptr + row * y_stride + cols, y, mask=col_ok)
+    else:
+        if QUANT:
+            tl.store(q_ptr + row * q_stride + cols, tl.zeros([BLOCK_G, GROUP], tl.float32).to(q_ptr.dtype.element_ty),
+                     mask=col_ok)
+            tl.store(scale_ptr + row * scale_stride + g, tl.zeros([BLOCK_G], tl.float32) + pad_scale, mask=groups_ok)
+        else:
+            tl.store(y_ptr + row * y_stride + cols, tl.zeros([BLOCK_G, GROUP], y_ptr.dtype.element_ty), mask=col_ok)
+
+
+# ---- checks: ValueError naming the tensor, the expected and the actual shape, before anything is written
+
+
+def _shape(t: torch.Tensor):
+    return list(t.shape)
+
+
+def _check_x(x: torch.Tensor, name: str = "x") -> int:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [rows, H] tensor, got shape {_shape(x)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected dtype bfloat16, float16 or float32, got {x.dtype} (shape {_shape(x)})")
+    h = x.shape[1]
+    if h > _MAX_ROW:
+        raise ValueError(f"{name}: rows of at most {_MAX_ROW} elements, got shape {_shape(x)}")
+    return h
+
+
+def _check_dense(t: torch.Tensor, name: str) -> None:
+    if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}: rows must have unit inner stride, got shape {_shape(t)} strides {tuple(t.stride())}")
+
+
+def _check_like(t: torch.Tensor, name: str, shape, dtype: torch.dtype, device: torch.device) -> None:
+    if list(t.shape) != list(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {_shape(t)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} (shape {_shape(t)})")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device} (shape {_shape(t)})")
+    _check_dense(t, name)
+
+
+def _check_norm_args(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor) -> int:
+    h = _check_x(x)
+    if residual is not None:
+        _check_like(residual, "residual", x.shape, x.dtype, x.device)
+    if weight.dim() != 1 or weight.shape[0] != h:
+        raise ValueError(f"weight: expected shape [{h}] (x's last dim), got {_shape(weight)}")
+    if not weight.dtype.is_floating_point or weight.dtype.itemsize == 1:
+        raise ValueError(f"weight: expected a bf16/fp16/fp32 tensor of shape [{h}], got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight: expected device {x.device}, got {weight.device} (shape {_shape(weight)})")
+    return h
+
+
+def _check_quant(quant: Optional[str], h: int, x: torch.Tensor) -> None:
+    if quant is not None and quant not in QUANT_MODES:
+        raise ValueError(f"quant: expected None or one of {QUANT_MODES}, got {quant!r}")
+    if quant is not None and h % _GROUP:
+        raise ValueError(f"x: {quant} needs H a multiple of {_GROUP}, got shape {_shape(x)}")
+
+
+def _check_count(count: torch.Tensor, device: torch.device) -> None:
+    if count.dtype != torch.int32 or count.numel() != 1 or count.device != device:
+        raise ValueError(
+            f"count: expected one int32 element on {device}, got {count.dtype} {_shape(count)} on {count.device}"
+        )
+
+
+def _geometry(h: int) -> Tuple[int, int, int]:
+    """(BLOCK_G, GROUP, num_warps) for rows of h elements."""
+    group = min(_GROUP, triton.next_power_of_2(max(h, 1)))
+    block_g = triton.next_power_of_2(triton.cdiv(max(h, 1), group))
+    elements = block_g * group
+    warps = 4 if elements <= 2048 else (8 if elements <= 8192 else 16)
+    return block_g, group, warps
+
+
+def _launch(x, residual, weight, eps, y, q, scale, count, rows, quant: bool, norm: bool) -> None:
+    h = x.shape[1]
+    if rows == 0 or h == 0:
+        return
+    block_g, group, warps = _geometry(h)
+    if quant:
+        group = _GROUP
+        block_g = triton.next_power_of_2(h // _GROUP)
+    dummy = x  # pointer for absent operands; the constexpr flags keep the kernel from touching it
+    if norm:
+        weight = weight.detach().contiguous()  # values only: a Parameter that requires grad is read as data
+    _rows_kernel[(rows,)](
+        x,
+        residual if residual is not None else dummy,
+        weight if norm else dummy,
+        y if y is not None else dummy,
+        q if q is not None else dummy,
+        scale if scale is not None else dummy,
+        count if count is not None else dummy,
+        x.shape[0],
+        float(eps),
+        reference.FP8_PAD_SCALE,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        y.stride(0) if y is not None else 0,
+        q.stride(0) if q is not None else 0,
+        scale.stride(0) if scale is not None else 0,
+        ROW_LEN=h,
+        HAS_RESIDUAL=residual is not None,
+        HAS_COUNT=count is not None,
+        NORM=norm,
+        QUANT=quant,
+        BLOCK_G=block_g,
+        GROUP=group,
+        IS_BF16=x.dtype == torch.bfloat16,
+        num_warps=warps,
+    )
+
+
+def _input_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
+
+
+def fused_add_rmsnorm_into(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    dst: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    quant: Optional[str] = None,
+    dst_scale: Optional[torch.Tensor] = None,
+) -> None:
+    """Add + RMSNorm the first n rows of x into a slot, zeroing the slot's padding; n read on device.
+
+    Args:
+        x: ``[rows, H]`` bf16/fp16/fp32, ``rows >= n`` (rows from n on are not read).
+        residual: ``[rows, H]`` like x, or None. Rows ``[0, n)`` are overwritten with ``x + residual``
+            (fp32 sum rounded to the dtype); None: y = rmsnorm(x).
+        weight: ``[H]`` bf16/fp16/fp32 (read as fp32; values only, autograd is not involved).
+        eps: added to the mean of squares.
+        dst: ``[M, H]`` slot (e.g. rank r's rows of the padded gather buffer), unit inner stride.
+            quant=None: x's dtype, rows ``[0, n)`` = y, rows ``[n, M)`` = 0.
+            quant="fp8_e4m3_g128": float8_e4m3fn, rows ``[0, n)`` = q of y (y rounded to x's dtype
+            first), rows ``[n, M)`` = 0. y is not written anywhere.
+        count: int32 one-element tensor on x's device holding n (``<= M``; clamped to ``[0, rows]``).
+        quant: None or "fp8_e4m3_g128" (H a multiple of 128).
+        dst_scale: with quant, fp32 ``[M, H/128]``: the group scales, ``1e-10/448`` in padding rows.
+    Raises ValueError (naming the tensor and shapes) before writing anything.
+    """
+    h = _check_norm_args(x, residual, weight)
+    _check_quant(quant, h, x)
+    _check_count(count, x.device)
+    _write_slot(_input_rows(x), residual, weight, eps, dst, dst_scale, count, quant, norm=True)
+
+
+def quant_fp8_g128_into(x: torch.Tensor, dst: torch.Tensor, dst_scale: torch.Tensor, count: torch.Tensor) -> None:
+    """Quantize the first n rows of ``x [rows, H]`` into ``dst [M, H]`` (float8_e4m3fn) and
+    ``dst_scale [M, H/128]`` (fp32); rows ``[n, M)``: q = 0, scale = 1e-10/448. n read from ``count``
+    (int32 device scalar) as for ``fused_add_rmsnorm_into``; for ``cp_all_gather(x, quant=...)``."""
+    h = _check_x(x)
+    _check_quant("fp8_e4m3_g128", h, x)
+    _check_count(count, x.device)
+    _write_slot(_input_rows(x), None, None, 0.0, dst, dst_scale, count, "fp8_e4m3_g128", norm=False)
+
+
+def _write_slot(x, residual, weight, eps, dst, dst_scale, count, quant, norm: bool) -> None:
+    h = x.shape[1]
+    if dst.dim() != 2:
+        raise ValueError(f"dst: expected a 2-D [M, {h}] slot, got shape {_shape(dst)}")
+    m = dst.shape[0]
+    if quant is None:
+        _check_like(dst, "dst", (m, h), x.dtype, x.device)
+        _launch(x, residual, weight, eps, dst, None, None, count, m, quant=False, norm=norm)
+        return
+    _check_like(dst, "dst", (m, h), torch.float8_e4m3fn, x.device)
+    if dst_scale is None:
+        raise ValueError(f"dst_scale: {quant} needs an fp32 [{m}, {h // _GROUP}] scale slot, got None")
+    _check_like(dst_scale, "dst_scale", (m, h // _GROUP), torch.float32, x.device)
+    _launch(x, residual, weight, eps, None, dst, dst_scale, count, m, quant=True, norm=norm)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Add + RMSNorm of every row of local tensors, in place: returns ``(y, residual)``.
+
+    ``residual [rows, H]`` is overwritten with ``x + residual``; y is written into ``out`` (``[rows, H]``,
+    x's dtype) or, when out is None, into x itself (flashinfer's ``fused_add_rmsnorm`` convention: the
+    norm after a reduce-scatter overwrites the reduce-scatter's output). ``residual=None``: y = rmsnorm(x)
+    and the returned residual is None (the caller keeps x, which out=None overwrites).
+    """
+    _check_norm_args(x, residual, weight)
+    if out is None:
+        _check_dense(x, "x")
+        y = x
+    else:
+        _check_like(out, "out", x.shape, x.dtype, x.device)
+        y = out
+    _launch(_input_rows(x), residual, weight, eps, y, None, None, None, x.shape[0], quant=False, norm=True)
+    return y, residual
+
+
+def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, H]`` -> new ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``, every row."""
+    h = _check_x(x)
+    _check_quant("fp8_e4m3_g128", h, x)
+    rows = x.shape[0]
+    q = torch.empty((rows, h), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, h // _GROUP), dtype=torch.float32, device=x.device)
+    _launch(_input_rows(x), None, None, 0.0, None, q, scale, None, rows, quant=True, norm=False)
+    return q, scale

@@ -1,0 +1,104 @@
+"""FP8 per-token-group quantization (float8_e4m3fn, groups of 128 columns): the wire format of
+``cp_all_gather(..., quant="fp8_e4m3_g128")`` and ``fused_add_rmsnorm_all_gather(..., quant=...)``.
+
+The convention is SGLang's ``per_token_group_quant_fp8`` (group_size=128, no column-major or UE8M0
+scales): per row and group of 128 columns, ``amax = max |x|`` in fp32 clamped to >= 1e-10,
+``scale = amax / 448``, ``q = clamp(x / scale, -448, 448)`` rounded to nearest even as float8_e4m3fn;
+``scale`` is fp32 ``[rows, H/128]``, row-major. Padding rows of a gathered buffer hold ``q = 0`` and
+``scale = 1e-10/448`` (``reference.FP8_PAD_SCALE``), which is what quantizing a zero row gives. The
+quantization is per row, so quantizing before the gather equals quantizing the gathered rows.
+
+Exactness: on CPU, and on GPUs through ``nsa_cp.kernels.norm`` (correctly rounded division), the
+result is bitwise that of ``nsa_cp.reference.quant_fp8_g128``. SGLang's Triton quantizer divides with
+Triton's default (approximate) fp32 division on GPUs, so its ``q`` can differ from ours by one FP8 ulp
+where ``x / scale`` lies within an fp32 ulp or two of a rounding boundary; its ``scale`` can differ in
+the last fp32 bit the same way.
+
+Handing (q, scale) to flashinfer's FP8 block-scale MoE
+    ``flashinfer.fused_moe.trtllm_fp8_block_scale_moe(routing_logits, routing_bias, hidden_states,
+    hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale, ...)``
+    takes ``hidden_states = q`` (float8_e4m3fn ``[T, H]``) and ``hidden_states_scale`` as fp32
+    ``[H/128, T]``: the TRANSPOSE of our ``scale [T, H/128]``, made contiguous. SGLang's flashinfer
+    runner does exactly ``a_q, a_sf = per_token_group_quant_fp8(x, 128); a_sf_t = a_sf.t().contiguous()``
+    and passes ``hidden_states_scale=a_sf_t``; so with a gathered ``(q, scale)``:
+    ``trtllm_fp8_block_scale_moe(..., hidden_states=q, hidden_states_scale=scale.t().contiguous(), ...)``.
+    The weights' scales (``w13_weight_scale_inv`` / ``w2_weight_scale_inv``, 128x128 blocks) are the
+    checkpoint's, untouched. Padding rows (``q = 0``) contribute zeros; mask their routed ids with
+    ``nsa_cp.mask_padding_topk_ids`` so no expert computes them.
+
+SGLang's DP-gather FP8 wire, for comparison
+    ``SGLANG_ENABLE_DP_GATHER_FP8`` quantizes each rank's rows (``scaled_fp8_quant``, per-token or
+    per-tensor scales), gathers the FP8 payload and the scales with two gatherv calls, then
+    dequantizes the gathered rows as ``q.to(dtype) * scales`` before the MoE, which re-quantizes them
+    for its FP8 GEMMs. ``dequant_fp8_g128(q, scale, dtype)`` is that last step for this format
+    (``q * scale`` in fp32, one rounding to ``dtype``), for consumers that want bf16 rows after an
+    FP8 wire; an FP8 MoE should take ``(q, scale)`` directly instead.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from . import reference
+
+__all__ = ["quant_fp8_g128", "dequant_fp8_g128", "check_fp8_g128_input", "FP8_GROUP", "FP8_PAD_SCALE"]
+
+FP8_GROUP = reference.FP8_GROUP
+FP8_PAD_SCALE = reference.FP8_PAD_SCALE
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_fp8_g128_input(x: torch.Tensor, name: str = "x") -> None:
+    """ValueError naming ``name`` with its shape unless x is ``[rows, H]``, H a multiple of 128,
+    dtype bf16/fp16/fp32."""
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [rows, H] tensor for fp8_e4m3_g128, got shape {list(x.shape)}")
+    if x.shape[1] % FP8_GROUP:
+        raise ValueError(
+            f"{name}: fp8_e4m3_g128 needs H a multiple of {FP8_GROUP}, got shape {list(x.shape)}"
+        )
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(
+            f"{name}: fp8_e4m3_g128 expects bfloat16, float16 or float32, got {x.dtype} (shape {list(x.shape)})"
+        )
+
+
+def _triton_on(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    from .kernels import triton_available
+
+    return triton_available()
+
+
+def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, H]`` -> ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``, on x's device.
+
+    CUDA tensors go through the Triton kernel (one launch, bitwise equal to the reference), others
+    through ``nsa_cp.reference.quant_fp8_g128``. Works on values (autograd history is ignored).
+    Raises ValueError naming x and its shape when H is not a multiple of 128 or the dtype is not
+    bf16/fp16/fp32.
+    """
+    check_fp8_g128_input(x)
+    if _triton_on(x):
+        from .kernels import norm as norm_kernels
+
+        return norm_kernels.quant_fp8_g128(x.detach())
+    return reference.quant_fp8_g128(x)
+
+
+def dequant_fp8_g128(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``q [rows, H]`` float8_e4m3fn, ``scale [rows, H/128]`` fp32 -> ``q * scale`` as ``dtype [rows, H]``
+    (computed in fp32, rounded once). Padding rows (q = 0) come back as zeros."""
+    if q.dim() != 2 or q.dtype != torch.float8_e4m3fn or q.shape[1] % FP8_GROUP:
+        raise ValueError(
+            f"q: expected float8_e4m3fn [rows, H] with H a multiple of {FP8_GROUP}, got {q.dtype} {list(q.shape)}"
+        )
+    want = [q.shape[0], q.shape[1] // FP8_GROUP]
+    if list(scale.shape) != want or scale.dtype != torch.float32:
+        raise ValueError(f"scale: expected float32 {want} (q's groups), got {scale.dtype} {list(scale.shape)}")
+    if scale.device != q.device:
+        raise ValueError(f"scale: expected device {q.device}, got {scale.device} (shape {list(scale.shape)})")
+    return reference.dequant_fp8_g128(q, scale, dtype)

@@ -1,0 +1,397 @@
+"""The fused add + RMSNorm (+ FP8) row kernels (nsa_cp.kernels.norm) against nsa_cp.reference.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (conftest sets it); with one,
+the same tests run on CUDA. Checks, per the house rules:
+- the residual rows [0, n) exactly the reference's (fp32 sum rounded once); rows from n on, and x, untouched;
+- y within one ulp of its dtype (bf16/fp16; fp32: see Y_ULPS) of the fp64 value of the convention, and equal
+  to the reference wherever the arithmetic is order-independent: inputs on a coarse dyadic grid make the sum
+  of squares exact, so every step is one correctly rounded fp32 operation in the reference's order;
+- FP8: (q, scale) bitwise the reference's quantization of the kernel's own y (and of the reference's y on the
+  dyadic grid); padding rows q = 0, scale exactly 1e-10/448; round-to-nearest-even on every e4m3 value,
+  midpoint and neighbour; groups with an amax under the 1e-10 floor;
+- destinations poisoned with NaN first; count = 0, count = M (even), count < rows of x (a bucket), M = 0,
+  residual=None, strided rows; bad arguments raise ValueError naming the tensor and write nothing.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from nsa_cp import reference
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+from nsa_cp.kernels import norm as K  # noqa: E402
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+FP8 = torch.float8_e4m3fn
+QUANT = "fp8_e4m3_g128"
+
+# Liger-style tolerance tables. y against the fp64 value of the convention, in ulps of y's dtype: bf16/fp16
+# round once (0.5 ulp) after fp32 arithmetic worth ~1e-6 relative; fp32 output keeps the fp32 errors of the
+# sum of squares (a tree of H terms), the division, the square root and two products.
+Y_ULPS = {torch.bfloat16: 1, torch.float16: 1, torch.float32: 8}
+# Share of y elements allowed to differ from the reference on random inputs (only the order of the sum of
+# squares differs, which moves rstd by an fp32 ulp and y across a rounding boundary of its dtype now and then);
+# each such element differs by exactly Y_ULPS at most.
+Y_MISMATCH_SHARE = {torch.bfloat16: 0.02, torch.float16: 0.02, torch.float32: 1.0}
+_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+_MIN_EXP = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}
+
+# (M slot rows, n real rows, rows of x): uneven, count = 0 (empty x and a bucket), even (n = M), a bucket
+# with rows past n, one row, an empty slot
+SLOTS = [(8, 5, 5), (8, 0, 0), (6, 0, 3), (6, 6, 6), (8, 3, 7), (1, 1, 1), (0, 0, 2)]
+HS = [256, 200, 33]  # a multiple of 128, a partial last group, a single short tile row
+EPS = 1e-6
+
+
+def ulp(v64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One ulp of ``dtype`` at the magnitude of each fp64 value (subnormal spacing below the normal range)."""
+    _, e = torch.frexp(v64.abs())
+    e = torch.clamp(e.to(torch.float64) - 1, min=_MIN_EXP[dtype])
+    return torch.pow(2.0, e - _MANTISSA[dtype])
+
+
+def randn(shape, dtype, seed, scale=1.0):
+    """Random, never zero: |v| >= 0.05 * scale."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(shape, generator=g, dtype=torch.float64)
+    v = torch.where(v.abs() < 0.05, torch.copysign(torch.full_like(v, 0.05), v), v)
+    return (v * scale).to(dtype).to(DEVICE)
+
+
+def dyadic(shape, dtype, seed):
+    """Nonzero multiples of 1/8 in [-4, 4]: exact in every dtype, and sums of up to 2^16 squares of sums of two
+    are exact in fp32 in any order."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(1, 33, shape, generator=g) * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
+    return (k.to(torch.float64) / 8).to(dtype).to(DEVICE)
+
+
+def weight_for(h, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(h, generator=g, dtype=torch.float64) + 0.5).to(dtype).to(DEVICE)
+
+
+def nan(shape, dtype):
+    if dtype == FP8:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8)  # e4m3fn NaN
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def count_of(n):
+    return torch.tensor(n, dtype=torch.int32, device=DEVICE)
+
+
+def y64(x, residual, weight, eps=EPS):
+    """The convention in fp64 from the fp32 sum (the sum is defined in fp32)."""
+    s = x.float() + (residual.float() if residual is not None else 0)
+    s = s.double()
+    return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def assert_y_close(got, x, residual, weight, want_ref):
+    dtype = got.dtype
+    exact = y64(x, residual, weight)
+    err = (got.double() - exact).abs()
+    bound = Y_ULPS[dtype] * ulp(exact, dtype)
+    assert bool((err <= bound).all()), f"y off the fp64 value by {(err / ulp(exact, dtype)).max().item()} ulps"
+    differ = got != want_ref
+    if differ.any():
+        share = differ.double().mean().item()
+        assert share <= Y_MISMATCH_SHARE[dtype], f"{share:.3%} of y differs from the reference"
+        gap = (got.double() - want_ref.double()).abs()[differ]
+        assert bool((gap <= Y_ULPS[dtype] * ulp(exact[differ], dtype)).all())
+
+
+# ---- add + norm into a slot
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,rows", SLOTS)
+@pytest.mark.parametrize("h", HS)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_into_slot_random(dtype, m, n, rows, h, with_residual):
+    seed = m * 1000 + n * 100 + rows * 10 + h
+    x = randn((rows, h), dtype, seed)
+    residual = randn((rows, h), dtype, seed + 1) if with_residual else None
+    weight = weight_for(h, dtype, seed + 2)
+    x0 = x.clone()
+    res_got = residual.clone() if with_residual else None
+    res_want = residual.clone() if with_residual else None
+    got, want = nan((m, h), dtype), nan((m, h), dtype)
+    K.fused_add_rmsnorm_into(x, res_got, weight, EPS, got, count_of(n))
+    reference.fused_add_rmsnorm_into_slot(x, res_want, weight, EPS, want, n)
+
+    assert torch.equal(x, x0)
+    if with_residual:
+        assert torch.equal(res_got, res_want)  # rows [0, n) updated, the rest untouched (both sides)
+        assert torch.equal(res_got[n:], residual[n:])
+    assert bool((got[n:] == 0).all()), "padding rows must be exactly zero"
+    assert not torch.isnan(got).any()
+    assert_y_close(got[:n], x[:n], None if residual is None else residual[:n], weight, want[:n])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h", [256, 600])
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32])
+def test_norm_into_slot_equals_reference_on_exact_inputs(dtype, h, weight_dtype):
+    """On the dyadic grid every step is order-independent: the kernel is the reference bit for bit."""
+    m, n = 7, 5
+    x, residual = dyadic((6, h), dtype, 1), dyadic((6, h), dtype, 2)
+    weight = weight_for(h, weight_dtype or dtype, 3)
+    res_got, res_want = residual.clone(), residual.clone()
+    got, want = nan((m, h), dtype), nan((m, h), dtype)
+    K.fused_add_rmsnorm_into(x, res_got, weight, EPS, got, count_of(n))
+    reference.fused_add_rmsnorm_into_slot(x, res_want, weight, EPS, want, n)
+    assert torch.equal(res_got, res_want)
+    assert torch.equal(got, want)
+    assert_y_close(got[:n], x[:n], residual[:n], weight, want[:n])
+
+
+def test_norm_into_slot_strided_rows_and_row_views():
+    """x with a row stride wider than H, the slot a view into a larger gather buffer (rank 1's rows)."""
+    h, m, n = 128, 4, 3
+    x = randn((n, 2, h), torch.bfloat16, 5)[:, 1]
+    residual_buf = randn((n, 3 * h), torch.bfloat16, 6)
+    residual = residual_buf[:, h : 2 * h]
+    weight = weight_for(h, torch.bfloat16, 7)
+    want_res = residual.clone()
+    want = nan((m, h), torch.bfloat16)
+    reference.fused_add_rmsnorm_into_slot(x, want_res, weight, EPS, want, n)
+    buffer = nan((3 * m, h), torch.bfloat16)
+    before = residual_buf.clone()
+    K.fused_add_rmsnorm_into(x, residual, weight, EPS, buffer[m : 2 * m], count_of(n))
+    assert torch.isnan(buffer[:m]).all() and torch.isnan(buffer[2 * m :]).all()  # other ranks' slots untouched
+    assert torch.equal(residual, want_res)
+    assert torch.equal(residual_buf[:, :h], before[:, :h]) and torch.equal(residual_buf[:, 2 * h :], before[:, 2 * h :])
+    assert_y_close(buffer[m : m + n], x, before[:, h : 2 * h], weight, want[:n])
+    assert bool((buffer[m + n : 2 * m] == 0).all())
+
+
+def test_count_is_read_on_device_and_clamped():
+    """The count tensor, not the host, decides the rows; counts past x's rows stop at x's rows."""
+    h = 128
+    x, residual = randn((3, h), torch.float16, 8), randn((3, h), torch.float16, 9)
+    weight = weight_for(h, torch.float16, 10)
+    for n_dev, real in [(2, 2), (7, 3), (-4, 0)]:
+        got = nan((5, h), torch.float16)
+        res = residual.clone()
+        K.fused_add_rmsnorm_into(x, res, weight, EPS, got, torch.tensor([n_dev], dtype=torch.int32, device=DEVICE))
+        want_res = residual.clone()
+        want = nan((5, h), torch.float16)
+        reference.fused_add_rmsnorm_into_slot(x, want_res, weight, EPS, want, real)
+        assert torch.equal(res, want_res) and bool((got[real:] == 0).all()), n_dev
+        assert_y_close(got[:real], x[:real], residual[:real], weight, want[:real])
+
+
+# ---- add + norm + FP8 into a slot, and the quant-only kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,rows", [(8, 5, 5), (6, 0, 3), (6, 6, 6), (8, 3, 7), (0, 0, 1)])
+@pytest.mark.parametrize("h", [128, 384])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_fp8_into_slot(dtype, m, n, rows, h, with_residual):
+    seed = 7 + m * 100 + n * 10 + rows + h
+    x = randn((rows, h), dtype, seed)
+    residual = randn((rows, h), dtype, seed + 1) if with_residual else None
+    weight = weight_for(h, dtype, seed + 2)
+    res_q = residual.clone() if with_residual else None
+    res_y = residual.clone() if with_residual else None
+    q, scale = nan((m, h), FP8), nan((m, h // 128), torch.float32)
+    K.fused_add_rmsnorm_into(x, res_q, weight, EPS, q, count_of(n), quant=QUANT, dst_scale=scale)
+    # the same kernel's y (same tiles, same reduction order): q must be the reference quantization of it
+    y = nan((m, h), dtype)
+    K.fused_add_rmsnorm_into(x, res_y, weight, EPS, y, count_of(n))
+    want_q, want_scale = nan((m, h), FP8), nan((m, h // 128), torch.float32)
+    reference.quant_fp8_g128_into_slot(y, want_q, want_scale, n)
+    assert torch.equal(bits(q), bits(want_q))
+    assert torch.equal(scale, want_scale)
+    if with_residual:
+        assert torch.equal(res_q, res_y)
+        assert torch.equal(res_q[n:], residual[n:])
+    assert bool((bits(q[n:]) == 0).all())
+    assert bool((scale[n:] == reference.FP8_PAD_SCALE).all())
+    assert reference.FP8_PAD_SCALE == float(torch.tensor(1e-10, dtype=torch.float32) / 448)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_fp8_equals_reference_on_exact_inputs(dtype):
+    h, m, n = 256, 5, 4
+    x, residual = dyadic((n, h), dtype, 11), dyadic((n, h), dtype, 12)
+    weight = weight_for(h, dtype, 13)
+    res_got, res_want = residual.clone(), residual.clone()
+    q, scale = nan((m, h), FP8), nan((m, 2), torch.float32)
+    want_q, want_scale = nan((m, h), FP8), nan((m, 2), torch.float32)
+    K.fused_add_rmsnorm_into(x, res_got, weight, EPS, q, count_of(n), quant=QUANT, dst_scale=scale)
+    reference.fused_add_rmsnorm_quant_into_slot(x, res_want, weight, EPS, want_q, want_scale, n)
+    assert torch.equal(res_got, res_want)
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,rows", [(6, 4, 4), (6, 0, 0), (5, 5, 5), (6, 2, 5)])
+def test_quant_into_slot(dtype, m, n, rows):
+    h = 384
+    x = randn((rows, h), dtype, 20 + rows)
+    if rows >= 3:
+        x[1, 128:256] = randn((128,), dtype, 21, scale=1e-12)  # amax under the 1e-10 floor
+        x[2, :128] = randn((128,), dtype, 22, scale=1e-6)  # small, above the floor
+    x0 = x.clone()
+    q, scale = nan((m, h), FP8), nan((m, 3), torch.float32)
+    want_q, want_scale = nan((m, h), FP8), nan((m, 3), torch.float32)
+    K.quant_fp8_g128_into(x, q, scale, count_of(n))
+    reference.quant_fp8_g128_into_slot(x, want_q, want_scale, n)
+    assert torch.equal(x, x0)
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
+    assert bool((scale[n:] == reference.FP8_PAD_SCALE).all()) and bool((bits(q[n:]) == 0).all())
+    if n >= 3 and dtype != torch.float16:  # fp16 flushes 1e-12 to zero
+        assert scale[1, 1].item() == reference.FP8_PAD_SCALE  # the floored group
+
+
+def _e4m3_probe_values() -> torch.Tensor:
+    """Every finite positive e4m3fn value, every midpoint between neighbours (ties), the fp32 neighbours of each
+    midpoint, values under the smallest subnormal, all with both signs: fp32, multiples of nothing in particular."""
+    finite = torch.arange(1, 0x7F, dtype=torch.uint8).view(FP8).to(torch.float32)  # 2^-9 .. 448
+    grid = torch.cat([torch.zeros(1), finite])
+    mids = (grid[1:] + grid[:-1]) / 2
+    up = torch.nextafter(mids, torch.full_like(mids, 1e9))
+    down = torch.nextafter(mids, torch.zeros_like(mids))
+    tiny = torch.tensor([2.0**-11, 2.0**-10, 2.0**-10 * 1.5, 2.0**-12])
+    values = torch.cat([finite, mids, up, down, tiny])
+    return torch.cat([values, -values])
+
+
+def test_quant_rounds_every_e4m3_value_tie_and_neighbour_like_torch():
+    """scale = 1 exactly (each group's amax is 448), so q = round_e4m3(x): the kernel's round-to-nearest-even
+    against torch's float8_e4m3fn conversion, on every case the format has."""
+    values = _e4m3_probe_values()
+    per_group = 127
+    groups = -(-values.numel() // per_group)
+    padded = torch.cat([values, values[: groups * per_group - values.numel()]]).reshape(groups, per_group)
+    x = torch.cat([torch.full((groups, 1), 448.0), padded], dim=1).reshape(1, groups * 128).to(DEVICE)
+    q, scale = nan((1, groups * 128), FP8), nan((1, groups), torch.float32)
+    K.quant_fp8_g128_into(x, q, scale, count_of(1))
+    assert bool((scale == 1.0).all())
+    want = x.clamp(-448, 448).to(FP8)
+    assert torch.equal(bits(q), bits(want)), (x[bits(q) != bits(want)], q.float()[bits(q) != bits(want)])
+    want_q, want_scale = reference.quant_fp8_g128(x)
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quant_round_trip_bound(dtype):
+    """|x - q * scale| <= 2^-4 |x| (3 mantissa bits, nearest) + 2^-10 scale (subnormal spacing, half of 2^-9)."""
+    h = 512
+    x = randn((6, h), dtype, 30)
+    x[3] = randn((h,), dtype, 31, scale=1e-3)
+    q, scale = K.quant_fp8_g128(x)
+    deq = reference.dequant_fp8_g128(q, scale, torch.float32).double()
+    xs = x.double()
+    bound = xs.abs() * 2.0**-4 + scale.double().repeat_interleave(128, dim=1) * 2.0**-10
+    assert bool(((deq - xs).abs() <= bound * (1 + 1e-6)).all())
+    assert bool((scale.double() * 448 >= xs.abs().reshape(6, 4, 128).amax(-1) * (1 - 1e-6)).all())
+
+
+# ---- the local, in-place norm (after a reduce-scatter)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,h", [(5, 256), (3, 200), (0, 64), (1, 7)])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("into", ["x", "out"])
+def test_fused_add_rmsnorm_local(dtype, rows, h, with_residual, into):
+    x = randn((rows, h), dtype, 40 + rows + h)
+    residual = randn((rows, h), dtype, 41) if with_residual else None
+    weight = weight_for(h, dtype, 42)
+    x0 = x.clone()
+    res_want = residual.clone() if with_residual else None
+    want, _ = reference.fused_add_rmsnorm(x0, res_want, weight, EPS)
+    res_got = residual.clone() if with_residual else None
+    out = nan((rows, h), dtype) if into == "out" else None
+    y, r = K.fused_add_rmsnorm(x, res_got, weight, EPS, out=out)
+    assert r is res_got
+    if into == "x":
+        assert y is x
+    else:
+        assert y is out and torch.equal(x, x0)
+    if with_residual:
+        assert torch.equal(res_got, res_want)
+    assert not torch.isnan(y).any()
+    assert_y_close(y, x0, residual, weight, want)
+
+
+def test_weight_parameter_that_requires_grad():
+    h = 128
+    weight = torch.nn.Parameter(weight_for(h, torch.float32, 50))
+    x, residual = randn((3, h), torch.bfloat16, 51), randn((3, h), torch.bfloat16, 52)
+    got = nan((4, h), torch.bfloat16)
+    K.fused_add_rmsnorm_into(x, residual, weight, EPS, got, count_of(3))
+    assert not torch.isnan(got).any() and weight.grad is None
+
+
+# ---- bad arguments: ValueError naming the tensor and shapes, nothing written
+
+
+def _bad_calls():
+    h = 200
+    x, residual = randn((3, h), torch.bfloat16, 60), randn((3, h), torch.bfloat16, 61)
+    w = weight_for(h, torch.bfloat16, 62)
+    c = count_of(3)
+    x128, r128, w128 = randn((3, 256), torch.bfloat16, 63), randn((3, 256), torch.bfloat16, 64), weight_for(256, torch.bfloat16, 65)
+    yield "x: fp8_e4m3_g128 needs H a multiple of 128, got shape \\[3, 200\\]", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x, r, w, EPS, d, c, quant=QUANT, dst_scale=s)
+    ), (4, h), True
+    yield "x: fp8_e4m3_g128 needs H a multiple of 128, got shape \\[3, 200\\]", (
+        lambda d, s, r: K.quant_fp8_g128_into(x, d, s, c)
+    ), (4, h), True
+    yield "weight: expected shape \\[200\\]", (lambda d, s, r: K.fused_add_rmsnorm_into(x, r, w[:100], EPS, d, c)), (4, h), False
+    yield "weight: expected a bf16/fp16/fp32 tensor", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x, r, torch.ones(h, dtype=torch.int32, device=DEVICE), EPS, d, c)
+    ), (4, h), False
+    yield "residual: expected shape \\[3, 200\\], got \\[2, 200\\]", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x, r[:2], w, EPS, d, c)
+    ), (4, h), False
+    yield "dst: expected shape \\[4, 200\\], got \\[4, 100\\]", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x, r, w, EPS, d[:, :100], c)
+    ), (4, h), False
+    yield "dst: expected dtype torch.float8_e4m3fn", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x128, r128, w128, EPS, nan((4, 256), torch.bfloat16), c, quant=QUANT, dst_scale=s)
+    ), (4, 256), True
+    yield "dst_scale: expected shape \\[4, 2\\], got \\[4, 3\\]", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x128, r128, w128, EPS, d, c, quant=QUANT, dst_scale=nan((4, 3), torch.float32))
+    ), (4, 256), True
+    yield "dst_scale: fp8_e4m3_g128 needs", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x128, r128, w128, EPS, d, c, quant=QUANT)
+    ), (4, 256), True
+    yield "count: expected one int32 element", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x, r, w, EPS, d, torch.tensor(3, device=DEVICE))
+    ), (4, h), False
+    yield "quant: expected None or one of", (
+        lambda d, s, r: K.fused_add_rmsnorm_into(x128, r128, w128, EPS, d, c, quant="fp8", dst_scale=s)
+    ), (4, 256), True
+    yield "x: expected a 2-D", (lambda d, s, r: K.fused_add_rmsnorm_into(x[0], r, w, EPS, d, c)), (4, h), False
+    yield "x: expected dtype bfloat16, float16 or float32", (
+        lambda d, s, r: K.quant_fp8_g128_into(torch.ones(3, 128, dtype=torch.int32, device=DEVICE), d, s, c)
+    ), (4, 128), True
+    yield "residual", (lambda d, s, r: K.fused_add_rmsnorm_into(x, r.float(), w, EPS, d, c)), (4, h), False
+
+
+@pytest.mark.parametrize("words,call,dst_shape,fp8", list(_bad_calls()))
+def test_bad_arguments_write_nothing(words, call, dst_shape, fp8):
+    dst = nan(dst_shape, FP8 if fp8 else torch.bfloat16)
+    scale = nan((dst_shape[0], dst_shape[1] // 128), torch.float32)
+    residual = randn((3, dst_shape[1]), torch.bfloat16, 61 if dst_shape[1] == 200 else 64)
+    res0 = residual.clone()
+    with pytest.raises(ValueError, match=words):
+        call(dst, scale, residual)
+    assert bool((bits(dst) == 0x7F).all()) if fp8 else bool(torch.isnan(dst).all())
+    assert torch.isnan(scale).all()
+    assert torch.equal(residual, res0)
