@@ -1,0 +1,654 @@
+"""A DeepSeek-V3.2-shaped prefill under context parallelism, checked against the same model without CP.
+
+Launch (one process per CP rank)::
+
+    torchrun --nproc-per-node 2 examples/nsa_prefill.py --device cpu                     # gloo, fp32
+    torchrun --nproc-per-node 2 examples/nsa_prefill.py --device cuda \\
+        --enable-nsa-prefill-cp-shared-kv --comm both                                    # NCCL, bf16
+
+Each layer, every rank holding only its own tokens (the residual stream stays local ``[n_r, H]``)::
+
+    RMSNorm -> MLA-like attention -> RMSNorm -> FULL-mode MoE
+    attention: q, the KV latent, the rotary key and the indexer key for the rank's own tokens; the
+               latent/keys of every rank gathered in the batch's token order (shared KV: the ORDERED
+               gather, ``nsa_cp.cp_all_gather(x, layout, group, positions=pos)``); causal attention of
+               the local queries at their global positions, per request; optionally (``--nsa-index-topk
+               K``) an NSA-like selection: each query keeps the K causal keys with the best indexer score.
+    MoE:       the communicator gathers every rank's normed tokens (``prepare_mlp``), the router picks
+               top-k routed experts per token (padding rows' ids -> -1, ``mask_padding_topk_ids``), each
+               rank runs only its own experts (experts sharded over the CP ranks) and writes its partial
+               sums into ``mlp_output_buffer``; ``postprocess_layer`` reduce-scatters them back to the
+               rank's tokens, and the shared expert adds its output on the local tokens.
+
+Flags that choose the path:
+
+* ``--enable-nsa-prefill-cp-shared-kv``: the page-aligned in-seq split (``in_seq_split(seq_lens, cp,
+  page_size)``), uneven shards, no padding rows anywhere. Without it, the old path: SGLang's token
+  zigzag split with every shard padded to one physical length (multiple of 2 * cp_size), so every
+  collective is even and every layer computes on the padding rows (``nsa_cp`` then reduces to the plain
+  NCCL collectives).
+* ``--comm nsa_cp|baseline|both``: ``baseline`` is what a user writes by hand: ``F.pad`` to the longest
+  shard + ``all_gather_into_tensor`` (+ ``index_select`` into token order for the KV) and
+  ``reduce_scatter_tensor`` + a slice of the first ``n_r`` rows.
+
+Output (rank 0): ``max_rel_err=<value>`` per method, the largest over ranks of the relative L2 error of
+the rank's final hidden states against the one-process model; the run exits 1 above ``--tol`` (default
+1e-4 for fp32, 1e-1 for bf16: with bf16 a token whose top-k router scores are nearly tied may pick
+another expert in the two runs, a discrete flip the L2 norm over a rank's tokens absorbs and a per-element
+maximum would not). On CUDA it then prints the prefill time end to end and per phase (attention with its
+KV gather, the KV gather alone, the MoE gather, the MoE, the reduce-scatter) for each method: CUDA events,
+``--warmup`` untimed rounds, the median over ``--iters`` rounds (methods interleaved), the largest over
+ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import nsa_cp
+from nsa_cp.moe import mask_padding_topk_ids
+
+# the baseline is written with the collectives users know; torch 2.13 renamed them (FutureWarning)
+warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
+
+CPU_DEFAULTS = dict(
+    hidden=128, layers=2, heads=4, head_dim=16, rope_dim=8, kv_lora_rank=32, index_heads=2, index_dim=16,
+    experts=12, topk=2, moe_intermediate=64, shared_intermediate=64, seq_lens="37,64,21", page_size=8,
+    dtype="float32", comm="nsa_cp",
+)
+CUDA_DEFAULTS = dict(
+    hidden=7168, layers=4, heads=128, head_dim=64, rope_dim=32, kv_lora_rank=512, index_heads=16, index_dim=64,
+    experts=32, topk=8, moe_intermediate=2048, shared_intermediate=2048, seq_lens="700x64", page_size=64,
+    dtype="bfloat16", comm="both",
+)
+# fp32: the CP run and the reference differ only by summation order. bf16: rounding plus discrete flips (a
+# token whose k-th and (k+1)-th router or indexer scores nearly tie picks differently in the two runs); a
+# bf16 proxy on CPU (H=512, 4 layers, 32 experts top-8, indexer top-256, 2200 tokens) measured 2.7e-2.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+PHASES = ("attention", "kv_gather", "moe_gather", "moe", "reduce_scatter")
+
+
+# ----------------------------------------------------------------------------- arguments
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL (and P2P where it works)")
+    p.add_argument("--comm", choices=("nsa_cp", "baseline", "both"), default=None,
+                   help="which communication to run and check (default: nsa_cp on cpu, both on cuda)")
+    p.add_argument("--enable-nsa-prefill-cp-shared-kv", action="store_true",
+                   help="page-aligned in-seq split, uneven shards (else: token split padded to even shards)")
+    p.add_argument("--seq-lens", default=None, help="request lengths: '700x64' (64 requests of 700) or '37,64,21' or a mix '4000,700x8'")
+    p.add_argument("--page-size", type=int, default=None, help="KV page size of the shared-KV split")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None, help="attention heads")
+    p.add_argument("--head-dim", type=int, default=None, help="per-head dim of q/k (non-rotary part) and v")
+    p.add_argument("--rope-dim", type=int, default=None, help="rotary part of q/k per head (shared key across heads, MLA-like)")
+    p.add_argument("--kv-lora-rank", type=int, default=None, help="KV latent width (what the KV gather moves, MLA-like)")
+    p.add_argument("--index-heads", type=int, default=None, help="NSA indexer heads")
+    p.add_argument("--index-dim", type=int, default=None, help="NSA indexer key/query dim")
+    p.add_argument("--nsa-index-topk", type=int, default=0, help="NSA-like key selection: keys kept per query (0: dense causal)")
+    p.add_argument("--experts", type=int, default=None, help="routed experts (a multiple of the CP size)")
+    p.add_argument("--topk", type=int, default=None, help="routed experts per token")
+    p.add_argument("--moe-intermediate", type=int, default=None)
+    p.add_argument("--shared-intermediate", type=int, default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--backend", choices=("auto", "nccl", "p2p"), default="auto", help="nsa_cp transport (auto: P2P where init_p2p works)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tol", type=float, default=None, help="max_rel_err above this exits 1 (default per dtype)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--no-check", action="store_true", help="skip the one-process reference (timing only)")
+    # a deliberate bug for the tests, to show the check fails when the KV reaches attention out of order
+    p.add_argument("--fault", choices=("none", "kv_order"), default="none", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def parse_seq_lens(text: str) -> List[int]:
+    lens: List[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "x" in part:
+            length, count = part.split("x")
+            lens.extend([int(length)] * int(count))
+        else:
+            lens.append(int(part))
+    if not lens or any(n < 0 for n in lens):
+        raise SystemExit(f"--seq-lens: expected non-negative lengths, got {text!r}")
+    return lens
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class Shape:
+    hidden: int
+    heads: int
+    head_dim: int
+    rope_dim: int
+    kv_lora_rank: int
+    index_heads: int
+    index_dim: int
+    experts: int
+    topk: int
+    moe_intermediate: int
+    shared_intermediate: int
+    nsa_index_topk: int
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of what the attention gathers per token: latent | rotary key | indexer key."""
+        return self.kv_lora_rank + self.rope_dim + self.index_dim
+
+
+def _param(seed: int, *tag: int, shape, fan_in: int, device, dtype) -> torch.Tensor:
+    """Seeded from (seed, tag): the same tensor on every rank and in the reference, whoever makes it."""
+    g = torch.Generator(device=device)
+    g.manual_seed(hash((seed,) + tag) & 0x7FFF_FFFF_FFFF)
+    return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) / math.sqrt(fan_in)).to(dtype)
+
+
+class Layer:
+    """One decoder layer's weights; ``experts`` holds only the routed experts in ``expert_ids``."""
+
+    def __init__(self, s: Shape, index: int, expert_ids: Sequence[int], seed: int, device, dtype):
+        H, nh, d, dr, r = s.hidden, s.heads, s.head_dim, s.rope_dim, s.kv_lora_rank
+
+        def w(tag, shape, fan_in):
+            return _param(seed, index, tag, shape=shape, fan_in=fan_in, device=device, dtype=dtype)
+
+        self.input_norm = nsa_cp.RMSNorm(H, eps=1e-6, dtype=dtype, device=device)
+        self.post_attention_norm = nsa_cp.RMSNorm(H, eps=1e-6, dtype=dtype, device=device)
+        with torch.no_grad():
+            self.input_norm.weight.copy_(1 + 0.1 * w(1, (H,), 1).float())
+            self.post_attention_norm.weight.copy_(1 + 0.1 * w(2, (H,), 1).float())
+        self.w_q = w(3, (H, nh * (d + dr)), H)
+        self.w_kv = w(4, (H, r + dr), H)                      # latent | rotary key
+        self.w_uk = w(5, (r, nh * d), r)
+        self.w_uv = w(6, (r, nh * d), r)
+        self.w_o = w(7, (nh * d, H), nh * d)
+        self.w_index_q = w(8, (H, s.index_heads * s.index_dim), H)
+        self.w_index_k = w(9, (H, s.index_dim), H)
+        self.w_index_weights = w(10, (H, s.index_heads), H)
+        self.w_router = w(11, (H, s.experts), H).float()
+        self.w_shared_gate_up = w(12, (H, 2 * s.shared_intermediate), H)
+        self.w_shared_down = w(13, (s.shared_intermediate, H), s.shared_intermediate)
+        self.expert_ids = list(expert_ids)
+        self.experts = {
+            e: (w(100 + 2 * e, (H, 2 * s.moe_intermediate), H), w(101 + 2 * e, (s.moe_intermediate, H), s.moe_intermediate))
+            for e in self.expert_ids
+        }
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    g, u = (x @ gate_up).chunk(2, dim=-1)
+    return (F.silu(g) * u) @ down
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over the last dim of ``x [n, ..., dr]`` at integer positions ``pos [n]``."""
+    dr = x.shape[-1]
+    if dr == 0:
+        return x
+    inv = 1.0 / (10000 ** (torch.arange(0, dr, 2, device=x.device, dtype=torch.float32) / dr))
+    ang = pos.to(torch.float32)[:, None] * inv[None, :]               # [n, dr/2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dr // 2,)
+    cos, sin = ang.cos().view(shape), ang.sin().view(shape)
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+@dataclass
+class Batch:
+    """The batch's geometry for one rank's queries: which local rows belong to which request."""
+
+    seq_lens: List[int]
+    req_start: List[int]
+    # per request: local row indices, their position inside the request (device tensors), or None
+    groups: List[Optional[tuple]]
+    pos_in_req: torch.Tensor          # [rows] position of each local row inside its request (0 for padding)
+
+
+def make_batch(seq_lens: List[int], positions: torch.Tensor, rows: int, device) -> Batch:
+    """``positions``: batch positions of the first ``len(positions)`` local rows (the rest is padding)."""
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    req_of = torch.bucketize(positions, torch.tensor(starts[1:], dtype=torch.int64), right=True)
+    groups = []
+    pos_in_req = torch.zeros(rows, dtype=torch.int64)
+    pos_in_req[: positions.numel()] = positions - torch.tensor(starts[:-1], dtype=torch.int64)[req_of]
+    for i in range(len(seq_lens)):
+        local = torch.nonzero(req_of == i).flatten()
+        if local.numel() == 0:
+            groups.append(None)
+            continue
+        groups.append((local.to(device), pos_in_req[local].to(device)))
+    return Batch(seq_lens, starts[:-1], groups, pos_in_req.to(device))
+
+
+def attention_core(s: Shape, layer: Layer, q: torch.Tensor, kv: torch.Tensor, batch: Batch, index_q, index_w) -> torch.Tensor:
+    """Causal (optionally NSA-selected) attention of the local queries over the batch's keys.
+
+    q: [rows, heads, head_dim + rope_dim] (rotary part already rotated); kv: [T, kv_width] in batch token
+    order. Returns [rows, heads * head_dim]; rows without a request (padding) get zeros.
+    """
+    nh, d, dr, r = s.heads, s.head_dim, s.rope_dim, s.kv_lora_rank
+    out = q.new_zeros((q.shape[0], nh * d))
+    scale = 1.0 / math.sqrt(d + dr)
+    for i, group in enumerate(batch.groups):
+        if group is None:
+            continue
+        rows, qpos = group
+        start, length = batch.req_start[i], batch.seq_lens[i]
+        keys = kv[start : start + length]
+        latent, k_pe, k_index = keys[:, :r], keys[:, r : r + dr], keys[:, r + dr :]
+        k_nope = (latent @ layer.w_uk).view(length, nh, d)
+        v = (latent @ layer.w_uv).view(length, nh, d)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(length, nh, dr)], dim=-1)
+        kpos = torch.arange(length, device=q.device)
+        allowed = kpos[None, :] <= qpos[:, None]                                          # [nq, L]
+        if s.nsa_index_topk and s.nsa_index_topk < length:
+            # lightning-indexer-like score: sum_h w_h * relu(q_h . k), fp32; keep the top K causal keys
+            iq = index_q[rows].float()                                                    # [nq, hI, dI]
+            score = torch.einsum("qhd,kd->qhk", iq, k_index.float()).relu()
+            score = (score * index_w[rows].float()[:, :, None]).sum(1)                    # [nq, L]
+            score = score.masked_fill(~allowed, float("-inf"))
+            top = score.topk(s.nsa_index_topk, dim=-1).indices
+            chosen = torch.zeros_like(allowed).scatter_(1, top, True)
+            allowed = allowed & chosen
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=allowed[None, None], scale=scale,
+        )                                                                                 # [1, nh, nq, d]
+        out[rows] = o[0].transpose(0, 1).reshape(rows.numel(), nh * d)
+    return out
+
+
+def project_local(s: Shape, layer: Layer, x: torch.Tensor, batch: Batch):
+    """Per-token projections of this rank's normed rows: q (rotated), what the KV gather moves, indexer q."""
+    n = x.shape[0]
+    q = (x @ layer.w_q).view(n, s.heads, s.head_dim + s.rope_dim)
+    q = torch.cat([q[..., : s.head_dim], rope(q[..., s.head_dim :], batch.pos_in_req)], dim=-1)
+    ckv = x @ layer.w_kv
+    kv = torch.cat([ckv[:, : s.kv_lora_rank], rope(ckv[:, s.kv_lora_rank :], batch.pos_in_req), x @ layer.w_index_k], dim=-1)
+    index_q = (x @ layer.w_index_q).view(n, s.index_heads, s.index_dim)
+    index_w = x @ layer.w_index_weights
+    return q, kv, index_q, index_w
+
+
+def route(s: Shape, layer: Layer, x: torch.Tensor):
+    """Top-k routed experts per row (fp32 router, softmax, renormalised weights)."""
+    probs = torch.softmax(x.float() @ layer.w_router, dim=-1)
+    weights, ids = probs.topk(s.topk, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def routed_experts(layer: Layer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over this process's experts of weight * expert(x) per row; ids -1 are skipped."""
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in layer.expert_ids:
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        y = swiglu(x[tok], *layer.experts[e])
+        acc.index_add_(0, tok, y.float() * weights[tok, slot, None])
+    return acc
+
+
+# ----------------------------------------------------------------------------- communication
+def _ordered_gather_supported() -> bool:
+    return "positions" in inspect.signature(nsa_cp.cp_all_gather).parameters
+
+
+class FaultyKV:
+    """Wraps a communication method and swaps two neighbouring rows of every KV gather (``--fault kv_order``)."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def kv_gather(self, kv_local):
+        kv = self.inner.kv_gather(kv_local)
+        if kv.shape[0] >= 2:
+            kv = torch.cat([kv[1:2], kv[:1], kv[2:]])
+        return kv
+
+
+class NsaComm:
+    """nsa_cp: one NSACPLayerCommunicator per layer (it owns the layer's norms) and the ordered KV gather."""
+
+    name = "nsa_cp"
+
+    def __init__(self, group, layers, layout, kv_layout, positions, rank, backend, p2p_args):
+        self.layout, self.kv_layout, self.positions, self.group, self.backend = layout, kv_layout, positions, group, backend
+        self.ordered = _ordered_gather_supported()
+        if not self.ordered:
+            self.restore = torch.empty_like(positions)
+            self.restore[positions] = torch.arange(positions.numel(), device=positions.device)
+        self.comms = [
+            nsa_cp.NSACPLayerCommunicator(group, layer.input_norm, layer.post_attention_norm, mlp_mode="full",
+                                          backend=backend, **p2p_args)
+            for layer in layers
+        ]
+        start = rank * layout.max_rank_len
+        self.own = slice(start, start + layout.per_rank_actual_token[rank])
+
+    def prepare_attn(self, i, h, residual):
+        return self.comms[i].prepare_attn(h, residual, self.layout)
+
+    def kv_gather(self, kv_local):
+        if self.ordered:
+            return nsa_cp.cp_all_gather(kv_local, self.kv_layout, self.group, positions=self.positions, backend=self.backend)
+        # until the ordered gather lands: the compact gather and one index_select into token order
+        return nsa_cp.cp_all_gather(kv_local, self.kv_layout, self.group, compact=True, backend=self.backend).index_select(0, self.restore)
+
+    def prepare_mlp(self, i, attn, residual):
+        """-> (gathered [M * cp, H] rank-major, residual, this rank's normed rows [rows, H])."""
+        gathered, residual = self.comms[i].prepare_mlp(attn, residual, self.layout)
+        return gathered, residual, gathered[self.own]
+
+    def mlp_output_buffer(self, i, like):
+        return self.comms[i].mlp_output_buffer(self.layout, like)
+
+    def postprocess_layer(self, i, partials, residual):
+        return self.comms[i].postprocess_layer(partials, residual, self.layout)
+
+
+class BaselineComm:
+    """What a user writes by hand: F.pad to the longest shard, equal-shard NCCL collectives, slices."""
+
+    name = "baseline"
+
+    def __init__(self, group, layers, layout, kv_layout, positions, rank):
+        self.group, self.layers, self.layout, self.kv_layout, self.rank = group, layers, layout, kv_layout, rank
+        m = kv_layout.max_rank_len
+        # batch position -> row of the padded rank-major gather
+        rows = torch.cat([torch.arange(n) + q * m for q, n in enumerate(kv_layout.per_rank_actual_token)]).to(positions.device)
+        self.kv_index = torch.empty_like(positions)
+        self.kv_index[positions] = rows
+
+    def _pad_gather(self, x, layout):
+        m = layout.max_rank_len
+        padded = F.pad(x, (0, 0, 0, m - x.shape[0]))
+        out = x.new_empty((m * layout.cp_size, x.shape[1]))
+        dist.all_gather_into_tensor(out, padded, group=self.group)
+        return out
+
+    def prepare_attn(self, i, h, residual):
+        norm = self.layers[i].input_norm
+        return (norm(h), h) if residual is None else norm(h, residual)
+
+    def kv_gather(self, kv_local):
+        return self._pad_gather(kv_local, self.kv_layout).index_select(0, self.kv_index)
+
+    def prepare_mlp(self, i, attn, residual):
+        normed, residual = self.layers[i].post_attention_norm(attn, residual)
+        return self._pad_gather(normed, self.layout), residual, normed
+
+    def mlp_output_buffer(self, i, like):
+        return torch.empty_like(like)
+
+    def postprocess_layer(self, i, partials, residual):
+        m = self.layout.max_rank_len
+        out = partials.new_empty((m, partials.shape[1]))
+        dist.reduce_scatter_tensor(out, partials, group=self.group)
+        return out[: self.layout.per_rank_actual_token[self.rank]], residual
+
+
+# ----------------------------------------------------------------------------- forward passes
+class Timer:
+    """Per-phase CUDA-event timing of one forward (a no-op when disabled)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.events: Dict[str, list] = {p: [] for p in PHASES}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events[name].append((start, end))
+
+    def totals_ms(self) -> Dict[str, float]:
+        return {p: sum(s.elapsed_time(e) for s, e in pairs) for p, pairs in self.events.items()}
+
+
+def forward_cp(s: Shape, layers: List[Layer], x: torch.Tensor, batch: Batch, comm, logical_layout, rank, timer: Timer):
+    """This rank's prefill: x [rows, H] (its tokens, then padding rows on the old path) -> final hidden."""
+    residual = None
+    h = x
+    real = logical_layout.per_rank_actual_token[rank]
+    for i, layer in enumerate(layers):
+        with timer.phase("attention"):
+            normed, residual = comm.prepare_attn(i, h, residual)
+            q, kv_local, index_q, index_w = project_local(s, layer, normed, batch)
+            with timer.phase("kv_gather"):
+                kv = comm.kv_gather(kv_local[:real])                    # [T, kv_width], batch order
+            attn = attention_core(s, layer, q, kv, batch, index_q, index_w) @ layer.w_o
+        with timer.phase("moe_gather"):
+            gathered, residual, normed = comm.prepare_mlp(i, attn, residual)   # [M * cp, H] rank-major
+        with timer.phase("moe"):
+            weights, ids = route(s, layer, gathered)
+            mask_padding_topk_ids(ids, logical_layout)                   # padding rows route nowhere
+            partials = comm.mlp_output_buffer(i, gathered)
+            partials.copy_(routed_experts(layer, gathered, weights, ids))
+            shared = swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
+        with timer.phase("reduce_scatter"):
+            moe_out, residual = comm.postprocess_layer(i, partials, residual)   # [rows, H]: this rank's sums
+        h = moe_out + shared
+    return layers[-1].input_norm(h, residual)[0] if layers else x
+
+
+def forward_reference(s: Shape, layers: List[Layer], x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The same model on one process: every token, every expert, no communication."""
+    residual = None
+    h = x
+    for layer in layers:
+        normed, residual = (layer.input_norm(h), h) if residual is None else layer.input_norm(h, residual)
+        q, kv, index_q, index_w = project_local(s, layer, normed, batch)
+        attn = attention_core(s, layer, q, kv, batch, index_q, index_w) @ layer.w_o
+        normed, residual = layer.post_attention_norm(attn, residual)
+        weights, ids = route(s, layer, normed)
+        h = routed_experts(layer, normed, weights, ids).to(normed.dtype) + swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
+    return layers[-1].input_norm(h, residual)[0] if layers else x
+
+
+# ----------------------------------------------------------------------------- driver
+def _setup(args):
+    own_group = not dist.is_initialized()
+    if own_group:
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast is off on the machines we measure
+        dist.init_process_group(backend)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    return own_group, device
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the example on this rank; returns {method: max_rel_err} and the timings (rank 0's view)."""
+    own_group, device = _setup(args)
+    try:
+        return _run(args, device)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _run(args, device) -> dict:
+    group = None
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    dtype = getattr(torch, args.dtype)
+    s = Shape(args.hidden, args.heads, args.head_dim, args.rope_dim, args.kv_lora_rank, args.index_heads, args.index_dim,
+              args.experts, args.topk, args.moe_intermediate, args.shared_intermediate, args.nsa_index_topk)
+    if s.experts % cp:
+        raise SystemExit(f"--experts: expected a multiple of the CP size {cp}, got {s.experts}")
+    if s.topk > s.experts:
+        raise SystemExit(f"--topk: expected <= --experts {s.experts}, got {s.topk}")
+    seq_lens = parse_seq_lens(args.seq_lens)
+    total = sum(seq_lens)
+
+    # the split: shared KV -> page-aligned in-seq split, uneven, no padding; else the token split padded
+    # to SGLang's physical length (a multiple of 2 * cp), even collectives, padding rows in every layer
+    page = args.page_size if args.enable_nsa_prefill_cp_shared_kv else 1
+    counts = nsa_cp.in_seq_split(seq_lens, cp, page)
+    pos_per_rank = nsa_cp.in_seq_positions(seq_lens, cp, page)
+    positions = torch.cat(pos_per_rank).to(device)
+    logical = nsa_cp.ShardLayout(counts)
+    if args.enable_nsa_prefill_cp_shared_kv:
+        layout = logical
+    else:
+        physical = -(-max(counts) // (2 * cp)) * (2 * cp)
+        layout = nsa_cp.ShardLayout([physical] * cp)
+        logical = nsa_cp.ShardLayout(counts, align=physical) if physical else logical
+    rows = layout.per_rank_actual_token[rank]
+
+    # the batch's input hidden states (seeded, same on every rank); this rank's rows, then zero padding
+    x_all = _param(args.seed, -1, shape=(total, s.hidden), fan_in=1, device=device, dtype=dtype)
+    x_local = x_all.new_zeros((rows, s.hidden))
+    x_local[: counts[rank]] = x_all[pos_per_rank[rank].to(device)]
+    batch = make_batch(seq_lens, pos_per_rank[rank], rows, device)
+
+    per_rank = s.experts // cp
+    layers = [Layer(s, i, range(rank * per_rank, (rank + 1) * per_rank), args.seed, device, dtype) for i in range(args.layers)]
+
+    methods = ["nsa_cp", "baseline"] if args.comm == "both" else [args.comm]
+    comms = {}
+    for method in methods:
+        if method == "nsa_cp":
+            p2p_args = {}
+            if device.type == "cuda" and args.backend != "nccl":
+                p2p_args = dict(p2p_max_tokens_per_rank=max(layout.max_rank_len, 1), hidden_size=s.hidden, dtype=dtype)
+            comms[method] = NsaComm(group, layers, layout, logical, positions, rank, args.backend, p2p_args)
+        else:
+            comms[method] = BaselineComm(group, layers, layout, logical, positions, rank)
+        if args.fault == "kv_order":
+            comms[method] = FaultyKV(comms[method])
+
+    report = {"rank": rank, "counts": counts, "rows": layout.per_rank_actual_token, "errors": {}, "times": {}}
+    if rank == 0:
+        split = "page-aligned in-seq split (shared KV)" if args.enable_nsa_prefill_cp_shared_kv else "token split padded to even shards"
+        print(f"nsa_prefill: cp={cp} device={device.type} dtype={args.dtype} tokens={total} requests={len(seq_lens)} "
+              f"split={split} page={page} per_rank={counts} rows={list(layout.per_rank_actual_token)} "
+              f"layers={args.layers} H={s.hidden} heads={s.heads}x{s.head_dim}+{s.rope_dim} kv_lora={s.kv_lora_rank} "
+              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk} "
+              f"ordered_gather={'positions=' if _ordered_gather_supported() else 'compact+index_select (fallback)'}", flush=True)
+
+    outputs = {}
+    with torch.no_grad():
+        for method, comm in comms.items():
+            outputs[method] = forward_cp(s, layers, x_local, batch, comm, logical, rank, Timer(False))[: counts[rank]]
+
+        if not args.no_check:
+            tol = args.tol if args.tol is not None else TOLERANCE[dtype]
+            # every rank's real rows into batch order on rank 0 (plain collectives: the check relies on
+            # nothing under test)
+            m = max(max(counts), 1)
+            place = torch.cat([torch.arange(n) + q * m for q, n in enumerate(counts)]).to(device)
+            reference = None
+            if rank == 0:
+                full_layers = [Layer(s, i, range(s.experts), args.seed, device, dtype) for i in range(args.layers)]
+                ref_batch = make_batch(seq_lens, torch.arange(total), total, device)
+                reference = forward_reference(s, full_layers, x_all, ref_batch)
+                del full_layers
+            for method, out in outputs.items():
+                padded = F.pad(out, (0, 0, 0, m - out.shape[0]))
+                gathered = out.new_empty((m * cp, s.hidden))
+                dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+                if rank == 0:
+                    errs = []
+                    for q in range(cp):
+                        mine = gathered[place[sum(counts[:q]) : sum(counts[: q + 1])]].float()
+                        ref = reference[pos_per_rank[q].to(device)].float()
+                        denom = ref.norm().item()
+                        errs.append((mine - ref).norm().item() / denom if denom else (mine - ref).norm().item())
+                    err = max(errs) if errs else 0.0
+                    finite = all(math.isfinite(e) for e in errs)
+                    report["errors"][method] = err
+                    print(f"{method}: max_rel_err={err:.3e} (tol {tol:.0e}, per rank {[f'{e:.2e}' for e in errs]})"
+                          f"{'' if finite and err <= tol else '  FAILED'}", flush=True)
+            report["tol"] = tol
+
+        if device.type == "cuda" and args.iters > 0:
+            report["times"] = _bench(args, s, layers, x_local, batch, comms, logical, rank)
+    verdict = torch.tensor([int(all(math.isfinite(e) and e <= report.get("tol", math.inf) for e in report["errors"].values()))],
+                           device=device)
+    dist.broadcast(verdict, 0, group=group)
+    report["ok"] = bool(verdict.item())
+    return report
+
+
+def _bench(args, s, layers, x_local, batch, comms, logical, rank) -> dict:
+    """Interleaved rounds of every method; median per method and phase, then the max over ranks."""
+    samples = {m: {p: [] for p in ("e2e",) + PHASES} for m in comms}
+    for it in range(args.warmup + args.iters):
+        for method, comm in comms.items():
+            dist.barrier()
+            torch.cuda.synchronize()
+            timer = Timer(True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward_cp(s, layers, x_local, batch, comm, logical, rank, timer)
+            end.record()
+            torch.cuda.synchronize()
+            if it >= args.warmup:
+                samples[method]["e2e"].append(start.elapsed_time(end))
+                for p, v in timer.totals_ms().items():
+                    samples[method][p].append(v)
+    med = torch.tensor([[statistics.median(samples[m][p]) for p in ("e2e",) + PHASES] for m in comms],
+                       dtype=torch.float64, device=x_local.device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    times = {m: dict(zip(("e2e",) + PHASES, med[i].tolist())) for i, m in enumerate(comms)}
+    if rank == 0:
+        print(f"prefill times, ms (median of {args.iters} after {args.warmup} warm-up, max over ranks; kv_gather is inside attention):")
+        print(f"  {'method':<10}" + "".join(f"{p:>16}" for p in ("e2e",) + PHASES))
+        for m, t in times.items():
+            print(f"  {m:<10}" + "".join(f"{t[p]:>16.3f}" for p in ("e2e",) + PHASES))
+        if "nsa_cp" in times and "baseline" in times:
+            b, n = times["baseline"], times["nsa_cp"]
+            print("  baseline/nsa_cp: " + ", ".join(f"{p} {b[p] / n[p]:.2f}x" for p in ("e2e",) + PHASES if n[p] > 0))
+    return times
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    report = run(args)
+    if report["rank"] == 0 and not args.no_check:
+        print(f"max_rel_err={max(report['errors'].values()) if report['errors'] else float('nan'):.3e} "
+              f"tol={report.get('tol', float('nan')):.0e} ok={report['ok']} wall_s={time.perf_counter() - started:.1f}", flush=True)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
