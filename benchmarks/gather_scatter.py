@@ -1005,6 +1005,8 @@ def format_host_summary(result) -> str:
         lines.append("*** CPU/gloo run: host times of the CPU path, not of a GPU launch ***")
     for cfg, rows in sorted(by_cfg.items()):
         r0 = next(iter(rows.values()))
+        if r0["padding_frac"] == 0:  # even layouts take the plain collective: the targets are for uneven calls
+            continue
         lines.append(f"counts [{r0['counts'].replace('/', ', ')}]  M={r0['max_rank_len']}")
         for direction, specs in HOST_ROWS.items():
             base = rows.get(specs[0][0])
@@ -1016,7 +1018,35 @@ def format_host_summary(result) -> str:
                 ratio = r["host_ms"] / base["host_ms"] if base and base["host_ms"] > 0 else float("nan")
                 verdict = "" if target is None else f"  target <= {target:.2f}x: {'ok' if ratio <= target else 'MISS'}"
                 lines.append(f"  {direction}  {label:<30}{us:9.1f} us  {ratio:6.2f}x{verdict}")
+    lines += format_symm_summary(result)
     return "\n".join(lines)
+
+
+def format_symm_summary(result) -> List[str]:
+    """Device ms of the plain collectives on symmetric buffers against the even collective timed beside
+    them (even_*@symm) and the one of the main run at the same M (even layout)."""
+    main_even = {(r["max_rank_len"], r["method"]): r for r in result["rows"]  # even_* time [M, H] per rank
+                 if r["config"] < SYMM_CONFIG_BASE and r["method"] in EVEN.values()}
+    symm = {(r["max_rank_len"], r["method"]): r for r in result["rows"] if r["config"] >= SYMM_CONFIG_BASE}
+    lines = []
+    for M in sorted({m for m, _ in symm}):
+        for d in ("ag", "rs"):
+            s, beside = symm.get((M, f"symm_{d}")), symm.get((M, f"even_{d}@symm"))
+            if s is None:
+                continue
+            main = main_even.get((M, f"even_{d}"))
+            if not lines:
+                lines += ["", "NCCL on symmetric buffers, device ms (even layout [M]*P): symm / even beside it "
+                          "(same processes) / even of the main run"]
+            lines.append(f"  M={M:<6} {d}  symm {s['time_ms']:.4f}  even {beside['time_ms'] if beside else float('nan'):.4f}"
+                         f" ({s['x_even']:.2f}x)  main-run even {main['time_ms'] if main else float('nan'):.4f}"
+                         f"  host us: symm {s['host_ms'] * 1e3:.1f}")
+    for cfg, sk in sorted(result["skipped"].items(), key=lambda kv: int(kv[0])):
+        if int(cfg) >= SYMM_CONFIG_BASE:
+            for name, why in sk.items():
+                lines.append(f"  {name} skipped: {why}")
+            break
+    return lines
 
 
 def write_outputs(result, csv_path, json_path):

@@ -1,81 +1,199 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine (device tool): build, run the GPU tests, run the benchmark.
-# Logs and result files go under $OUT (default ./gpu_out); a short summary table is printed last.
+# One call on the lent 2-GPU machine (no network there): carried wheels, build, GPU tests, the collective
+# benchmark, the layer-tail benchmark, the example; a short summary table printed LAST.
 #
-#   bash scripts/gpu_run.sh [--tests-only|--bench-only] [extra benchmark args...]
+#   bash scripts/gpu_run.sh                 # everything, about 9 minutes (TOTAL_S, default 540, is the budget)
+#   bash scripts/gpu_run.sh --tests-only    # wheels, build, P2P suite, the other tests
+#   bash scripts/gpu_run.sh --bench-only    # wheels, build, collective benchmark, layer tail, example
+#   STAGES="build tail" bash scripts/gpu_run.sh   # any subset of: wheels build p2p tests bench tail example
+#   bash scripts/gpu_run.sh [flags] [extra gather_scatter.py args...]
 #
-# TESTS="tests/test_compile.py ..." narrows the second test stage (default: every test file but the P2P
-# suite, which always runs first). With one GPU the benchmark (2+ ranks) is skipped, saying so; the
-# P2P suite then runs one rank over NCCL and two ranks sharing the GPU (see tests/test_p2p_gpu.py).
+# Environment: OUT (default ./gpu_out), TOTAL_S, TESTS (paths for the second test stage; default every
+# test file but the P2P suite), BENCH_ARGS (default: --M 256 2048 8192 32768 --imbalance 0.2 --rounds 15;
+# the symmetric-buffer rows take the even layout of each M on their own),
+# TAIL_ARGS (layer_tail.py; default its sweep), EXAMPLE_COMMS (default "nsa_cp baseline"),
+# EXTRA_DIAG=1 (also host_overhead.py and p2p_latency.py, outside the budget).
+# Each stage runs under `timeout`; the tests get what the budget leaves after the benchmark stages'
+# reserve, so a slow test stage cannot eat the benchmarks.
+#
+# Files under $OUT (at most 8 come back from the device tool): logs.tar.gz (every log), bench.csv,
+# bench.json, bench.png (collective benchmark), layer_tail.csv, layer_tail.json, summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)
 # NVLink multicast must stay off on these machines (shared hosts); never override these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 
-mode=all
-case "${1:-}" in --tests-only|--bench-only) mode=${1#--}; shift ;; esac
+STAGES=${STAGES:-"wheels build p2p tests bench tail example"}
+case "${1:-}" in
+  --tests-only) STAGES="wheels build p2p tests"; shift ;;
+  --bench-only) STAGES="wheels build bench tail example"; shift ;;
+esac
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+
+TOTAL_S=${TOTAL_S:-540}
+T0=$(date +%s)
+left() { echo $(( TOTAL_S - ($(date +%s) - T0) )); }
+# budget CAP RESERVE: min(CAP, time left - RESERVE), never under 20 s
+budget() { local c=$1 l; l=$(( $(left) - $2 )); [ "$l" -lt "$c" ] && c=$l; [ "$c" -lt 20 ] && c=20; echo "$c"; }
+# what the later selected stages need (s): keeps the tests from eating the benchmarks
+reserve_after_tests() {
+  local r=0
+  want bench && r=$((r + 100)); want tail && r=$((r + 90)); want example && r=$((r + 60))
+  echo $r
+}
+
+SUMMARY=()
+note() { SUMMARY+=("$(printf '%-16s %-9s %6s s  %s' "$1" "$2" "$3" "${4:-}")"); }
 
 {
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  stages: $STAGES  budget: ${TOTAL_S} s"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-  nvidia-smi topo -m 2>/dev/null | head -12
+  nvidia-smi topo -m 2>/dev/null | head -6
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "triton", triton.__version__, "gpus", torch.cuda.device_count())'
-} 2>&1
+} 2>&1 | tee "$LOGS/env.log"
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 
-t0=$(date +%s)
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1
-build_rc=$?
-echo "build rc=$build_rc ($(( $(date +%s) - t0 )) s); summary:"; grep -E "^\[nsa_cp\]|nsa_cp build" "$OUT/build.log" | head -20
-
-test_rc=skipped
-if [ "$mode" != bench-only ]; then
-  # the P2P suite first, on its own, with per-rank progress logs (and stack dumps if a rank stalls)
-  export NSA_TEST_LOG_DIR="$OUT/ranklogs" NSA_TEST_STACK_DUMP_S=90 NSA_TEST_PG_TIMEOUT_S=120
-  t0=$(date +%s)
-  NSA_CP_P2P_TIMEOUT_MS=20000 timeout "${P2P_TEST_TIMEOUT_S:-240}" python3 -m pytest tests/test_p2p_gpu.py -q -rs \
-    -p no:cacheprovider >"$OUT/pytest_p2p.log" 2>&1
-  p2p_rc=$?
-  echo "p2p tests rc=$p2p_rc ($(( $(date +%s) - t0 )) s)"; tail -8 "$OUT/pytest_p2p.log"
-  t0=$(date +%s)
-  # shellcheck disable=SC2086  # TESTS is a list of paths
-  timeout "${TEST_TIMEOUT_S:-300}" python3 -m pytest ${TESTS:-tests} -q -rs -p no:cacheprovider --ignore tests/test_p2p_gpu.py \
-    >"$OUT/pytest.log" 2>&1
-  test_rc=$?
-  echo "other tests rc=$test_rc ($(( $(date +%s) - t0 )) s)"; tail -6 "$OUT/pytest.log"
-  cat "$OUT"/ranklogs/rank*.log > "$OUT/ranks.log" 2>/dev/null; rm -rf "$OUT/ranklogs"
-  unset NSA_TEST_LOG_DIR
-  test_rc="p2p:$p2p_rc,other:$test_rc"
-fi
-
-bench_rc=skipped
-if [ "$mode" != tests-only ]; then
-  t0=$(date +%s)
-  timeout 120 python3 benchmarks/host_overhead.py >"$OUT/host_overhead.log" 2>&1
-  echo "host overhead rc=$?"; head -30 "$OUT/host_overhead.log"
-  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  if [ "$gpus" -ge 2 ]; then
-    timeout "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/gather_scatter.py --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" \
-      >"$OUT/bench.log" 2>&1
-    bench_rc=$?
-    python3 benchmarks/plot_busbw.py "$OUT/bench.csv" --out "$OUT/bench.png" >"$OUT/plot.log" 2>&1 || echo "plot failed (see plot.log)"
-    # where a small gather's microseconds go: sync floor, entry barrier, push (diagnostic)
-    # shellcheck disable=SC2086  # LATENCY_M is a list of sizes
-    timeout 120 python3 benchmarks/p2p_latency.py --M ${LATENCY_M:-256} >"$OUT/p2p_latency.log" 2>&1
-    echo "p2p latency rc=$?"
+# ---------------------------------------------------------------- wheels (carried: .whl/, no index)
+JIT_PID=""
+if want wheels; then
+  t=$(date +%s)
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    rm -rf /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$LOGS/wheels.log" 2>&1
+    rc=$?
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi_v=$(python3 -c 'import flashinfer; print(flashinfer.__version__)' 2>>"$LOGS/wheels.log" || echo "not importable")
+    note wheels "$rc" $(( $(date +%s) - t )) "$(ls .whl | tr '\n' ' ')-> flashinfer $fi_v"
+    if [ "$fi_v" != "not importable" ] && want tail; then
+      # JIT-build flashinfer's norm kernel in the background while the build and tests run (CPU work)
+      ( timeout 300 python3 -c 'import flashinfer.norm as n, time; t = time.time(); n.get_norm_module(); print(f"flashinfer norm module ready in {time.time() - t:.1f} s")' \
+        >"$LOGS/flashinfer_jit.log" 2>&1 ) &
+      JIT_PID=$!
+    fi
   else
-    bench_rc="not run: $gpus GPU(s), the benchmark needs 2+"
+    note wheels skipped 0 "no .whl/*.whl (carry .whl): baseline norm falls back to nsa_cp.RMSNorm"
   fi
-  echo "bench rc=$bench_rc ($(( $(date +%s) - t0 )) s)"
 fi
 
-echo "=================== summary ==================="
-echo "build rc=$build_rc  tests rc=$test_rc  bench rc=$bench_rc"
-for log in pytest_p2p pytest; do
-  printf '%-11s %s\n' "$log:" "$(grep -E "passed|failed|error" "$OUT/$log.log" 2>/dev/null | tail -1)"
-done
-grep -h "rs-accuracy" "$OUT/pytest_p2p.log" 2>/dev/null
-[ -f "$OUT/p2p_latency.log" ] && tail -14 "$OUT/p2p_latency.log"
-[ -f "$OUT/bench.log" ] && tail -60 "$OUT/bench.log"
+# ---------------------------------------------------------------- build
+build_rc=skipped
+if want build; then
+  t=$(date +%s)
+  timeout -k 10 "$(budget 240 0)" python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/build.log" 2>&1
+  build_rc=$?
+  note build "$build_rc" $(( $(date +%s) - t )) "$(grep -E '^\[nsa_cp\]|nsa_cp build' "$LOGS/build.log" | tail -1)"
+  grep -E "^\[nsa_cp\]|nsa_cp build" "$LOGS/build.log" | head -20
+fi
+
+# ---------------------------------------------------------------- tests
+pytest_line() { grep -E "[0-9]+ (passed|failed|error)" "$1" 2>/dev/null | tail -1; }
+if want p2p || want tests; then
+  # per-rank progress logs (and stack dumps if a rank stalls) of the distributed tests
+  export NSA_TEST_LOG_DIR="$LOGS/ranklogs" NSA_TEST_STACK_DUMP_S=90 NSA_TEST_PG_TIMEOUT_S=120
+fi
+if want p2p; then
+  t=$(date +%s)
+  reserve=$(reserve_after_tests); want tests && reserve=$((reserve + 150))  # the other tests' share
+  cap=$(budget "${P2P_TEST_TIMEOUT_S:-180}" "$reserve")
+  NSA_CP_P2P_TIMEOUT_MS=20000 timeout -k 10 "$cap" python3 -m pytest tests/test_p2p_gpu.py -q -rs \
+    -p no:cacheprovider >"$LOGS/pytest_p2p.log" 2>&1
+  rc=$?; [ "$rc" = 124 ] && rc="timeout"
+  note "p2p tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest_p2p.log") (limit $cap s)"
+fi
+if want tests; then
+  t=$(date +%s)
+  cap=$(budget "${TEST_TIMEOUT_S:-330}" "$(reserve_after_tests)")
+  # shellcheck disable=SC2086  # TESTS is a list of paths
+  timeout -k 10 "$cap" python3 -m pytest ${TESTS:-tests} -q -rs -p no:cacheprovider --ignore tests/test_p2p_gpu.py \
+    >"$LOGS/pytest.log" 2>&1
+  rc=$?; [ "$rc" = 124 ] && rc="timeout"
+  note "other tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest.log") (limit $cap s)"
+fi
+if [ -d "$LOGS/ranklogs" ]; then cat "$LOGS"/ranklogs/rank*.log >"$LOGS/ranks.log" 2>/dev/null; rm -rf "$LOGS/ranklogs"; fi
+unset NSA_TEST_LOG_DIR
+
+# ---------------------------------------------------------------- benchmarks (2+ GPUs)
+if want bench; then
+  t=$(date +%s)
+  if [ "$GPUS" -ge 2 ]; then
+    reserve=0; want tail && reserve=$((reserve + 90)); want example && reserve=$((reserve + 60))
+    cap=$(budget 200 "$reserve")
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+    timeout -k 10 "$cap" python3 benchmarks/gather_scatter.py ${BENCH_ARGS:---M 256 2048 8192 32768 --imbalance 0.2 --rounds 15} \
+      --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" >"$LOGS/bench.log" 2>&1
+    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    python3 benchmarks/plot_busbw.py "$OUT/bench.csv" --out "$OUT/bench.png" >"$LOGS/plot.log" 2>&1 || echo "plot failed (see plot.log)"
+    note "collective" "$rc" $(( $(date +%s) - t )) "$(grep -c '^  check ok' "$LOGS/bench.log") configurations checked (limit $cap s)"
+  else
+    note "collective" skipped 0 "$GPUS GPU(s): the benchmark needs 2+"
+  fi
+fi
+if want tail; then
+  t=$(date +%s)
+  if [ -n "$JIT_PID" ]; then wait "$JIT_PID"; tail -2 "$LOGS/flashinfer_jit.log"; fi
+  if [ "$GPUS" -ge 2 ]; then
+    reserve=0; want example && reserve=60
+    cap=$(budget 180 "$reserve")
+    # shellcheck disable=SC2086  # TAIL_ARGS is a list of arguments
+    timeout -k 10 "$cap" python3 benchmarks/layer_tail.py ${TAIL_ARGS:-} --csv "$OUT/layer_tail.csv" \
+      --json "$OUT/layer_tail.json" >"$LOGS/layer_tail.log" 2>&1
+    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    note "layer tail" "$rc" $(( $(date +%s) - t )) "$(grep -m1 '^baseline norm' "$LOGS/layer_tail.log") (limit $cap s)"
+  else
+    note "layer tail" skipped 0 "$GPUS GPU(s): the benchmark needs 2+"
+  fi
+fi
+
+# ---------------------------------------------------------------- example
+if want example; then
+  if [ ! -f examples/nsa_prefill.py ]; then
+    note example skipped 0 "examples/nsa_prefill.py not in this checkout"
+  elif [ "$GPUS" -lt 2 ]; then
+    note example skipped 0 "$GPUS GPU(s): the example runs 2 ranks"
+  else
+    if command -v torchrun >/dev/null; then RUN=(torchrun); else RUN=(python3 -m torch.distributed.run); fi
+    for comm in ${EXAMPLE_COMMS:-nsa_cp baseline}; do
+      t=$(date +%s)
+      cap=$(budget 60 0)
+      timeout -k 10 "$cap" "${RUN[@]}" --nproc-per-node 2 examples/nsa_prefill.py --device cuda --comm "$comm" \
+        >"$LOGS/example_$comm.log" 2>&1
+      rc=$?; [ "$rc" = 124 ] && rc="timeout"
+      note "example $comm" "$rc" $(( $(date +%s) - t )) "$(grep -v '^\s*$' "$LOGS/example_$comm.log" | grep -v -i warn | tail -1 | cut -c1-110)"
+    done
+  fi
+fi
+
+# ---------------------------------------------------------------- optional diagnostics (outside the budget)
+if [ "${EXTRA_DIAG:-0}" = 1 ] && [ "$GPUS" -ge 2 ]; then
+  timeout -k 10 120 python3 benchmarks/host_overhead.py >"$LOGS/host_overhead.log" 2>&1
+  timeout -k 10 120 python3 benchmarks/p2p_latency.py --M 256 >"$LOGS/p2p_latency.log" 2>&1
+fi
+
+# ---------------------------------------------------------------- files and summary
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
+{
+  echo "=================== summary ($(( $(date +%s) - T0 )) s of ${TOTAL_S}; logs: logs.tar.gz) ==================="
+  printf '%-16s %-9s %6s    %s\n' stage rc time result
+  printf '%s\n' "${SUMMARY[@]}"
+  grep -h "rs-accuracy" "$LOGS/pytest_p2p.log" 2>/dev/null | head -3
+  for log in pytest_p2p pytest; do
+    grep -E "^(FAILED|ERROR) " "$LOGS/$log.log" 2>/dev/null | head -8
+  done
+  if [ -f "$LOGS/bench.log" ]; then
+    grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/bench.log" | head -3
+    grep -E "^(symm_ag|symm_rs|even_ag@symm|even_rs@symm) " "$LOGS/bench.log" | head -12
+    sed -n '/^host us per call/,$p' "$LOGS/bench.log"
+  fi
+  if [ -f "$LOGS/layer_tail.log" ]; then
+    echo
+    echo "layer tail (device ms: host enqueuing ahead; eager ms: host-inclusive; x base: over sglang / sglang_fp8):"
+    grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/layer_tail.log" | head -3
+    sed -n '/^baseline norm: .*stand-in/,$p' "$LOGS/layer_tail.log" | grep -v -E "skipped:|^$"
+    grep -E "skipped:" "$LOGS/layer_tail.log" | sort -u -k1,1 | head -13
+  fi
+} >"$OUT/summary.txt"
+cat "$OUT/summary.txt"
