@@ -1087,6 +1087,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--symm", choices=("auto", "off"), default="auto",
                    help="auto: also time NCCL on symmetric buffers (symm_ag/symm_rs, separate processes); off: don't")
+    p.add_argument("--symm-timeout", type=float, default=120.0,
+                   help="seconds the symmetric-buffer processes may take before they are terminated")
     p.add_argument("--csv", help="write one row per (configuration, method)")
     p.add_argument("--json", help="same rows as JSON")
     args = p.parse_args(argv)
@@ -1120,13 +1122,21 @@ def main(argv=None):
         raise SystemExit(f"need at least 2 ranks, have {world} (use --cpu-ranks N for a CPU run)")
     configs = make_configs(args, world)
     result = _spawn(world, use_cuda, args, configs, "main") if select_methods(args.methods, "main") else None
+    if result is not None:
+        write_outputs(merge_results(result, None), args.csv, args.json)  # kept if the symmetric run fails
     symm = None
     if select_methods(args.methods, "symm") and args.symm != "off":
         # the even layout of every M swept (the symmetric rows are plain collectives on even shards)
         even = list(dict.fromkeys(tuple([max(c)] * world) for c in configs))
         if use_cuda:
             print(f"NCCL on symmetric buffers: separate processes, even layouts M = {[c[0] for c in even]}", flush=True)
-            symm = _spawn(world, use_cuda, args, even, "symm")
+            try:
+                symm = _spawn(world, use_cuda, args, even, "symm", timeout_s=args.symm_timeout)
+            except Exception as e:  # noqa: BLE001 - the main run's rows stand; say why these are missing
+                why = f"the symmetric-buffer run failed: {type(e).__name__}: {str(e).strip()[-300:]}"
+                print(why, flush=True)
+                symm = {"tags": None, "rows": [], "configs": [list(c) for c in even],
+                        "skipped": {str(i): {"symm_ag": why, "symm_rs": why} for i in range(len(even))}}
         else:
             why = "symmetric memory needs NCCL on CUDA GPUs (this is a CPU/gloo run)"
             symm = {"tags": None, "rows": [], "skipped": {str(i): {"symm_ag": why, "symm_rs": why} for i in range(len(even))},
@@ -1137,12 +1147,20 @@ def main(argv=None):
     print(format_host_summary(result), flush=True)
 
 
-def _spawn(world, use_cuda, args, configs, process) -> dict:
+def _spawn(world, use_cuda, args, configs, process, timeout_s: Optional[float] = None) -> dict:
+    """Run ``worker`` on ``world`` processes; with ``timeout_s``, terminate them past it (TimeoutError)."""
     fd, result_path = tempfile.mkstemp(prefix="gather_scatter_", suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(worker, args=(world, use_cuda, _free_port(), args, configs, result_path, process), nprocs=world,
-                 join=True)
+        ctx = mp.start_processes(worker, args=(world, use_cuda, _free_port(), args, configs, result_path, process),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not ctx.join(timeout=5):
+            if deadline is not None and time.monotonic() > deadline:
+                for p in ctx.processes:  # the processes this call started
+                    if p.is_alive():
+                        p.terminate()
+                raise TimeoutError(f"{process} run still going after {timeout_s:.0f} s: terminated")
         with open(result_path) as f:
             result = json.load(f)
     finally:
