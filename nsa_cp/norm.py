@@ -1,48 +1,214 @@
-"""RMSNorm with the SGLang / vLLM calling convention.
+"""RMSNorm with the SGLang / vLLM calling convention and DESIGN.md's numerics.
 
-``norm(x)`` returns ``y``; ``norm(x, residual)`` returns ``(y, x + residual)`` where y normalises the sum.
-Statistics are computed in fp32 and the result is cast back to the input dtype.
+``norm(x) -> y``; ``norm(x, residual) -> (y, residual)``:
+
+- ``s = x + residual`` in fp32; ``residual`` is overwritten IN PLACE with ``s`` rounded to its dtype and
+  returned (the same tensor object);
+- ``y = s * rsqrt(mean(s^2) + eps) * weight`` in fp32 (weight read as fp32), rounded once to x's dtype;
+- x itself is never modified.
+
+Implementations, chosen per call (the first use of each is logged once on the "nsa_cp" logger):
+
+- flashinfer (``pip install nsa_cp[flashinfer]``): ``flashinfer.norm.rmsnorm`` / ``fused_add_rmsnorm``
+  when flashinfer imports and the call suits it: CUDA, bf16/fp16, x and residual contiguous, weight of
+  x's dtype (flashinfer reads the weight as x's element type). Its fused kernel follows the same
+  convention: it sums in fp32, stores the rounded sum as the residual and computes the statistics and
+  y from the fp32 sum (kept in shared memory), weight as fp32. Two differences, both below one ulp of
+  the output dtype before its rounding: ``rsqrt`` is the hardware approximation (a few fp32 ulps) and
+  the sum of squares is a warp-tree reduction. Its fused kernel writes y into its input, so this module
+  hands it a copy of x (x stays unmodified).
+- Triton (``nsa_cp.kernels.norm``) on other CUDA tensors (fp32, a weight of another dtype, strided
+  rows): the reference's arithmetic with correctly rounded division and square root; it differs from
+  the reference only through the order of the sum of squares.
+- torch (``nsa_cp.reference.fused_add_rmsnorm``) on CPU, and where neither kernel applies.
+
+``impl=`` ("auto", "flashinfer", "triton", "torch") forces one; a forced one that cannot serve the call
+raises ValueError saying why.
+
+Autograd: the norm works on values, as in serving. ``weight`` is an ``nn.Parameter`` that requires grad
+(as in any model); every implementation reads it (and x, residual) detached under ``no_grad``, so no
+graph is recorded and the in-place residual update is allowed. Do not train through this module.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm"]
+from . import reference
+
+__all__ = ["RMSNorm", "flashinfer_norm_module"]
+
+logger = logging.getLogger("nsa_cp")
+
+_IMPLS = ("auto", "flashinfer", "triton", "torch")
+_logged: set = set()
+
+
+@functools.lru_cache(maxsize=None)
+def flashinfer_norm_module():
+    """``flashinfer.norm`` when flashinfer imports here, else None (the reason is logged once)."""
+    try:
+        import flashinfer.norm as fi_norm  # noqa: PLC0415 (optional dependency, imported on first use)
+    except Exception as exc:  # ImportError, or a broken install (missing CUDA libraries, ABI)
+        logger.info("nsa_cp.RMSNorm: flashinfer not usable (%s: %s)", type(exc).__name__, exc)
+        return None
+    return fi_norm
+
+
+def _log_choice(impl: str, why: str) -> None:
+    if impl not in _logged:
+        _logged.add(impl)
+        logger.info("nsa_cp.RMSNorm: using %s (%s)", impl, why)
+
+
+def _kernel_rows(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t [..., H]`` as a ``[rows, H]`` view with unit inner stride, or None when no such view exists."""
+    if t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1):
+        return t
+    if not t.is_contiguous():
+        return None
+    return t.view(-1, t.shape[-1])
 
 
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dim (size ``hidden_size``)."""
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dim (size ``hidden_size``).
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None, device=None):
+    Args:
+        hidden_size: H.
+        eps: epsilon; also exposed as ``variance_epsilon`` (SGLang / vLLM's name).
+        dtype, device: of ``weight`` (``nn.Parameter [H]``, initialised to ones).
+        impl: "auto" (flashinfer, then Triton, then torch, as the call allows), or one of them forced.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+        impl: str = "auto",
+    ):
         super().__init__()
         if hidden_size < 1:
             raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size}")
+        if impl not in _IMPLS:
+            raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")
         self.hidden_size = hidden_size
         self.eps = eps
+        self.impl = impl
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        variance = x32.pow(2).mean(dim=-1, keepdim=True)
-        return (x32 * torch.rsqrt(variance + self.eps) * self.weight.float()).to(x.dtype)
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = value
+
+    # ---- the choice
+
+    def _flashinfer_no(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
+        """Why flashinfer cannot take this call ("" when it can)."""
+        if not x.is_cuda:
+            return "x is not on a CUDA device"
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return f"flashinfer's norm takes bf16/fp16, x is {x.dtype}"
+        if self.weight.dtype != x.dtype:
+            return f"flashinfer reads the weight as x's dtype; weight is {self.weight.dtype}, x {x.dtype}"
+        if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+            return "x or residual is not contiguous"
+        if flashinfer_norm_module() is None:
+            return "flashinfer does not import (see the log)"
+        return ""
+
+    def _triton_no(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
+        if not x.is_cuda:
+            return "x is not on a CUDA device"
+        from .kernels import triton_available
+
+        if not triton_available():
+            return "Triton is not installed"
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"the Triton kernel takes bf16/fp16/fp32, x is {x.dtype}"
+        if self.hidden_size > 65536:
+            return f"rows of {self.hidden_size} elements exceed the Triton kernel's 65536"
+        if _kernel_rows(x) is None or (residual is not None and _kernel_rows(residual) is None):
+            return "x or residual has no [rows, H] view"
+        return ""
+
+    def _choose(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
+        if self.impl == "torch":
+            return "torch"
+        if self.impl in ("auto", "flashinfer"):
+            why = self._flashinfer_no(x, residual)
+            if not why:
+                _log_choice("flashinfer", "CUDA bf16/fp16 contiguous rows")
+                return "flashinfer"
+            if self.impl == "flashinfer":
+                raise ValueError(f"impl: 'flashinfer' cannot serve this call: {why}")
+        why_triton = self._triton_no(x, residual)
+        if not why_triton:
+            _log_choice("triton", "CUDA tensors flashinfer does not take")
+            return "triton"
+        if self.impl == "triton":
+            raise ValueError(f"impl: 'triton' cannot serve this call: {why_triton}")
+        _log_choice("torch", why_triton)
+        return "torch"
+
+    # ---- the call
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"x: expected last dim {self.hidden_size}, got shape {list(x.shape)}"
-            )
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {list(x.shape)}")
+        if residual is not None:
+            if residual.shape != x.shape:
+                raise ValueError(f"residual: expected shape {list(x.shape)} (x's), got {list(residual.shape)}")
+            if residual.dtype != x.dtype or residual.device != x.device:
+                raise ValueError(
+                    f"residual: expected {x.dtype} on {x.device} (x's), got {residual.dtype} on {residual.device}"
+                    f" (shape {list(residual.shape)})"
+                )
+        if self.weight.device != x.device:
+            raise ValueError(f"x: expected device {self.weight.device} (weight's), got {x.device} (shape {list(x.shape)})")
+        impl = self._choose(x, residual)
+        with torch.no_grad():
+            weight = self.weight.detach()
+            xd = x.detach()
+            rd = residual.detach() if residual is not None else None
+            if impl == "flashinfer":
+                y = self._flashinfer(xd, rd, weight)
+            elif impl == "triton":
+                y = self._triton(xd, rd, weight)
+            else:
+                y, _ = reference.fused_add_rmsnorm(xd, rd, weight, self.eps)
+        return y if residual is None else (y, residual)
+
+    def _flashinfer(self, x, residual, weight):
+        fi = flashinfer_norm_module()
+        x2 = x.view(-1, self.hidden_size)
         if residual is None:
-            return self._normalize(x)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual: expected shape {list(x.shape)} (x's), got {list(residual.shape)}")
-        summed = x + residual
-        return self._normalize(summed), summed
+            return fi.rmsnorm(x2, weight, self.eps).view(x.shape)
+        y = x2.clone()  # flashinfer's fused kernel writes y over its input
+        fi.fused_add_rmsnorm(y, residual.view(-1, self.hidden_size), weight, self.eps)
+        return y.view(x.shape)
+
+    def _triton(self, x, residual, weight):
+        from .kernels import norm as norm_kernels
+
+        x2 = _kernel_rows(x)
+        out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        norm_kernels.fused_add_rmsnorm(
+            x2, None if residual is None else _kernel_rows(residual), weight, self.eps, out=out
+        )
+        return out.view(x.shape)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}" + ("" if self.impl == "auto" else f", impl={self.impl!r}")
