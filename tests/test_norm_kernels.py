@@ -395,3 +395,75 @@ def test_bad_arguments_write_nothing(words, call, dst_shape, fp8):
     assert bool((bits(dst) == 0x7F).all()) if fp8 else bool(torch.isnan(dst).all())
     assert torch.isnan(scale).all()
     assert torch.equal(residual, res0)
+
+
+# ---- the production shape, and CUDA graphs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_production_row_length(dtype):
+    """H = 7168 (DeepSeek-V3): the widest tile (64 x 128) and the most warps; a slot of rank 1 in a padded buffer."""
+    h = 7168
+    m, n = (300, 257) if DEVICE.type == "cuda" else (6, 5)
+    x, residual = randn((n, h), dtype, 80), randn((n, h), dtype, 81)
+    weight = weight_for(h, torch.bfloat16, 82)
+    res_got, res_want = residual.clone(), residual.clone()
+    buffer = nan((2 * m, h), dtype)
+    want = nan((m, h), dtype)
+    K.fused_add_rmsnorm_into(x, res_got, weight, EPS, buffer[m:], count_of(n))
+    reference.fused_add_rmsnorm_into_slot(x, res_want, weight, EPS, want, n)
+    assert torch.equal(res_got, res_want) and torch.isnan(buffer[:m]).all()
+    assert bool((buffer[m + n :] == 0).all())
+    assert_y_close(buffer[m : m + n], x, residual, weight, want[:n])
+    q, scale = nan((m, h), FP8), nan((m, h // 128), torch.float32)
+    res_q = residual.clone()
+    K.fused_add_rmsnorm_into(x, res_q, weight, EPS, q, count_of(n), quant=QUANT, dst_scale=scale)
+    want_q, want_scale = nan((m, h), FP8), nan((m, h // 128), torch.float32)
+    reference.quant_fp8_g128_into_slot(buffer[m:], want_q, want_scale, n)  # the quantization of the kernel's y
+    assert torch.equal(res_q, res_want)
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA GPU (none visible here)")
+def test_cuda_graph_replays_follow_the_device_count():
+    """Captured once, replayed an odd number of times with counts 5, 0, M (even), 9, 1: every replay writes the
+    rows the count says, zeros the rest, and updates only those residual rows."""
+    h, m = 1024, 16
+    dtype = torch.bfloat16
+    x, residual = randn((m, h), dtype, 70), randn((m, h), dtype, 71)
+    weight = weight_for(h, torch.float32, 72)
+    count = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    res_y, res_q = residual.clone(), residual.clone()
+    y, q, scale = nan((m, h), dtype), nan((m, h), FP8), nan((m, h // 128), torch.float32)
+    q_only, scale_only = nan((m, h), FP8), nan((m, h // 128), torch.float32)
+
+    def calls():
+        K.fused_add_rmsnorm_into(x, res_y, weight, EPS, y, count)
+        K.fused_add_rmsnorm_into(x, res_q, weight, EPS, q, count, quant=QUANT, dst_scale=scale)
+        K.quant_fp8_g128_into(x, q_only, scale_only, count)
+
+    calls()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    for n in (5, 0, m, 9, 1):
+        res_y.copy_(residual)
+        res_q.copy_(residual)
+        for t in (y, scale, scale_only):
+            t.fill_(float("nan"))
+        q.view(torch.uint8).fill_(0x7F)
+        q_only.view(torch.uint8).fill_(0x7F)
+        count.fill_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_res, want_y = residual.clone(), nan((m, h), dtype)
+        reference.fused_add_rmsnorm_into_slot(x, want_res, weight, EPS, want_y, n)
+        assert torch.equal(res_y, want_res) and torch.equal(res_q, want_res), n
+        assert bool((y[n:] == 0).all()), n
+        assert_y_close(y[:n], x[:n], residual[:n], weight, want_y[:n])
+        want_q, want_scale = nan((m, h), FP8), nan((m, h // 128), torch.float32)
+        reference.quant_fp8_g128_into_slot(y, want_q, want_scale, n)
+        assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale), n
+        reference.quant_fp8_g128_into_slot(x, want_q, want_scale, n)
+        assert torch.equal(bits(q_only), bits(want_q)) and torch.equal(scale_only, want_scale), n
