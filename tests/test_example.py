@@ -1,0 +1,119 @@
+"""examples/nsa_prefill.py on CPU (gloo): the CP prefill matches the one-process model.
+
+One spawned world per world size runs every configuration through the example's ``main(argv)`` (a
+torchrun launch costs seconds of interpreter start-up per run on a 2-core CI machine); one test launches
+it with torchrun exactly as the docstring says. A deliberate fault (two KV rows swapped) must fail the
+check, so the check itself is shown to bite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from dist_harness import case_failures, run_world
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "nsa_prefill.py")
+SHARED = "--enable-nsa-prefill-cp-shared-kv"
+
+# case id -> (argv, expect_ok)
+CASES_2 = {
+    "even-split-nsa_cp": ([], True),
+    "even-split-baseline": (["--comm", "baseline"], True),
+    "shared-kv-nsa_cp": ([SHARED], True),
+    "shared-kv-baseline-nsa-topk": ([SHARED, "--comm", "baseline", "--nsa-index-topk", "16"], True),
+    "shared-kv-both-nsa-topk": ([SHARED, "--comm", "both", "--nsa-index-topk", "16", "--page-size", "16"], True),
+    # page 8, requests of 5 and 3 tokens: one page each, both dealt to block 0 -> rank 1 holds nothing
+    "shared-kv-zero-token-rank": ([SHARED, "--seq-lens", "5,3", "--page-size", "8", "--comm", "both"], True),
+    "fault-kv-order": ([SHARED, "--fault", "kv_order"], False),
+}
+CASES_3 = {
+    "even-split-both": (["--comm", "both"], True),
+    "shared-kv-both-nsa-topk": ([SHARED, "--comm", "both", "--nsa-index-topk", "16", "--seq-lens", "37,64,21,9"], True),
+}
+_ERR = re.compile(r"^max_rel_err=(\S+) tol=(\S+) ok=(\w+)", re.M)
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("nsa_prefill_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_cases(rank, world_size, payload):
+    import torch
+
+    torch.set_num_threads(1)  # ranks share CI's 2 cores; more threads per rank only contend
+    example = _load_example()
+    results = {}
+    for case_id, (argv, expect_ok) in payload.items():
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                rc = example.main(["--device", "cpu", *argv])
+        except BaseException as e:  # noqa: BLE001  reported as this case's failure
+            results[case_id] = f"raised {type(e).__name__}: {e}\n{out.getvalue()}"
+            continue
+        text = out.getvalue()
+        problems = []
+        if rc != (0 if expect_ok else 1):
+            problems.append(f"exit code {rc}, expected {0 if expect_ok else 1}")
+        if rank == 0:
+            match = _ERR.search(text)
+            if match is None:
+                problems.append("no 'max_rel_err=... tol=... ok=...' line")
+            else:
+                err, tol = float(match.group(1)), float(match.group(2))
+                if expect_ok and not err <= tol:
+                    problems.append(f"max_rel_err {err} above tol {tol}")
+                if not expect_ok and not err > 100 * tol:
+                    problems.append(f"the fault gave max_rel_err {err}, not clearly above tol {tol}")
+        results[case_id] = None if not problems else "; ".join(problems) + "\n" + text
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_world(2, "gloo", _run_cases, CASES_2, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return run_world(3, "gloo", _run_cases, CASES_3, timeout_s=300)
+
+
+@pytest.mark.parametrize("case_id", list(CASES_2))
+def test_example_world2(world2, case_id):
+    errors = case_failures(world2, case_id)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("case_id", list(CASES_3))
+def test_example_world3(world3, case_id):
+    errors = case_failures(world3, case_id)
+    assert not errors, "\n".join(errors)
+
+
+def test_example_under_torchrun():
+    """The documented launch: torchrun, 2 ranks, gloo, the shared-KV split, exit 0 and the error line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         EXAMPLE, "--device", "cpu", SHARED, "--comm", "both"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = _ERR.search(proc.stdout)
+    assert match is not None, proc.stdout + proc.stderr
+    assert float(match.group(1)) <= float(match.group(2))
+    assert "nsa_cp: max_rel_err=" in proc.stdout and "baseline: max_rel_err=" in proc.stdout
