@@ -257,9 +257,12 @@ def _comm(c: TailCtx, backend: str, compact: bool):
     key = f"{backend}/{int(compact)}"
     comm = c.comms.get(key)
     if comm is None:
-        comm = c.nsa.NSACPLayerCommunicator(
-            c.group, c.norm.as_layer_norm(c.w2), c.norm.as_layer_norm(c.w1), compact=compact, backend=backend
-        )
+        cls = c.nsa.NSACPLayerCommunicator
+        # unfused on purpose: fuse=False where the communicator has the switch, and norms without a
+        # ``weight`` attribute, which it could not fuse anyway
+        kw = {"fuse": False} if "fuse" in inspect.signature(cls.__init__).parameters else {}
+        comm = cls(c.group, c.norm.as_layer_norm(c.w2), c.norm.as_layer_norm(c.w1), compact=compact, backend=backend,
+                   **kw)
         c.comms[key] = comm
     return comm
 
