@@ -8,11 +8,15 @@ scales): per row and group of 128 columns, ``amax = max |x|`` in fp32 clamped to
 ``scale = 1e-10/448`` (``reference.FP8_PAD_SCALE``), which is what quantizing a zero row gives. The
 quantization is per row, so quantizing before the gather equals quantizing the gathered rows.
 
-Exactness: on CPU, and on GPUs through ``nsa_cp.kernels.norm`` (correctly rounded division), the
-result is bitwise that of ``nsa_cp.reference.quant_fp8_g128``. SGLang's Triton quantizer divides with
-Triton's default (approximate) fp32 division on GPUs, so its ``q`` can differ from ours by one FP8 ulp
-where ``x / scale`` lies within an fp32 ulp or two of a rounding boundary; its ``scale`` can differ in
-the last fp32 bit the same way.
+Exactness: on CPU, and on GPUs through ``nsa_cp.kernels.norm`` (``div_rn``: correctly rounded fp32
+division), the result is bitwise that of ``nsa_cp.reference.quant_fp8_g128``. SGLang's Triton quantizer
+writes ``y / y_s`` and ``amax / 448``, which Triton lowers to the approximate ``div.full.f32`` on NVIDIA
+GPUs: its ``scale`` can differ from ours in the last fp32 bit, and its ``q`` by one FP8 ulp where
+``x / scale`` lies within an fp32 ulp or two of an FP8 rounding boundary.
+
+One wire row: ``fp8_wire_views`` splits a uint8 ``[rows, H + H/32]`` buffer into ``q [rows, H]`` and
+``scale [rows, H/128]`` views (7168 + 224 bytes per row at H = 7168, against 14336 in bf16), so one
+collective or one peer copy moves both; the kernels write into such views directly.
 
 Handing (q, scale) to flashinfer's FP8 block-scale MoE
     ``flashinfer.fused_moe.trtllm_fp8_block_scale_moe(routing_logits, routing_bias, hidden_states,
@@ -43,7 +47,15 @@ import torch
 
 from . import reference
 
-__all__ = ["quant_fp8_g128", "dequant_fp8_g128", "check_fp8_g128_input", "FP8_GROUP", "FP8_PAD_SCALE"]
+__all__ = [
+    "quant_fp8_g128",
+    "dequant_fp8_g128",
+    "check_fp8_g128_input",
+    "fp8_wire_row_bytes",
+    "fp8_wire_views",
+    "FP8_GROUP",
+    "FP8_PAD_SCALE",
+]
 
 FP8_GROUP = reference.FP8_GROUP
 FP8_PAD_SCALE = reference.FP8_PAD_SCALE
@@ -102,3 +114,26 @@ def dequant_fp8_g128(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     if scale.device != q.device:
         raise ValueError(f"scale: expected device {q.device}, got {scale.device} (shape {list(scale.shape)})")
     return reference.dequant_fp8_g128(q, scale, dtype)
+
+
+def fp8_wire_row_bytes(h: int) -> int:
+    """Bytes of one FP8 wire row: H of q, then H/128 fp32 scales."""
+    if h % FP8_GROUP:
+        raise ValueError(f"h: fp8_e4m3_g128 needs H a multiple of {FP8_GROUP}, got {h}")
+    return h + 4 * (h // FP8_GROUP)
+
+
+def fp8_wire_views(wire: torch.Tensor, h: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``wire`` uint8 ``[rows, >= H + H/32]`` -> ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])`` views
+    of it (q in bytes ``[0, H)`` of each row, the scales in ``[H, H + H/32)``). The row stride must be a
+    multiple of 4 bytes and the buffer 4-byte aligned (true of any allocation and of whole rows of it)."""
+    row = fp8_wire_row_bytes(h)
+    if wire.dtype != torch.uint8 or wire.dim() != 2 or wire.shape[1] < row:
+        raise ValueError(f"wire: expected uint8 [rows, {row}] for H={h}, got {wire.dtype} {list(wire.shape)}")
+    if wire.shape[0] > 1 and wire.stride(0) % 4 or wire.stride(1) != 1 or wire.data_ptr() % 4:
+        raise ValueError(
+            f"wire: rows must start on 4-byte boundaries with unit inner stride, got strides {tuple(wire.stride())}"
+        )
+    q = wire[:, :h].view(torch.float8_e4m3fn)
+    scale = wire[:, h:row].view(torch.float32)
+    return q, scale

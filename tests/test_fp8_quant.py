@@ -124,3 +124,25 @@ def test_autograd_history_is_ignored():
     x = randn((2, 128), torch.float32, 30).requires_grad_(True)
     q, scale = quant.quant_fp8_g128(x * 2)
     assert not q.requires_grad and not scale.requires_grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wire_views(device):
+    """q and scale as views of one uint8 row buffer: written by the quantizer's reference, read back intact."""
+    h, rows = 384, 5
+    assert quant.fp8_wire_row_bytes(h) == 384 + 12 and quant.fp8_wire_row_bytes(7168) == 7168 + 224
+    wire = torch.full((2 * rows, quant.fp8_wire_row_bytes(h)), 0xEE, dtype=torch.uint8, device=device)
+    q, scale = quant.fp8_wire_views(wire[rows:], h)
+    assert q.shape == (rows, h) and scale.shape == (rows, 3) and q.dtype == FP8 and scale.dtype == torch.float32
+    assert q.data_ptr() == wire[rows:].data_ptr() and scale.data_ptr() == wire[rows:].data_ptr() + h
+    x = randn((rows, h), torch.bfloat16, 40, device)
+    want_q, want_scale = quant.quant_fp8_g128(x)
+    q.copy_(want_q)
+    scale.copy_(want_scale)
+    assert torch.equal(wire[:rows], torch.full_like(wire[:rows], 0xEE))
+    got_q, got_scale = quant.fp8_wire_views(wire[rows:], h)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_scale, want_scale)
+    with pytest.raises(ValueError, match=r"wire: expected uint8 \[rows, 396\] for H=384"):
+        quant.fp8_wire_views(wire[:, :390], h)
+    with pytest.raises(ValueError, match="h: fp8_e4m3_g128 needs H a multiple of 128, got 200"):
+        quant.fp8_wire_row_bytes(200)

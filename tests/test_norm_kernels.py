@@ -467,3 +467,27 @@ def test_cuda_graph_replays_follow_the_device_count():
         assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale), n
         reference.quant_fp8_g128_into_slot(x, want_q, want_scale, n)
         assert torch.equal(bits(q_only), bits(want_q)) and torch.equal(scale_only, want_scale), n
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_fp8_into_one_wire_buffer(norm):
+    """The FP8 slot as views of one uint8 wire row (q bytes, then the scales): what one collective moves."""
+    from nsa_cp import quant
+
+    h, m, n = 256, 5, 3
+    wire = torch.full((3 * m, quant.fp8_wire_row_bytes(h)), 0xEE, dtype=torch.uint8, device=DEVICE)
+    q, scale = quant.fp8_wire_views(wire[m : 2 * m], h)
+    x, residual = randn((n, h), torch.bfloat16, 90), randn((n, h), torch.bfloat16, 91)
+    weight = weight_for(h, torch.bfloat16, 92)
+    want_q, want_scale = nan((m, h), FP8), nan((m, 2), torch.float32)
+    if norm:
+        res_y, y = residual.clone(), nan((m, h), torch.bfloat16)
+        K.fused_add_rmsnorm_into(x, res_y, weight, EPS, y, count_of(n))  # the kernel's y, quantized below
+        reference.quant_fp8_g128_into_slot(y, want_q, want_scale, n)
+        K.fused_add_rmsnorm_into(x, residual, weight, EPS, q, count_of(n), quant=QUANT, dst_scale=scale)
+        assert torch.equal(residual, res_y)
+    else:
+        reference.quant_fp8_g128_into_slot(x, want_q, want_scale, n)
+        K.quant_fp8_g128_into(x, q, scale, count_of(n))
+    assert bool((wire[:m] == 0xEE).all()) and bool((wire[2 * m :] == 0xEE).all())
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
