@@ -35,8 +35,9 @@ on every rank. Waits compare wrap-safely, so epochs may wrap around.
 (device address of a host-mapped uint32[4], see alloc_host_mapped_u32) as
 {ERR_TIMEOUT, channel*2 + phase, peer rank waited for, epoch} and the kernel gives up instead of
 hanging; ERR_BAD_DEVICE_ARG records device-side arguments that were unusable (counts outside
-[0, max_rank_len], offsets not the prefix sum of counts, null or misaligned buffers) with the rank
-whose entry was bad. Read err after synchronizing the stream. After any error the channel's state
+[0, max_rank_len], offsets not the prefix sum of counts, more rows than positions, null or misaligned
+buffers) with the rank whose entry was bad; ERR_BAD_POSITION an ordered call's position outside
+[0, num_positions) (clamped: nothing outside the buffers is touched) with the rank that read it. Read err after synchronizing the stream. After any error the channel's state
 (pads, seq) differs between ranks: zero it again on every rank before reusing the channel.
 )doc";
 
@@ -52,6 +53,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ERR_NONE") = nsa_cp::kErrNone;
   m.attr("ERR_TIMEOUT") = nsa_cp::kErrTimeout;
   m.attr("ERR_BAD_DEVICE_ARG") = nsa_cp::kErrBadDeviceArg;
+  m.attr("ERR_BAD_POSITION") = nsa_cp::kErrBadPosition;
+  m.attr("QUANT_NONE") = 0;
+  m.attr("QUANT_FP8_E4M3_G128") = 1;
   m.attr("DTYPE_BF16") = 0;
   m.attr("DTYPE_FP16") = 1;
   m.attr("DTYPE_FP32") = 2;
@@ -174,6 +178,98 @@ elements per row (> 0). dtype: 0 bfloat16, 1 float16, 2 float32 (DTYPE_* constan
 when out, its stride and the row size are 16-byte aligned (buffer bases must then be too), else one
 element at a time. rank, world, pads, channel, seq, arrive, timeout_ns, err: the signal protocol
 (module doc). num_blocks: grid size, 1..65535, 512 threads each. stream: cudaStream_t as int.)doc");
+
+  // ---- the P2P transport's state, bound once ------------------------------------------------------
+  py::register_exception<nsa_cp::P2PDeviceError>(m, "P2PDeviceError", PyExc_RuntimeError);
+  py::class_<nsa_cp::P2PState>(m, "P2PState", R"doc(One rank's P2P transport state, bound once (DeepEP's Buffer idea).
+
+Constructed once per transport with every address and size that stays fixed, all checked here
+(ValueError). Its launch methods take only what changes per call, check only that (ValueError, before
+any CUDA call), read the host-mapped error record first (P2PDeviceError, a RuntimeError, when an
+earlier call failed on the device: nothing is enqueued), make `device` current for the launch and
+restore the caller's device after. The GIL is released while they enqueue.
+
+device: CUDA device index the launches go to. rank, world: 0 <= rank < world <= MAX_WORLD.
+gather_ptrs: device uint64[2][world], every rank's gather buffer 0 (row 0) and 1 (row 1; row 0's
+addresses again without a second buffer). reduce_ptrs: device uint64[world], every rank's reduce
+buffer. pads: device uint64[world], every rank's signal pad (SIGNAL_WORDS uint32). seq, arrive:
+device uint32[2] (channel 0 gather, 1 reduce-scatter), zeroed. gather_state: device uint32[2], zeroed.
+err_host, err_dev: host and device address of the host-mapped uint32[4] error record
+(alloc_host_mapped_u32). timeout_ns: wait bound (0 = forever). hidden: elements per row. dtype:
+DTYPE_* of the rows. sm_count: SMs of the device (block policy). max_rows_per_rank: rows per rank of
+gather buffer 0 and of the reduce buffer (the capacity). double_buffer_rows: rows per rank of gather
+buffer 1 (0: none).
+
+Double buffering: a gather whose max_rank_len fits gather buffer 1 writes the other buffer than the
+previous gather did; a larger one writes buffer 0. The gathers return the buffer they wrote.)doc")
+      .def(py::init<int, int, int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                    uint64_t, int64_t, int, int, int64_t, int64_t>(),
+           py::arg("device"), py::arg("rank"), py::arg("world"), py::arg("gather_ptrs"), py::arg("reduce_ptrs"),
+           py::arg("pads"), py::arg("seq"), py::arg("arrive"), py::arg("gather_state"), py::arg("err_host"),
+           py::arg("err_dev"), py::arg("timeout_ns"), py::arg("hidden"), py::arg("dtype"), py::arg("sm_count"),
+           py::arg("max_rows_per_rank"), py::arg("double_buffer_rows"))
+      .def("gather", &nsa_cp::P2PState::gather, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("counts"),
+           py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"), py::arg("stream"), py::arg("positions") = 0,
+           py::arg("num_positions") = -1, py::call_guard<py::gil_scoped_release>(),
+           R"doc(Enqueue the all-gather (p2p_gather's kernel) and return the gather buffer written (0 or 1).
+
+src: device address of our rows, row r at src + r*src_row_stride_bytes (each row dense; 0 allowed when
+counts[rank] == 0). counts, offsets: device int32[world] (offsets only read when compact). max_rank_len:
+M <= max_rows_per_rank. compact: compact or padded geometry. stream: cudaStream_t of `device`.
+positions, num_positions: an ordered call (needs compact=True): device int64[num_positions], the same
+on every rank; compact row i lands at row positions[i] of the [num_positions] output
+(num_positions <= world * M). 0: not ordered.)doc")
+      .def("norm_gather", &nsa_cp::P2PState::norm_gather, py::arg("x"), py::arg("x_row_stride_bytes"),
+           py::arg("residual"), py::arg("residual_row_stride_bytes"), py::arg("weight"), py::arg("weight_dtype"),
+           py::arg("eps"), py::arg("norm"), py::arg("quant"), py::arg("counts"), py::arg("offsets"),
+           py::arg("max_rank_len"), py::arg("compact"), py::arg("stream"), py::arg("positions") = 0,
+           py::arg("num_positions") = -1, py::call_guard<py::gil_scoped_release>(),
+           R"doc(Enqueue the gather with the norm stage and return the gather buffer written (0 or 1).
+
+Per row of x (one block per row): s = x + residual in fp32 (residual=0: s = x); residual <- s rounded
+to the dtype, in place; y = s * rsqrt(mean(s^2) + eps) * weight in fp32 (norm=False: y = s), then
+quant=0: y rounded once, pushed as a row of the dtype; quant=1 (fp8_e4m3_g128, SGLang's
+per_token_group_quant_fp8): y rounded to the dtype, then per group of 128 columns amax (fp32) clamped
+>= 1e-10, scale = amax / 448, q = clamp(y / scale, -448, 448) as float8_e4m3fn, pushed into the
+buffers' fp8 layout: bytes [0, C*hidden) q [C, hidden], bytes [scale_offset(b), ...) the scales
+[C, hidden/128] float32, C = gather_rows(b); padding rows q = 0, scale = 1e-10/448.
+x, residual: 16-byte aligned addresses and row strides (each row dense). weight: device [hidden] of
+weight_dtype (DTYPE_*; any value when norm=False). Rows of at most 4 * THREADS_PER_BLOCK 16-byte
+words. The rest as in gather.)doc")
+      .def("reduce_scatter", &nsa_cp::P2PState::reduce_scatter, py::arg("out"), py::arg("out_row_stride_bytes"),
+           py::arg("counts"), py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"), py::arg("stream"),
+           py::arg("positions") = 0, py::arg("num_positions") = -1, py::call_guard<py::gil_scoped_release>(),
+           R"doc(Enqueue the reduce-scatter (p2p_reduce_scatter's kernel) over the reduce buffers.
+
+out: device address of our [counts[rank], hidden] result, row i at out + i*out_row_stride_bytes.
+positions, num_positions: an ordered call (compact=True): every reduce buffer holds [num_positions]
+rows in batch order and our row i is summed from row positions[offsets[rank] + i]. The rest as in
+gather.)doc")
+      .def("barrier", &nsa_cp::P2PState::barrier, py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+           "Enqueue a barrier of the group on the gather channel (one 32-thread block).")
+      .def("copy_engine_begin", &nsa_cp::P2PState::copy_engine_begin, py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The copy-engine gather's entry barrier (the caller's copies into peers' buffer 0 follow).")
+      .def("copy_engine_end", &nsa_cp::P2PState::copy_engine_end, py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The copy-engine gather's done barrier, then the record that buffer 0 was written last. Runs\n"
+           "even when the error record is set (it completes a call already begun).")
+      .def("error", &nsa_cp::P2PState::error, "The error record [code, channel*2 + phase, rank, epoch] (volatile reads).")
+      .def("gather_rows", &nsa_cp::P2PState::gather_rows, py::arg("buffer"), "Capacity rows of gather buffer 0 or 1.")
+      .def("scale_offset", &nsa_cp::P2PState::scale_offset, py::arg("buffer"),
+           "Byte offset of the fp8 scale block in gather buffer 0 or 1 (gather_rows * hidden rounded up to 16).")
+      .def("close", &nsa_cp::P2PState::close,
+           "Refuse every later launch and error() (RuntimeError): call it before freeing the error record\n"
+           "or the buffers this state points at.")
+      .def_property_readonly("closed", &nsa_cp::P2PState::closed)
+      .def_property_readonly("last_buffer", &nsa_cp::P2PState::last_buffer)
+      .def_property_readonly("rank", &nsa_cp::P2PState::rank)
+      .def_property_readonly("world", &nsa_cp::P2PState::world)
+      .def_property_readonly("device", &nsa_cp::P2PState::device)
+      .def_property_readonly("hidden", &nsa_cp::P2PState::hidden)
+      .def_property_readonly("row_bytes", &nsa_cp::P2PState::row_bytes)
+      .def_property_readonly("max_rows_per_rank", &nsa_cp::P2PState::max_rows_per_rank)
+      .def_property_readonly("double_buffer_rows", &nsa_cp::P2PState::double_buffer_rows);
 
   m.def("pack_rows", &nsa_cp::pack_rows, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("src_rows"),
         py::arg("dst"), py::arg("dst_row_stride_bytes"), py::arg("dst_rows"), py::arg("row_bytes"), py::arg("count"),

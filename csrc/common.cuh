@@ -20,8 +20,9 @@
 //     the sender to collect the others first, and the sender's grid size does not matter.
 //
 // Error record err[4] (host-mapped, read it after the stream has synchronized):
-//   err[0] = code (0 none, kErrTimeout, kErrBadDeviceArg), err[1] = channel*2 + phase,
-//   err[2] = peer rank waited for (timeout) or the rank whose device-side argument was bad,
+//   err[0] = code (0 none, kErrTimeout, kErrBadDeviceArg, kErrBadPosition), err[1] = channel*2 + phase,
+//   err[2] = peer rank waited for (timeout), the rank whose device-side argument was bad, or the rank
+//   that read an out-of-range position,
 //   err[3] = epoch. Only the first error is kept (atomicCAS on err[0]).
 #pragma once
 
@@ -326,9 +327,12 @@ __device__ __forceinline__ GeometryEntry load_geometry_entry(const uint64_t* buf
 // reduce-scatter's output) non-null when it has rows.
 // Returns the first bad rank, or -1. Every block reaches the same verdict; block 0 records the error,
 // and a bad launch skips its data movement but still completes the signal protocol, so no peer hangs.
+//
+// `num_positions` >= 0 (an ordered call: compact geometry, rows land at positions[i]): the total count
+// must also be <= num_positions, so that every index into positions stays inside it.
 __device__ __forceinline__ int stage_geometry(Geometry& g, const GeometryEntry& entry, int64_t M, bool compact,
                                               int word_bytes, const void* local, const SignalArgs& s,
-                                              uint32_t epoch) {
+                                              uint32_t epoch, int64_t num_positions = -1) {
   const int t = static_cast<int>(threadIdx.x);
   if (t < s.world) {
     g.bufs[t] = entry.buf;
@@ -341,10 +345,28 @@ __device__ __forceinline__ int stage_geometry(Geometry& g, const GeometryEntry& 
     if (g.bufs[q] == 0 || g.bufs[q] % word_bytes != 0) bad = q;
   }
   if (bad < 0 && g.counts[s.rank] > 0 && local == nullptr) bad = s.rank;
+  if (bad < 0 && num_positions >= 0) {
+    int64_t total = 0;
+    for (int q = 0; q < s.world; ++q) total += g.counts[q];
+    if (total > num_positions) bad = s.world - 1;  // the last rank's rows would index past positions
+  }
   if (bad >= 0 && blockIdx.x == 0 && t == 0) {
     record_error(s.err, kErrBadDeviceArg, static_cast<uint32_t>(s.channel * 2), static_cast<uint32_t>(bad), epoch);
   }
   return bad;
+}
+
+// Row `i` of an ordered call: positions[i] (i < the total count, checked by stage_geometry), or, when
+// it lies outside [0, num_positions), that value clamped into the range, recorded as kErrBadPosition:
+// a bad position never makes a kernel touch memory outside the [num_positions] rows it was given.
+__device__ __forceinline__ int64_t position_row(const int64_t* positions, int64_t num_positions, int64_t i,
+                                                const SignalArgs& s, uint32_t epoch) {
+  int64_t d = __ldg(positions + i);
+  if (d < 0 || d >= num_positions) {
+    record_error(s.err, kErrBadPosition, static_cast<uint32_t>(s.channel * 2), static_cast<uint32_t>(s.rank), epoch);
+    d = d < 0 ? 0 : num_positions - 1;
+  }
+  return d;
 }
 
 }  // namespace nsa_cp

@@ -86,6 +86,13 @@ inline void require_layout_args(const char* fn, uint64_t bufs, const char* bufs_
           fn, "buffer size in bytes overflows int64");
 }
 
+// The gather's done counters of `channel` must fit in the pad.
+inline void require_done_channel(const char* fn, int channel) {
+  require(kDoneBase + (channel + 1) * kMaxWorld <= kSignalWords, fn,
+          "channel must be < " + std::to_string((kSignalWords - kDoneBase) / kMaxWorld) +
+              " (the pad's done counters), got " + std::to_string(channel));
+}
+
 inline void require_blocks(const char* fn, int num_blocks) {
   require(num_blocks >= 1 && num_blocks <= kMaxBlocks, fn,
           "num_blocks must be in [1, " + std::to_string(kMaxBlocks) + "], got " + std::to_string(num_blocks));

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +25,9 @@ constexpr uint32_t kErrTimeout = 1;
 // A device-side argument was unusable (counts out of range, offsets not the prefix sum, a null or
 // misaligned buffer). The kernel then skips its data movement but still completes the protocol.
 constexpr uint32_t kErrBadDeviceArg = 2;
+// An ordered call read a position outside [0, T): the row went to (or came from) the clamped row,
+// never outside the buffers; the results of that call are wrong.
+constexpr uint32_t kErrBadPosition = 3;
 
 // The signal pad: uint32 words per rank (nsa_cp.workspace.SIGNAL_WORDS allocates this many). Epoch
 // slots [(channel*2 + phase)*world + src] below kDoneBase; the gather's done counters
@@ -55,6 +59,70 @@ void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t buf
                         uint64_t offsets, int64_t max_rank_len, bool compact, int64_t hidden, int dtype, int rank,
                         int world, uint64_t pads, int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns,
                         uint64_t err, int num_blocks, uint64_t stream);
+
+// ---- p2p_state.cu: the P2P transport's native state, bound once --------------------------------
+// What a launch raises when the transport's host-mapped error record already holds an error (an
+// earlier call timed out or rejected its device-side geometry): the launch enqueued nothing. Python:
+// nsa_cp._C.P2PDeviceError (a RuntimeError); the transport turns it into P2PError / P2PTimeoutError.
+class P2PDeviceError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Everything fixed for the life of one rank's P2P transport (DeepEP's Buffer idea): checked once at
+// construction; a launch then passes only what changes per call and checks only that. The gather's
+// double-buffer choice lives here. Argument meanings: bindings.cpp.
+class P2PState {
+ public:
+  P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64_t reduce_ptrs, uint64_t pads,
+           uint64_t seq, uint64_t arrive, uint64_t gather_state, uint64_t err_host, uint64_t err_dev,
+           uint64_t timeout_ns, int64_t hidden, int dtype, int sm_count, int64_t max_rows_per_rank,
+           int64_t double_buffer_rows);
+
+  // Each returns the gather buffer it wrote (0 or 1).
+  int gather(uint64_t src, int64_t src_row_stride_bytes, uint64_t counts, uint64_t offsets, int64_t max_rank_len,
+             bool compact, uint64_t stream, uint64_t positions, int64_t num_positions);
+  int norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t residual, int64_t residual_row_stride_bytes,
+                  uint64_t weight, int weight_dtype, double eps, bool norm, int quant, uint64_t counts,
+                  uint64_t offsets, int64_t max_rank_len, bool compact, uint64_t stream, uint64_t positions,
+                  int64_t num_positions);
+  void reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t counts, uint64_t offsets,
+                      int64_t max_rank_len, bool compact, uint64_t stream, uint64_t positions, int64_t num_positions);
+  void barrier(uint64_t stream);
+  // The copy engine's gather (transfers the caller makes between the two): entry barrier; done
+  // barrier, then the record that buffer 0 was written last.
+  void copy_engine_begin(uint64_t stream);
+  void copy_engine_end(uint64_t stream);
+
+  std::vector<uint32_t> error() const;  // the error record, err[0..3]
+  // After close() every method that touches device or host-mapped memory raises RuntimeError: the
+  // owner frees the error record and the buffers after calling it.
+  void close() { closed_ = true; }
+  bool closed() const { return closed_; }
+  int64_t gather_rows(int buffer) const;  // capacity rows of gather buffer `buffer`
+  int64_t scale_offset(int buffer) const;  // fp8: byte offset of the scale block in that buffer
+  int last_buffer() const { return last_buffer_; }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int device() const { return device_; }
+  int64_t hidden() const { return hidden_; }
+  int64_t row_bytes() const { return row_bytes_; }
+  int64_t max_rows_per_rank() const { return max_rows_; }
+  int64_t double_buffer_rows() const { return double_rows_; }
+
+ private:
+  void check_error_record(const char* fn) const;
+  void check_call(const char* fn, uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact,
+                  uint64_t positions, int64_t num_positions) const;
+  int next_buffer(int64_t max_rank_len);
+  int data_blocks(int64_t max_rank_len) const;
+
+  int device_, rank_, world_, dtype_, sm_count_;
+  uint64_t gather_ptrs_, reduce_ptrs_, pads_, seq_, arrive_, gather_state_, err_host_, err_dev_, timeout_ns_;
+  int64_t hidden_, row_bytes_, max_rows_, double_rows_;
+  bool closed_ = false;
+  int last_buffer_ = 0;  // the host's record of the buffer the last gather wrote (the device keeps its own)
+};
 
 // ---- row_copy.cu (the NCCL path's layout conversions; no signal protocol) -----------------------
 void pack_rows(uint64_t src, int64_t src_row_stride_bytes, int64_t src_rows, uint64_t dst,

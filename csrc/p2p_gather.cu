@@ -17,80 +17,97 @@
 //
 // (d) goes through the done counters (common.cuh, grid_done_counters): every block reports its own
 // rows to every rank, and `state[1]` holds the total this rank has consumed.
+//
+// Source stages. The kernel above is one template over where a row comes from (`Stage`):
+//   * CopyStage<VEC>: the rows of `src` as they are, walked as a grid of (row, VEC-byte chunk) pairs, so
+//     any row length keeps every thread busy;
+//   * NormStage<D, K, FP8>: one row per block (the RMSNorm needs the whole row): s = x (+ residual) in
+//     fp32, residual <- s rounded (in place), y = s * rsqrt(mean(s^2) + eps) * weight in fp32, rounded
+//     once, pushed as rows of the dtype, or, FP8, as float8_e4m3fn groups of 128 columns with one fp32
+//     scale per group (SGLang's per_token_group_quant_fp8: amax clamped >= 1e-10, scale = amax / 448,
+//     q = clamp(y / scale, -448, 448); y is rounded to the dtype before it is quantized). The row lives
+//     in registers: K 16-byte words per thread.
+// Ordered calls (positions): this rank's compact row i lands at row positions[offsets[rank] + i] of
+// the [num_positions] output, instead of row offsets[rank] + i; the destination index is all that
+// changes (no extra pass).
+//
+// FP8 byte layout of a gather buffer of C rows of row_bytes (C = world * rows per rank of that
+// buffer): bytes [0, C*H) hold q as [C, H] float8_e4m3fn, row i at i*H; bytes [scale_offset,
+// scale_offset + C*(H/128)*4) hold the scales as [C, H/128] float32, scale_offset = C*H rounded up to
+// 16. Both blocks are dense, so any first rows of them are contiguous views. Padding rows (padded
+// layout, zeroed locally as ever): q = 0, scale = 1e-10/448 (what quantizing a zero row gives).
+#include <cuda_fp8.h>
+
 #include "common.cuh"
+#include "elem.cuh"
 #include "launch.h"
+#include "p2p_kernels.h"
 
 namespace nsa_cp {
 namespace {
 
-constexpr int kUnroll = 4;  // independent loads in flight per thread
-
-struct GatherParams {
-  const char* src;
-  int64_t src_stride;  // bytes
-  int64_t row_bytes;   // bytes per row, also the row stride of every gather buffer
-  const uint64_t* bufs;
-  const int* counts;
-  const int* offsets;  // compact only
-  int64_t M;           // max_rank_len (padded layout)
-  bool compact;
-  uint32_t buffer;  // tag of the buffers `bufs` points at
-  uint32_t* state;  // local uint32[2]: [0] tag the previous gather wrote, [1] done-counter total consumed
-};
+constexpr int kUnroll = 4;  // independent loads in flight per thread (copy stage)
+constexpr int kFp8Group = 128;
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8AmaxFloor = 1e-10f;
 
 template <typename W>
 __device__ __forceinline__ W load_src(const char* p) {
-  return __ldg(reinterpret_cast<const W*>(p));  // src is read-only here and read once
+  return __ldg(reinterpret_cast<const W*>(p));  // the source is read-only here and read once
+}
+
+// Destination row of this rank's row `row`: dst0 + row, or positions[dst0 + row] in an ordered call.
+__device__ __forceinline__ int64_t dest_row(const GatherParams& p, int64_t dst0, int64_t row, const SignalArgs& s,
+                                            uint32_t epoch) {
+  return p.positions == nullptr ? dst0 + row : position_row(p.positions, p.num_positions, dst0 + row, s, epoch);
+}
+
+// Every rank's buffer base, peers first starting after our own rank, ourselves last: the ranks do not
+// all start on the same destination. Indexed by unrolled constants only, so it stays in registers.
+__device__ __forceinline__ void rotated_bases(const Geometry& g, int rank, int world, char* (&dst)[kMaxWorld]) {
+#pragma unroll
+  for (int i = 0; i < kMaxWorld; ++i) {
+    dst[i] = i < world ? reinterpret_cast<char*>(g.bufs[(rank + 1 + i) % world]) : nullptr;
+  }
+}
+
+// Rows [first, first + count) of a region of `row_bytes`-byte rows at `base`, every VEC-byte word set
+// to `value`, by the whole grid.
+template <int VEC>
+__device__ __forceinline__ void fill_rows(char* base, int64_t row_bytes, int64_t first, int64_t count,
+                                          typename Word<VEC>::type value) {
+  using W = typename Word<VEC>::type;
+  for (RowChunkCursor c(global_thread(), grid_threads(), row_bytes / VEC); c.row < count; c.advance()) {
+    *reinterpret_cast<W*>(base + (first + c.row) * row_bytes + c.chunk * VEC) = value;
+  }
 }
 
 template <int VEC>
-__global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherParams p, const SignalArgs s) {
+struct CopyStage {
+  using Source = CopySource;
   using W = typename Word<VEC>::type;
-  __shared__ Geometry g;
+  static constexpr int kAlign = VEC;
 
-  const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
-  const uint32_t last = ld_relaxed_gpu(p.state);
-  const uint32_t epoch = read_epoch(s);
-  // (a) Entered: everything earlier on our stream, the readers of our buffer's previous contents
-  // included, has completed, so peers may now write into it. Every rank makes the same decision
-  // (same calls, same tags), so when we do not wait nobody waits for our signal either.
-  const bool wait_entry = last == p.buffer;
-  if (blockIdx.x == 0 && wait_entry) block_signal_all(s, 0, epoch);
+  __device__ static const void* local(const Source& a) { return a.src; }
 
-  const int rank = s.rank, world = s.world;
-  const int bad = stage_geometry(g, entry, p.M, p.compact, VEC, p.src, s, epoch);
-  const int64_t n = g.counts[rank];
-
-  const int64_t chunks = p.row_bytes / VEC;
-
-  // (c) Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer. (Here,
-  // not after the pushes: that measured no faster on 2x H200, runs 17 and 21 of docs/gpu_runs.md.)
-  if (bad < 0 && !p.compact) {
+  // Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer. (Before the
+  // pushes, not after: that measured no faster on 2x H200.)
+  __device__ static void zero_padding(const GatherParams& p, const Source&, const Geometry& g, int rank, int world) {
     char* own = reinterpret_cast<char*>(g.bufs[rank]);
     for (int q = 0; q < world; ++q) {
-      const int64_t first = q * p.M + g.counts[q];
       const int64_t pad_rows = p.M - g.counts[q];
-      if (pad_rows <= 0) continue;
-      for (RowChunkCursor c(global_thread(), grid_threads(), chunks); c.row < pad_rows; c.advance()) {
-        *reinterpret_cast<W*>(own + (first + c.row) * p.row_bytes + c.chunk * VEC) = W{};
-      }
+      if (pad_rows > 0) fill_rows<VEC>(own, p.row_bytes, q * p.M + g.counts[q], pad_rows, W{});
     }
   }
 
-  bool ok = bad < 0;
-  if (ok && wait_entry) ok = block_wait_all(s, 0, epoch);
-
-  // (b) Push our rows to every rank.
-  if (ok && n > 0) {
+  // Load each chunk once, store it `world` times.
+  __device__ static void push(const GatherParams& p, const Source& a, const Geometry& g, const SignalArgs& s,
+                              uint32_t epoch, int64_t n) {
+    const int rank = s.rank, world = s.world;
     const int64_t dst0 = p.compact ? g.offsets[rank] : rank * p.M;
-    // Peers first, starting after our own rank, ourselves last: the ranks do not all start on the
-    // same destination. Indexed by unrolled constants only, so it stays in registers.
     char* dst[kMaxWorld];
-#pragma unroll
-    for (int i = 0; i < kMaxWorld; ++i) {
-      dst[i] = i < world ? reinterpret_cast<char*>(g.bufs[(rank + 1 + i) % world]) + dst0 * p.row_bytes : nullptr;
-    }
-    RowChunkCursor c(global_thread(), grid_threads(), chunks);
+    rotated_bases(g, rank, world, dst);
+    RowChunkCursor c(global_thread(), grid_threads(), p.row_bytes / VEC);
     while (c.row < n) {
       W v[kUnroll];
       int64_t off[kUnroll];
@@ -98,8 +115,10 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         has[u] = c.row < n;
-        off[u] = c.row * p.row_bytes + c.chunk * VEC;
-        if (has[u]) v[u] = load_src<W>(p.src + c.row * p.src_stride + c.chunk * VEC);
+        if (has[u]) {
+          v[u] = load_src<W>(a.src + c.row * a.src_stride + c.chunk * VEC);
+          off[u] = dest_row(p, dst0, c.row, s, epoch) * p.row_bytes + c.chunk * VEC;
+        }
         c.advance();
       }
 #pragma unroll
@@ -112,6 +131,181 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
       }
     }
   }
+};
+
+template <int D, int K, bool FP8>
+struct NormStage {
+  using Source = NormSource;
+  static constexpr int kAlign = 16;
+  static constexpr int E = 16 / Elem<D>::kBytes;      // elements per 16-byte word
+  static constexpr int kGroupLanes = kFp8Group / E;   // words, and so lanes, of one fp8 group: 16 or 32
+  static_assert(kDataThreads % 32 == 0 && 32 % kGroupLanes == 0, "an fp8 group lies inside one warp");
+
+  __device__ static const void* local(const Source& a) { return a.x; }
+
+  __device__ static void zero_padding(const GatherParams& p, const Source& a, const Geometry& g, int rank,
+                                      int world) {
+    char* own = reinterpret_cast<char*>(g.bufs[rank]);
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    const int64_t scale_row_bytes = a.hidden / kFp8Group * 4;
+    const uint32_t pad_scale = __float_as_uint(__fdiv_rn(kFp8AmaxFloor, kFp8Max));
+    for (int q = 0; q < world; ++q) {
+      const int64_t first = q * p.M + g.counts[q], pad_rows = p.M - g.counts[q];
+      if (pad_rows <= 0) continue;
+      if (!FP8) {
+        fill_rows<16>(own, p.row_bytes, first, pad_rows, zero);
+        continue;
+      }
+      fill_rows<16>(own, a.hidden, first, pad_rows, zero);  // q = +0.0 is the zero byte
+      if (scale_row_bytes % 16 == 0) {
+        fill_rows<16>(own + a.scale_offset, scale_row_bytes, first, pad_rows,
+                      make_uint4(pad_scale, pad_scale, pad_scale, pad_scale));
+      } else {
+        fill_rows<4>(own + a.scale_offset, scale_row_bytes, first, pad_rows, pad_scale);
+      }
+    }
+  }
+
+  __device__ static void push(const GatherParams& p, const Source& a, const Geometry& g, const SignalArgs& s,
+                              uint32_t epoch, int64_t n) {
+    __shared__ float s_red[2][kDataThreads / 32];  // by row parity: no barrier between one row's reads and the next's writes
+    const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
+    const int rank = s.rank, world = s.world;
+    const int64_t dst0 = p.compact ? g.offsets[rank] : rank * p.M;
+    char* dst[kMaxWorld];
+    rotated_bases(g, rank, world, dst);
+    const int64_t words = a.hidden / E;
+    const int64_t groups = a.hidden / kFp8Group;
+    int parity = 0;
+    for (int64_t row = blockIdx.x; row < n; row += gridDim.x, parity ^= 1) {
+      const char* xr = a.x + row * a.x_stride;
+      char* rr = a.residual == nullptr ? nullptr : a.residual + row * a.res_stride;
+      float v[K][E];
+      float ss = 0.f;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t w = t + k * kDataThreads;
+        if (w < words) {
+          unpack<D>(load_src<uint4>(xr + w * 16), v[k]);
+          if (rr != nullptr) {
+            uint4* rp = reinterpret_cast<uint4*>(rr + w * 16);
+            float r[E];
+            unpack<D>(*rp, r);
+#pragma unroll
+            for (int e = 0; e < E; ++e) v[k][e] += r[e];
+            uint4 o;
+            pack<D>(v[k], o);
+            *rp = o;
+          }
+#pragma unroll
+          for (int e = 0; e < E; ++e) ss = fmaf(v[k][e], v[k][e], ss);
+        } else {
+#pragma unroll
+          for (int e = 0; e < E; ++e) v[k][e] = 0.f;
+        }
+      }
+      float rstd = 1.f;
+      if (a.norm) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) s_red[parity][warp] = ss;
+        __syncthreads();
+        float total = 0.f;
+#pragma unroll
+        for (int i = 0; i < kDataThreads / 32; ++i) total += s_red[parity][i];
+        rstd = 1.0f / sqrtf(total / static_cast<float>(a.hidden) + a.eps);
+      }
+      const int64_t drow = dest_row(p, dst0, row, s, epoch);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t w = t + k * kDataThreads;
+        const bool has = w < words;
+        float y[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          y[e] = v[k][e];
+          if (a.norm) y[e] = has ? (y[e] * rstd) * load_as_float(a.weight, a.weight_dtype, w * E + e) : 0.f;
+        }
+        if constexpr (!FP8) {
+          if (has) {
+            uint4 o;
+            pack<D>(y, o);
+            const int64_t off = drow * p.row_bytes + w * 16;
+#pragma unroll
+            for (int i = 0; i < kMaxWorld; ++i) {
+              if (i < world) *reinterpret_cast<uint4*>(dst[i] + off) = o;
+            }
+          }
+        } else {
+          // Every lane takes part in the group's shuffles (no branch on `has` around them).
+          float amax = 0.f;
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            y[e] = Elem<D>::to_f(Elem<D>::from_f(y[e]));  // the rows a norm-then-quantize would see
+            amax = fmaxf(amax, fabsf(y[e]));
+          }
+#pragma unroll
+          for (int o = kGroupLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          const float scale = fmaxf(amax, kFp8AmaxFloor) / kFp8Max;
+          if (has) {
+            uint32_t q[E / 4];
+#pragma unroll
+            for (int j = 0; j < E / 4; ++j) {
+              uint32_t word = 0;
+#pragma unroll
+              for (int b = 0; b < 4; ++b) {
+                const float z = fminf(fmaxf(y[4 * j + b] / scale, -kFp8Max), kFp8Max);
+                word |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(z, __NV_SATFINITE, __NV_E4M3)) << (8 * b);
+              }
+              q[j] = word;
+            }
+            const int64_t q_off = drow * a.hidden + w * E;
+            const bool leader = (w % kGroupLanes) == 0;
+            const int64_t s_off = a.scale_offset + (drow * groups + w / kGroupLanes) * 4;
+#pragma unroll
+            for (int i = 0; i < kMaxWorld; ++i) {
+              if (i >= world) continue;
+              if constexpr (E == 8) {
+                *reinterpret_cast<uint2*>(dst[i] + q_off) = make_uint2(q[0], q[1]);
+              } else {
+                *reinterpret_cast<uint32_t*>(dst[i] + q_off) = q[0];
+              }
+              if (leader) *reinterpret_cast<float*>(dst[i] + s_off) = scale;
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
+template <class Stage>
+__global__ void __launch_bounds__(kDataThreads)
+    p2p_gather_kernel(const GatherParams p, const typename Stage::Source a, const SignalArgs s) {
+  __shared__ Geometry g;
+
+  const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
+  const uint32_t last = ld_relaxed_gpu(p.state);
+  const uint32_t epoch = read_epoch(s);
+  // (a) Entered: everything earlier on our stream, the readers of our buffer's previous contents
+  // included, has completed, so peers may now write into it. Every rank makes the same decision
+  // (same calls, same tags), so when we do not wait nobody waits for our signal either.
+  const bool wait_entry = last == p.buffer;
+  if (blockIdx.x == 0 && wait_entry) block_signal_all(s, 0, epoch);
+
+  const int rank = s.rank, world = s.world;
+  const int bad = stage_geometry(g, entry, p.M, p.compact, Stage::kAlign, Stage::local(a), s, epoch,
+                                 p.positions == nullptr ? -1 : p.num_positions);
+  const int64_t n = g.counts[rank];
+
+  // (c) padding rows of our own buffer
+  if (bad < 0 && !p.compact) Stage::zero_padding(p, a, g, rank, world);
+
+  bool ok = bad < 0;
+  if (ok && wait_entry) ok = block_wait_all(s, 0, epoch);
+
+  // (b) push our rows to every rank
+  if (ok && n > 0) Stage::push(p, a, g, s, epoch, n);
 
   // (d) Done: every block reports its rows to every rank; the last block waits for every rank's.
   if (grid_done_counters(s, epoch, p.state + 1, !ok) && threadIdx.x == 0) {
@@ -119,7 +313,49 @@ __global__ void __launch_bounds__(kDataThreads) p2p_gather_kernel(const GatherPa
   }
 }
 
+template <int D, bool FP8>
+void launch_norm(const GatherParams& p, const NormSource& a, const SignalArgs& s, int words_per_thread,
+                 int num_blocks, cudaStream_t st) {
+  if (words_per_thread <= 2) {
+    p2p_gather_kernel<NormStage<D, 2, FP8>><<<num_blocks, kDataThreads, 0, st>>>(p, a, s);
+  } else {
+    p2p_gather_kernel<NormStage<D, 4, FP8>><<<num_blocks, kDataThreads, 0, st>>>(p, a, s);
+  }
+}
+
+template <bool FP8>
+void launch_norm_typed(const GatherParams& p, const NormSource& a, const SignalArgs& s, int dtype,
+                       int words_per_thread, int num_blocks, cudaStream_t st) {
+  switch (dtype) {
+    case kBF16:
+      launch_norm<kBF16, FP8>(p, a, s, words_per_thread, num_blocks, st);
+      break;
+    case kFP16:
+      launch_norm<kFP16, FP8>(p, a, s, words_per_thread, num_blocks, st);
+      break;
+    default:
+      launch_norm<kFP32, FP8>(p, a, s, words_per_thread, num_blocks, st);
+      break;
+  }
+}
+
 }  // namespace
+
+void enqueue_gather_copy(const GatherParams& p, const CopySource& src, const SignalArgs& s, int vec, int num_blocks,
+                         cudaStream_t stream) {
+  with_word_width(vec, [&](auto width) {
+    p2p_gather_kernel<CopyStage<decltype(width)::value>><<<num_blocks, kDataThreads, 0, stream>>>(p, src, s);
+  });
+}
+
+void enqueue_gather_norm(const GatherParams& p, const NormSource& src, const SignalArgs& s, int dtype,
+                         int words_per_thread, Quant quant, int num_blocks, cudaStream_t stream) {
+  if (quant == Quant::kFp8G128) {
+    launch_norm_typed<true>(p, src, s, dtype, words_per_thread, num_blocks, stream);
+  } else {
+    launch_norm_typed<false>(p, src, s, dtype, words_per_thread, num_blocks, stream);
+  }
+}
 
 void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
                 uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
@@ -137,24 +373,32 @@ void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, u
   require_blocks(fn, num_blocks);
   require(buffer == 0 || buffer == 1, fn, "buffer must be 0 or 1, got " + std::to_string(buffer));
   require_ptr(state, fn, "state (device uint32[2], zero-initialised, this rank's gather state)");
-  require(kDoneBase + (channel + 1) * kMaxWorld <= kSignalWords, fn,
-          "channel must be < " + std::to_string((kSignalWords - kDoneBase) / kMaxWorld) +
-              " (the pad's done counters), got " + std::to_string(channel));
+  require_done_channel(fn, channel);
 
-  const GatherParams p{as_ptr<const char>(src), src_row_stride_bytes, row_bytes,  as_ptr<const uint64_t>(bufs),
-                       as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact,
-                       static_cast<uint32_t>(buffer),    as_ptr<uint32_t>(state)};
+  const GatherParams p{row_bytes, as_ptr<const uint64_t>(bufs), as_ptr<const int>(counts), as_ptr<const int>(offsets),
+                       max_rank_len, compact, static_cast<uint32_t>(buffer), as_ptr<uint32_t>(state), nullptr, -1};
   const int vec = common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes)});
-  with_word_width(vec, [&](auto width) {
-    p2p_gather_kernel<decltype(width)::value><<<num_blocks, kDataThreads, 0, as_stream(stream)>>>(p, s);
-  });
+  enqueue_gather_copy(p, CopySource{as_ptr<const char>(src), src_row_stride_bytes}, s, vec, num_blocks,
+                      as_stream(stream));
   check_launch(fn);
 }
 
 void append_kernel_info_gather(std::vector<KernelInfo>& out) {
-  append_kernel_info(out, "p2p_gather<16>", p2p_gather_kernel<16>);
-  append_kernel_info(out, "p2p_gather<4>", p2p_gather_kernel<4>);
-  append_kernel_info(out, "p2p_gather<1>", p2p_gather_kernel<1>);
+  append_kernel_info(out, "p2p_gather<copy16>", p2p_gather_kernel<CopyStage<16>>);
+  append_kernel_info(out, "p2p_gather<copy4>", p2p_gather_kernel<CopyStage<4>>);
+  append_kernel_info(out, "p2p_gather<copy1>", p2p_gather_kernel<CopyStage<1>>);
+  append_kernel_info(out, "p2p_gather<norm,bf16,2>", p2p_gather_kernel<NormStage<kBF16, 2, false>>);
+  append_kernel_info(out, "p2p_gather<norm,bf16,4>", p2p_gather_kernel<NormStage<kBF16, 4, false>>);
+  append_kernel_info(out, "p2p_gather<norm,fp16,2>", p2p_gather_kernel<NormStage<kFP16, 2, false>>);
+  append_kernel_info(out, "p2p_gather<norm,fp16,4>", p2p_gather_kernel<NormStage<kFP16, 4, false>>);
+  append_kernel_info(out, "p2p_gather<norm,fp32,2>", p2p_gather_kernel<NormStage<kFP32, 2, false>>);
+  append_kernel_info(out, "p2p_gather<norm,fp32,4>", p2p_gather_kernel<NormStage<kFP32, 4, false>>);
+  append_kernel_info(out, "p2p_gather<fp8,bf16,2>", p2p_gather_kernel<NormStage<kBF16, 2, true>>);
+  append_kernel_info(out, "p2p_gather<fp8,bf16,4>", p2p_gather_kernel<NormStage<kBF16, 4, true>>);
+  append_kernel_info(out, "p2p_gather<fp8,fp16,2>", p2p_gather_kernel<NormStage<kFP16, 2, true>>);
+  append_kernel_info(out, "p2p_gather<fp8,fp16,4>", p2p_gather_kernel<NormStage<kFP16, 4, true>>);
+  append_kernel_info(out, "p2p_gather<fp8,fp32,2>", p2p_gather_kernel<NormStage<kFP32, 2, true>>);
+  append_kernel_info(out, "p2p_gather<fp8,fp32,4>", p2p_gather_kernel<NormStage<kFP32, 4, true>>);
 }
 
 }  // namespace nsa_cp

@@ -6,93 +6,25 @@
 //
 // One launch: "entered" barrier, phase 0 (every rank's partials are complete); the pull-and-sum;
 // "done" barrier, phase 1 (no rank may overwrite its reduce buffer while a peer still reads it).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+//
+// Ordered calls (positions): the reduce buffers hold [num_positions] rows in batch order; this rank's
+// row i is summed from row positions[offsets[rank] + i] of every rank's buffer (the read index is all
+// that changes).
 #include "common.cuh"
+#include "elem.cuh"
 #include "launch.h"
+#include "p2p_kernels.h"
 
 namespace nsa_cp {
 namespace {
 
 constexpr int kUnroll = 2;  // rows-chunks per thread per step; each issues `world` loads
 
-enum DType : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
-
-template <int D>
-struct Elem;
-template <>
-struct Elem<kBF16> {
-  static constexpr int kBytes = 2;
-  __device__ static float to_f(uint32_t b) { return __uint_as_float(b << 16); }  // exact
-  __device__ static uint32_t from_f(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
-};
-template <>
-struct Elem<kFP16> {
-  static constexpr int kBytes = 2;
-  __device__ static float to_f(uint32_t b) { return __half2float(__ushort_as_half(static_cast<unsigned short>(b))); }
-  __device__ static uint32_t from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
-};
-template <>
-struct Elem<kFP32> {
-  static constexpr int kBytes = 4;
-  __device__ static float to_f(uint32_t b) { return __uint_as_float(b); }
-  __device__ static uint32_t from_f(float f) { return __float_as_uint(f); }
-};
-
-// A 16-byte word holds 8 bf16/fp16 or 4 fp32; a scalar word holds one element.
-template <int D, int N>
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[N]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (Elem<D>::kBytes == 4) {
-      f[i] = Elem<D>::to_f(w[i]);
-    } else {
-      f[2 * i] = Elem<D>::to_f(w[i] & 0xFFFFu);
-      f[2 * i + 1] = Elem<D>::to_f(w[i] >> 16);
-    }
-  }
-}
-template <int D, typename S>
-__device__ __forceinline__ void unpack(const S& v, float (&f)[1]) {
-  f[0] = Elem<D>::to_f(static_cast<uint32_t>(v));
-}
-
-template <int D, int N>
-__device__ __forceinline__ void pack(const float (&f)[N], uint4& v) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (Elem<D>::kBytes == 4) {
-      w[i] = Elem<D>::from_f(f[i]);
-    } else {
-      w[i] = Elem<D>::from_f(f[2 * i]) | (Elem<D>::from_f(f[2 * i + 1]) << 16);
-    }
-  }
-  v = make_uint4(w[0], w[1], w[2], w[3]);
-}
-template <int D, typename S>
-__device__ __forceinline__ void pack(const float (&f)[1], S& v) {
-  v = static_cast<S>(Elem<D>::from_f(f[0]));
-}
-
 // Peer data arrives after the acquire of the entry barrier: plain coherent loads, L2 only (no reuse).
 template <typename W>
 __device__ __forceinline__ W load_peer(const char* p) {
   return __ldcg(reinterpret_cast<const W*>(p));
 }
-
-struct ReduceParams {
-  char* out;
-  int64_t out_stride;  // bytes
-  int64_t row_bytes;   // hidden * element size, also the row stride of every reduce buffer
-  const uint64_t* bufs;
-  const int* counts;
-  const int* offsets;  // compact only
-  int64_t M;
-  bool compact;
-};
 
 template <int D, bool VECTOR>
 __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const ReduceParams p, const SignalArgs s) {
@@ -107,7 +39,8 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
   if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
 
   const int rank = s.rank, world = s.world;
-  const int bad = stage_geometry(g, entry, p.M, p.compact, kWordBytes, p.out, s, epoch);
+  const int bad = stage_geometry(g, entry, p.M, p.compact, kWordBytes, p.out, s, epoch,
+                                 p.positions == nullptr ? -1 : p.num_positions);
   const int64_t n = g.counts[rank];
 
   bool ok = bad < 0;
@@ -118,7 +51,7 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
     const char* src[kMaxWorld];
 #pragma unroll
     for (int q = 0; q < kMaxWorld; ++q) {
-      src[q] = q < world ? reinterpret_cast<const char*>(g.bufs[q]) + src0 * p.row_bytes : nullptr;
+      src[q] = q < world ? reinterpret_cast<const char*>(g.bufs[q]) : nullptr;
     }
     RowChunkCursor c(global_thread(), grid_threads(), p.row_bytes / kWordBytes);
     while (c.row < n) {
@@ -129,7 +62,10 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         has[u] = c.row < n;
-        in_off[u] = c.row * p.row_bytes + c.chunk * kWordBytes;
+        const int64_t src_row = p.positions == nullptr || !has[u]
+                                    ? src0 + c.row
+                                    : position_row(p.positions, p.num_positions, src0 + c.row, s, epoch);
+        in_off[u] = src_row * p.row_bytes + c.chunk * kWordBytes;
         out_off[u] = c.row * p.out_stride + c.chunk * kWordBytes;
 #pragma unroll
         for (int q = 0; q < kMaxWorld; ++q) {
@@ -172,6 +108,21 @@ void launch_typed(const ReduceParams& p, const SignalArgs& s, bool vector, int n
 
 }  // namespace
 
+void enqueue_reduce_scatter(const ReduceParams& p, const SignalArgs& s, int dtype, bool vector, int num_blocks,
+                            cudaStream_t st) {
+  switch (dtype) {
+    case kBF16:
+      launch_typed<kBF16>(p, s, vector, num_blocks, st);
+      break;
+    case kFP16:
+      launch_typed<kFP16>(p, s, vector, num_blocks, st);
+      break;
+    default:
+      launch_typed<kFP32>(p, s, vector, num_blocks, st);
+      break;
+  }
+}
+
 void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t bufs, uint64_t counts,
                         uint64_t offsets, int64_t max_rank_len, bool compact, int64_t hidden, int dtype, int rank,
                         int world, uint64_t pads, int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns,
@@ -194,22 +145,11 @@ void p2p_reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t buf
                       max_rank_len, world, row_bytes, out_row_stride_bytes);
   require_blocks(fn, num_blocks);
 
-  const ReduceParams p{as_ptr<char>(out), out_row_stride_bytes, row_bytes,     as_ptr<const uint64_t>(bufs),
-                       as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact};
+  const ReduceParams p{as_ptr<char>(out), out_row_stride_bytes, row_bytes, as_ptr<const uint64_t>(bufs),
+                       as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact, nullptr, -1};
   const bool vector =
       common_alignment({out, static_cast<uint64_t>(out_row_stride_bytes), static_cast<uint64_t>(row_bytes)}) == 16;
-  const cudaStream_t st = as_stream(stream);
-  switch (dtype) {
-    case kBF16:
-      launch_typed<kBF16>(p, s, vector, num_blocks, st);
-      break;
-    case kFP16:
-      launch_typed<kFP16>(p, s, vector, num_blocks, st);
-      break;
-    default:
-      launch_typed<kFP32>(p, s, vector, num_blocks, st);
-      break;
-  }
+  enqueue_reduce_scatter(p, s, dtype, vector, num_blocks, as_stream(stream));
   check_launch(fn);
 }
 

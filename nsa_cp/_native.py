@@ -21,7 +21,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "available", "unavailable_reason", "device_unsupported_reason", "current_stream", "launch_device"]
+__all__ = [
+    "load", "available", "unavailable_reason", "device_unsupported_reason", "current_stream", "stream_getter",
+    "launch_device",
+]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -138,6 +141,15 @@ def current_stream(device) -> int:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def stream_getter():
+    """A function ``index -> cudaStream_t`` (int) of torch's current stream on ``cuda:index``, for hot
+    paths that bind it once: ``torch._C._cuda_getCurrentRawStream`` itself where it exists (no Python
+    frame in between), else the public route."""
+    if _raw_stream is not None:
+        return _raw_stream
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
 def launch_device(device):

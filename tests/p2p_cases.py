@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import nsa_cp
-from nsa_cp.transport import p2p
+from nsa_cp.transport import p2p, p2p_memory
 
 from dist_cases import _check_sum, _expected_gather, _gen
 from dist_harness import rank_device, rank_log, shared_gpu
@@ -407,7 +407,7 @@ def run_config_mismatch(rank: int, world: int, payload: dict) -> Dict[str, objec
     the transport's survey of the group, so a CPU group shows it."""
     values = [64 * (q + 1) for q in range(world)]
     try:
-        p2p._survey(None, None, {"hidden_size": 7168, "double_buffer_tokens": values[rank]})
+        p2p_memory.survey(None, None, {"hidden_size": 7168, "double_buffer_tokens": values[rank]})
     except ValueError as err:
         text = str(err)
         ok = "double_buffer_tokens" in text and str(values) in text and "hidden_size" not in text

@@ -1,0 +1,83 @@
+"""One P2P transport per process group: ``init_p2p`` creates and registers it, ``get_p2p`` finds it,
+``destroy_p2p`` releases it.
+
+``generation()`` is an integer that changes on every ``init_p2p`` and ``destroy_p2p``: a cache of
+decisions that depend on which transports exist (the plan cache) keys on it, so a transport created,
+replaced or destroyed never leaves a stale decision behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .p2p_transport import P2PTransport
+
+__all__ = ["init_p2p", "get_p2p", "destroy_p2p", "any_registered", "generation"]
+
+_REGISTRY = {}
+_counter = itertools.count(1)
+_generation = 0
+
+
+def generation() -> int:
+    """The registry's generation: a new value after every ``init_p2p`` / ``destroy_p2p`` (never reused)."""
+    return _generation
+
+
+def _bump() -> None:
+    global _generation
+    _generation = next(_counter)
+
+
+def _group_key(group):
+    return dist.group.WORLD if group is None else group
+
+
+def init_p2p(
+    group: Optional[dist.ProcessGroup],
+    max_tokens_per_rank: int,
+    hidden_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device=None,
+    *,
+    timeout_ms: Optional[int] = None,
+    workspace_bytes: Optional[int] = None,
+    double_buffer_tokens: Optional[int] = None,
+) -> P2PTransport:
+    """Create (collectively, on every rank of ``group``) and register the P2P transport of ``group``.
+
+    Afterwards ``cp_all_gather`` / ``cp_reduce_scatter`` with ``backend="auto"`` use it for uneven
+    layouts that fit. Creating it again for the same group replaces the old one.
+    """
+    transport = P2PTransport(
+        group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms,
+        workspace_bytes=workspace_bytes, double_buffer_tokens=double_buffer_tokens,
+    )
+    old = _REGISTRY.pop(_group_key(group), None)
+    if old is not None:
+        old.close()
+    _REGISTRY[_group_key(group)] = transport
+    _bump()
+    return transport
+
+
+def any_registered() -> bool:
+    return bool(_REGISTRY)
+
+
+def get_p2p(group: Optional[dist.ProcessGroup]) -> Optional[P2PTransport]:
+    """The registered transport of ``group``, or None."""
+    return _REGISTRY.get(_group_key(group))
+
+
+def destroy_p2p(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Unregister and release the transport of ``group`` (no-op when there is none; the generation
+    changes either way)."""
+    transport = _REGISTRY.pop(_group_key(group), None)
+    _bump()
+    if transport is not None:
+        transport.close()

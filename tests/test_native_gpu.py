@@ -1,0 +1,347 @@
+"""The kernels of nsa_cp._C on one GPU, with several simulated "ranks" in one process (the protocol,
+layouts and arithmetic run for real; peers' pointers are local ones). Skips without a GPU."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from nsa_cp import _native
+
+
+_C = _native.load()
+needs_C = pytest.mark.skipif(_C is None, reason=f"nsa_cp._C not importable: {_native._import_reason}")
+_NO_GPU = _C is not None and _C.device_count() == 0
+
+
+# ---- on a GPU: several "ranks" of one process on one device ----------------------------------------
+#
+# Each simulated rank has its own pad, seq, arrive, buffers and stream, exactly as separate processes
+# would (peers' pointers are just local ones here), so the protocol, the layouts and the arithmetic
+# run for real on one GPU. Every wait has a timeout: a protocol bug fails the test instead of hanging.
+
+needs_gpu = pytest.mark.skipif(
+    _C is None or _NO_GPU or not __import__("torch").cuda.is_available(), reason="needs nsa_cp._C and a CUDA device"
+)
+TIMEOUT_NS = 5_000_000_000
+CHANNELS = 2
+
+
+class _Ranks:
+    def __init__(self, world, capacity_rows, hidden, dtype, num_blocks=8):
+        import torch
+
+        dev = torch.device("cuda")
+        self.torch, self.world, self.hidden, self.dtype, self.num_blocks = torch, world, hidden, dtype, num_blocks
+        self.pads = [torch.zeros(_C.SIGNAL_WORDS, dtype=torch.int32, device=dev) for _ in range(world)]
+        self.pad_ptrs = torch.tensor([p.data_ptr() for p in self.pads], dtype=torch.int64, device=dev)
+        # garbage, so unwritten rows and un-zeroed padding show up
+        self.bufs = [torch.full((capacity_rows, hidden), 7, dtype=dtype, device=dev) for _ in range(world)]
+        self.buf_ptrs = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64, device=dev)
+        self.seq = [torch.zeros(CHANNELS, dtype=torch.int32, device=dev) for _ in range(world)]
+        self.arrive = [torch.zeros(CHANNELS, dtype=torch.int32, device=dev) for _ in range(world)]
+        self.state = [torch.zeros(CHANNELS, 2, dtype=torch.int32, device=dev) for _ in range(world)]  # gather state
+        self.err = [_C.alloc_host_mapped_u32(4) for _ in range(world)]
+        self.streams = [torch.cuda.Stream() for _ in range(world)]
+        torch.cuda.synchronize()
+
+    def close(self):
+        for host, _ in self.err:
+            _C.free_host_mapped(host)
+
+    def sig(self, r, channel):
+        return dict(
+            rank=r, world=self.world, pads=self.pad_ptrs.data_ptr(), channel=channel,
+            seq=self.seq[r].data_ptr() + 4 * channel, arrive=self.arrive[r].data_ptr() + 4 * channel,
+            timeout_ns=TIMEOUT_NS, err=self.err[r][1],
+        )
+
+    def gather_state(self, r, channel=0):
+        return self.state[r][channel].data_ptr()
+
+    def errors(self):
+        return [[_C.read_u32(host, i) for i in range(4)] for host, _ in self.err]
+
+    @staticmethod
+    def layout(counts, compact):
+        import torch
+
+        offsets = [sum(counts[:q]) for q in range(len(counts))]
+        dc = torch.tensor(counts, dtype=torch.int32, device="cuda")
+        do = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+        return offsets, dc, do
+
+    def gather(self, shards, counts, M, compact, channel=0, ranks=None):
+        torch = self.torch
+        _, dc, do = self.layout(counts, compact)
+        torch.cuda.synchronize()
+        for r in ranks if ranks is not None else range(self.world):
+            x = shards[r]
+            with torch.cuda.stream(self.streams[r]):
+                _C.p2p_gather(
+                    src=x.data_ptr(), src_row_stride_bytes=x.stride(0) * x.element_size(),
+                    row_bytes=self.hidden * x.element_size(), bufs=self.buf_ptrs.data_ptr(), counts=dc.data_ptr(),
+                    offsets=do.data_ptr(), max_rank_len=M, compact=compact, num_blocks=self.num_blocks,
+                    stream=self.streams[r].cuda_stream, buffer=0, state=self.gather_state(r, channel),
+                    **self.sig(r, channel),
+                )
+        torch.cuda.synchronize()
+
+    def reduce_scatter(self, outs, counts, M, compact, dtype_code, channel=1):
+        torch = self.torch
+        _, dc, do = self.layout(counts, compact)
+        torch.cuda.synchronize()
+        for r in range(self.world):
+            with torch.cuda.stream(self.streams[r]):
+                _C.p2p_reduce_scatter(
+                    out=outs[r].data_ptr(), out_row_stride_bytes=outs[r].stride(0) * outs[r].element_size(),
+                    bufs=self.buf_ptrs.data_ptr(), counts=dc.data_ptr(), offsets=do.data_ptr(), max_rank_len=M,
+                    compact=compact, hidden=self.hidden, dtype=dtype_code, num_blocks=self.num_blocks,
+                    stream=self.streams[r].cuda_stream, **self.sig(r, channel),
+                )
+        torch.cuda.synchronize()
+
+
+def _expected_gather(shards, counts, M, compact, hidden, dtype):
+    import torch
+
+    if compact:
+        return torch.cat([s[:n] for s, n in zip(shards, counts)])
+    out = torch.zeros(len(counts) * M, hidden, dtype=dtype, device="cuda")
+    for q, (s, n) in enumerate(zip(shards, counts)):
+        out[q * M : q * M + n] = s[:n]
+    return out
+
+
+@needs_gpu
+def test_gpu_kernel_info():
+    info = _C.kernel_info()
+    names = {k["name"] for k in info}
+    families = ("barrier", "p2p_gather", "p2p_reduce_scatter", "pack_rows", "padded_compact")
+    assert {n.split("<")[0] for n in names} == set(families), names
+    assert len(info) == 16
+    import torch
+
+    assert _native.device_unsupported_reason(torch.cuda.current_device()) == ""  # this GPU runs them
+    for k in info:
+        assert k["local_bytes"] == 0, k  # no spills / stack
+        assert k["binary_version"] >= 90, k
+    print(info)
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("hidden, dtype_name", [(256, "bfloat16"), (9, "bfloat16"), (6, "float32"), (33, "float16")])
+def test_gpu_p2p_gather(world, compact, hidden, dtype_name):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    M = 37
+    ranks = _Ranks(world, world * M, hidden, dtype)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(world)
+        # an odd number of calls with changing counts (0 and M included): epochs, stale rows, padding
+        rounds = [[M - q for q in range(world)], [(7 * q) % (M + 1) for q in range(world)], [M] * world]
+        rounds[1][0] = 0
+        for counts in rounds:
+            shards = [torch.randn(M, hidden, generator=gen, device="cuda").to(dtype) for _ in range(world)]
+            if world > 1:  # a strided source
+                wide = torch.randn(M, hidden + 8, generator=gen, device="cuda").to(dtype)
+                shards[1] = wide[:, :hidden]
+            for b in ranks.bufs:  # unwritten rows and un-zeroed padding must show
+                b.fill_(float("nan"))
+            ranks.gather(shards, counts, M, compact)
+            assert ranks.errors() == [[0, 0, 0, 0]] * world
+            expected = _expected_gather(shards, counts, M, compact, hidden, dtype)
+            for r in range(world):
+                got = ranks.bufs[r][: expected.shape[0]]
+                assert torch.equal(got, expected), (r, counts)
+        assert all(int(s[0]) == len(rounds) for s in ranks.seq)
+        assert all(int(a[0]) == 0 for a in ranks.arrive)
+    finally:
+        ranks.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize(
+    "hidden, dtype_name, code",
+    [(512, "bfloat16", 0), (512, "float16", 1), (128, "float32", 2), (7, "bfloat16", 0), (5, "float32", 2)],
+)
+def test_gpu_p2p_reduce_scatter(world, compact, hidden, dtype_name, code):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    M = 29
+    ranks = _Ranks(world, world * M, hidden, dtype)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(100 + world)
+        for counts in ([M - 3 * q for q in range(world)], [M] * world, [0] + [M // 2] * (world - 1)):
+            total = sum(counts) if compact else world * M
+            for b in ranks.bufs:
+                b[:total] = torch.randn(total, hidden, generator=gen, device="cuda").to(dtype)
+            outs = [torch.full((counts[r], hidden), 3, dtype=dtype, device="cuda") for r in range(world)]
+            ranks.reduce_scatter(outs, counts, M, compact, code)
+            assert ranks.errors() == [[0, 0, 0, 0]] * world
+            for r in range(world):
+                start = sum(counts[:r]) if compact else r * M
+                rows = slice(start, start + counts[r])
+                acc = ranks.bufs[0][rows].float()
+                for p in range(1, world):
+                    acc = acc + ranks.bufs[p][rows].float()  # fixed order, fp32
+                assert torch.equal(outs[r], acc.to(dtype)), (r, counts)
+    finally:
+        ranks.close()
+
+
+@needs_gpu
+def test_gpu_barrier_and_timeout_record():
+    import torch
+
+    ranks = _Ranks(2, 4, 16, torch.bfloat16)
+    try:
+        # both ranks: phase 0 (no advance), phase 1 (advance) -> seq 1
+        for phase, advance in ((0, False), (1, True)):
+            for r in range(2):
+                with torch.cuda.stream(ranks.streams[r]):
+                    kw = ranks.sig(r, 0)
+                    kw.pop("arrive")
+                    _C.barrier(phase=phase, advance=advance, stream=ranks.streams[r].cuda_stream, **kw)
+            torch.cuda.synchronize()
+        assert [int(s[0]) for s in ranks.seq] == [1, 1]
+        assert ranks.errors() == [[0, 0, 0, 0]] * 2
+
+        # rank 0 alone on channel 1: times out waiting for rank 1, records it, and returns
+        kw = ranks.sig(0, 1)
+        kw.pop("arrive")
+        kw["timeout_ns"] = 2_000_000
+        _C.barrier(phase=0, advance=True, stream=0, **kw)
+        torch.cuda.synchronize()
+        assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 1 * 2 + 0, 1, 1]
+        _C.write_u32(ranks.err[0][0], 0, 0)
+
+        # the same through p2p_gather: the entry wait times out, the launch still completes and
+        # leaves arrive reset and seq advanced
+        shards = [torch.ones(4, 16, dtype=torch.bfloat16, device="cuda")] * 2
+        kw = ranks.sig(0, 0)
+        kw["timeout_ns"] = 2_000_000
+        dc = torch.tensor([4, 4], dtype=torch.int32, device="cuda")
+        _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
+                      counts=dc.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
+                      buffer=0, state=ranks.gather_state(0), **kw)
+        torch.cuda.synchronize()
+        assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 0, 1, 2]
+        assert int(ranks.seq[0][0]) == 2 and int(ranks.arrive[0][0]) == 0
+        _C.write_u32(ranks.err[0][0], 0, 0)
+
+        # device-side counts out of range: recorded, nothing moved, nobody waits
+        bad = torch.tensor([5, 4], dtype=torch.int32, device="cuda")
+        _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
+                      counts=bad.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
+                      buffer=0, state=ranks.gather_state(0), **kw)
+        torch.cuda.synchronize()
+        assert ranks.errors()[0] == [_C.ERR_BAD_DEVICE_ARG, 0, 0, 3]
+    finally:
+        ranks.close()
+
+
+@needs_gpu
+def test_gpu_double_buffer_entry_wait():
+    """The entry wait is skipped exactly when the previous gather wrote the other buffer. Rank 0 calls
+    alone, so the phase that times out (in the error record) shows whether it waited at entry; then both
+    ranks alternate buffers, and results and the recorded tags are checked."""
+    import torch
+
+    world, M, hidden, dtype = 2, 8, 16, torch.bfloat16
+    ranks = _Ranks(world, world * M, hidden, dtype)
+    try:
+        alt = [torch.full((world * M, hidden), 7, dtype=dtype, device="cuda") for _ in range(world)]
+        ptrs = [ranks.buf_ptrs, torch.tensor([b.data_ptr() for b in alt], dtype=torch.int64, device="cuda")]
+        bufs = [ranks.bufs, alt]
+        dc = torch.tensor([M, M - 3], dtype=torch.int32, device="cuda")
+
+        def call(r, shard, buffer, timeout_ns=TIMEOUT_NS):
+            kw = ranks.sig(r, 0)
+            kw["timeout_ns"] = timeout_ns
+            with torch.cuda.stream(ranks.streams[r]):
+                _C.p2p_gather(src=shard.data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
+                              bufs=ptrs[buffer].data_ptr(), counts=dc.data_ptr(), offsets=0, max_rank_len=M,
+                              compact=False, num_blocks=4 + r, stream=ranks.streams[r].cuda_stream, buffer=buffer,
+                              state=ranks.gather_state(r), **kw)
+
+        shard = torch.randn(M, hidden, device="cuda").to(dtype)
+        # last 0, buffer 1: no entry wait, so the done barrier is what times out (slot 0*2 + 1), epoch 1
+        call(0, shard, 1, timeout_ns=2_000_000)
+        torch.cuda.synchronize()
+        assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 1, 1, 1]
+        assert int(ranks.state[0][0, 0]) == 1
+        for i in range(4):
+            _C.write_u32(ranks.err[0][0], i, 0)
+        # last 1, buffer 1: the entry wait (slot 0) times out first, epoch 2
+        call(0, shard, 1, timeout_ns=2_000_000)
+        torch.cuda.synchronize()
+        assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 0, 1, 2]
+        for i in range(4):
+            _C.write_u32(ranks.err[0][0], i, 0)
+
+        # both ranks in step again (rank 1 catches up to epoch 2), then alternate 0, 1, 0, 1, 1
+        for t in ranks.pads + ranks.seq + ranks.state:  # the pads hold rank 0's signals of epochs 1 and 2
+            t.zero_()
+        for buffer in (0, 1, 0, 1, 1):
+            shards = [torch.randn(M, hidden, device="cuda").to(dtype) for _ in range(world)]
+            torch.cuda.synchronize()
+            for r in range(world):
+                call(r, shards[r], buffer)
+            torch.cuda.synchronize()
+            assert ranks.errors() == [[0, 0, 0, 0]] * world
+            expected = _expected_gather(shards, [M, M - 3], M, False, hidden, dtype)
+            for r in range(world):
+                assert torch.equal(bufs[buffer][r], expected), (r, buffer)
+                assert int(ranks.state[r][0, 0]) == buffer
+        # every launch added DONE_QUANTUM to every rank's counter, whatever its grid (4 and 5 blocks)
+        for r in range(world):
+            counters = ranks.pads[r][_C.DONE_BASE : _C.DONE_BASE + world].tolist()
+            assert counters == [5 * _C.DONE_QUANTUM] * world and int(ranks.state[r][0, 1]) == 5 * _C.DONE_QUANTUM
+    finally:
+        ranks.close()
+
+
+@needs_gpu
+def test_gpu_graph_replay_with_new_counts():
+    """Each rank's gather captured once; replays (an odd number) read new counts from device memory."""
+    import torch
+
+    world, M, hidden, dtype = 2, 16, 64, torch.bfloat16
+    ranks = _Ranks(world, world * M, hidden, dtype)
+    try:
+        counts_dev = torch.tensor([M, M], dtype=torch.int32, device="cuda")
+        offsets_dev = torch.zeros(world, dtype=torch.int32, device="cuda")
+        shards = [torch.randn(M, hidden, device="cuda").to(dtype) for _ in range(world)]
+        _C.kernel_info()  # load the module before capture
+        graphs = []
+        for r in range(world):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=ranks.streams[r]):
+                _C.p2p_gather(
+                    src=shards[r].data_ptr(), src_row_stride_bytes=hidden * 2, row_bytes=hidden * 2,
+                    bufs=ranks.buf_ptrs.data_ptr(), counts=counts_dev.data_ptr(), offsets=offsets_dev.data_ptr(),
+                    max_rank_len=M, compact=False, num_blocks=4, stream=ranks.streams[r].cuda_stream,
+                    buffer=0, state=ranks.gather_state(r), **ranks.sig(r, 0),
+                )
+            graphs.append(g)
+        for counts in ([3, 16], [16, 0], [9, 11]):
+            counts_dev.copy_(torch.tensor(counts, dtype=torch.int32))
+            torch.cuda.synchronize()
+            for r in range(world):
+                with torch.cuda.stream(ranks.streams[r]):
+                    graphs[r].replay()
+            torch.cuda.synchronize()
+            assert ranks.errors() == [[0, 0, 0, 0]] * world
+            expected = _expected_gather(shards, counts, M, False, hidden, dtype)
+            for r in range(world):
+                assert torch.equal(ranks.bufs[r], expected), (r, counts)
+        assert [int(s[0]) for s in ranks.seq] == [3, 3]  # capture itself ran nothing
+    finally:
+        ranks.close()
