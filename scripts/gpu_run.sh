@@ -69,20 +69,21 @@ if want wheels; then
     fi_v=$(python3 -c 'import flashinfer; print(flashinfer.__version__)' 2>>"$LOGS/wheels.log" || echo "not importable")
     note wheels "$rc" $(( $(date +%s) - t )) "$(ls .whl | tr '\n' ' ')-> flashinfer $fi_v"
     if [ "$fi_v" != "not importable" ] && want tail; then
-      # flashinfer's norm.cu includes cublasLt.h: where the toolkit lacks it, take the headers of the
-      # nvidia-cublas wheel torch depends on
+      # flashinfer's norm.cu includes cublasLt.h and curand_kernel.h: where the toolkit lacks them, take
+      # the headers of the nvidia-cublas / nvidia-curand wheels torch depends on
       cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}
-      if [ ! -f "$cuda_home/include/cublasLt.h" ]; then
+      for header in cublasLt.h curand_kernel.h; do
+        [ -f "$cuda_home/include/$header" ] && continue
         inc=$(python3 -c 'import glob, os, site, sys
 for r in dict.fromkeys(site.getsitepackages() + sys.path):
-    for h in glob.glob(os.path.join(r, "nvidia", "**", "cublasLt.h"), recursive=True):
-        print(os.path.dirname(h)); raise SystemExit' 2>/dev/null)
-        if [ -n "$inc" ]; then
-          export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $inc ${FLASHINFER_EXTRA_CUDAFLAGS:-}"
-          export FLASHINFER_EXTRA_CFLAGS="-isystem $inc ${FLASHINFER_EXTRA_CFLAGS:-}"
+    for h in glob.glob(os.path.join(r, "nvidia", "**", sys.argv[1]), recursive=True):
+        print(os.path.dirname(h)); raise SystemExit' "$header" 2>/dev/null)
+        if [ -n "$inc" ] && [[ " ${FLASHINFER_EXTRA_CUDAFLAGS:-} " != *" $inc "* ]]; then
+          export FLASHINFER_EXTRA_CUDAFLAGS="${FLASHINFER_EXTRA_CUDAFLAGS:-} -isystem $inc"
+          export FLASHINFER_EXTRA_CFLAGS="${FLASHINFER_EXTRA_CFLAGS:-} -isystem $inc"
         fi
-        echo "no cublasLt.h in $cuda_home/include; flashinfer JIT include: ${inc:-none found}" >>"$LOGS/wheels.log"
-      fi
+        echo "no $header in $cuda_home/include; flashinfer JIT include: ${inc:-none found}" >>"$LOGS/wheels.log"
+      done
       # JIT-build flashinfer's norm kernel in the background while the build and tests run (CPU work)
       ( timeout 300 python3 -c 'import flashinfer.norm as n, time; t = time.time(); n.get_norm_module(); print(f"flashinfer norm module ready in {time.time() - t:.1f} s")' \
         >"$LOGS/flashinfer_jit.log" 2>&1 ) &
