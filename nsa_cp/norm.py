@@ -123,6 +123,8 @@ class RMSNorm(nn.Module):
             return f"flashinfer reads the weight as x's dtype; weight is {self.weight.dtype}, x {x.dtype}"
         if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
             return "x or residual is not contiguous"
+        if x.numel() == 0:
+            return "x has no rows (flashinfer would launch an empty grid)"
         if flashinfer_norm_module() is None:
             return "flashinfer does not import (see the log)"
         return ""

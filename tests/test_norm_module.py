@@ -188,11 +188,16 @@ def _flashinfer_or_skip():
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("rows,h", [(37, 7168), (1, 4096), (256, 2048)])
 def test_cuda_flashinfer_path(dtype, with_residual, rows, h):
+    """flashinfer's rmsnorm / fused_add_rmsnorm against the reference: its fused kernel sums in fp32, stores the
+    rounded sum as the residual (exactly the reference's) and normalises the fp32 sum; only its approximate
+    rsqrt and its reduction order differ (within one ulp of the dtype)."""
     _flashinfer_or_skip()
     norm = make_norm(h, dtype, "cuda", impl="flashinfer", seed=12)
     x = randn((rows, h), dtype, 13, "cuda")
     residual = randn((rows, h), dtype, 14, "cuda") if with_residual else None
     check_call(norm, x, residual, exact_reference=False)
+    empty = randn((0, h), dtype, 13, "cuda")
+    assert norm.impl == "flashinfer" and nsa_cp.RMSNorm(h, dtype=dtype, device="cuda")(empty).shape == (0, h)
 
 
 @needs_cuda
