@@ -84,6 +84,18 @@ for r in dict.fromkeys(site.getsitepackages() + sys.path):
         fi
         echo "no $header in $cuda_home/include; flashinfer JIT include: ${inc:-none found}" >>"$LOGS/wheels.log"
       done
+      # its link line has -lcuda from $cuda_home/lib64/stubs: where there is no libcuda.so to link
+      # against, point it at the driver's libcuda.so.1
+      if [ ! -e "$cuda_home/lib64/stubs/libcuda.so" ] && [ ! -e "$cuda_home/lib64/libcuda.so" ] \
+         && ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so '; then
+        so=$( (ldconfig -p 2>/dev/null | grep -o '/[^ ]*libcuda\.so\.1$'
+               ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 /usr/lib64/libcuda.so.1) 2>/dev/null | head -1)
+        if [ -n "$so" ]; then
+          mkdir -p /tmp/fi_libcuda && ln -sf "$so" /tmp/fi_libcuda/libcuda.so
+          export FLASHINFER_EXTRA_LDFLAGS="${FLASHINFER_EXTRA_LDFLAGS:-} -L/tmp/fi_libcuda"
+        fi
+        echo "no libcuda.so to link in $cuda_home/lib64[/stubs]; flashinfer JIT links: ${so:-none found}" >>"$LOGS/wheels.log"
+      fi
       # JIT-build flashinfer's norm kernel in the background while the build and tests run (CPU work)
       ( timeout 300 python3 -c 'import flashinfer.norm as n, time; t = time.time(); n.get_norm_module(); print(f"flashinfer norm module ready in {time.time() - t:.1f} s")' \
         >"$LOGS/flashinfer_jit.log" 2>&1 ) &
