@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import nsa_cp
+from nsa_cp import reference
 from nsa_cp.transport import p2p, p2p_memory
 
 from dist_cases import _check_sum, _expected_gather, _gen
@@ -52,11 +53,20 @@ def _poison(*tensors) -> None:
     dist.barrier()
 
 
+def _gather(transport, x, layout, compact, engine="auto", device_counts=None):
+    """One gather through a runner built for this call (what the plan layer caches)."""
+    return transport.gather_runner(layout, compact, tuple(x.shape[1:]), engine=engine)(x, device_counts)
+
+
+def _scatter(transport, y, layout, compact, out=None, device_counts=None):
+    return transport.reduce_scatter_runner(layout, compact, tuple(y.shape[1:]))(y, out, device_counts)
+
+
 def _gather_once(transport, layout, compact, engine, rank, hidden, dtype, seed, device):
     shards = [_gen(seed, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
     x = shards[rank].to(device)
     _poison(*transport._gathers)
-    got = transport.all_gather(x, layout, compact=compact, engine=engine).clone()
+    got = _gather(transport, x, layout, compact, engine).clone()
     return got, _expected_gather(shards, layout, compact)
 
 
@@ -89,7 +99,7 @@ def check_reduce_scatter_sequence(transport, rank, world, device, compact, calls
         buf = transport.reduce_buffer(layout, compact)
         buf.copy_(partials[rank].to(device))  # the MoE writes here
         out = torch.full((layout.count(rank), transport.hidden_size), float("nan"), dtype=dtype, device=device)
-        got = transport.reduce_scatter(buf, layout, compact=compact, out=out)
+        got = _scatter(transport, buf, layout, compact, out)
         torch.cuda.synchronize()
         transport.check_error()
         problem = _check_sum(got.cpu(), [p[start:stop] for p in partials], dtype)
@@ -119,15 +129,14 @@ def check_stress(transport, rank, world, device, calls=40, seed=7) -> Optional[s
             torch.cuda._sleep(delay_rng.randint(10_000, 2_000_000))  # this rank arrives late on the GPU
         if rng.random() < 0.5:
             shards = [_gen(seed * 1000 + i, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
-            got = transport.all_gather(shards[rank].to(device), layout, compact=compact,
-                                       engine=rng.choice(["sm", "ce"])).clone()
+            got = _gather(transport, shards[rank].to(device), layout, compact, rng.choice(["sm", "ce"])).clone()
             pending.append(("gather", i, layout, got, _expected_gather(shards, layout, compact)))
         else:
             rows = layout.global_len(compact)
             partials = [_gen(seed * 1000 + i, q, rows, (hidden,), dtype, "cpu") for q in range(world)]
             buf = transport.reduce_buffer(layout, compact)
             buf.copy_(partials[rank].to(device))
-            got = transport.reduce_scatter(buf, layout, compact=compact)
+            got = _scatter(transport, buf, layout, compact)
             start, stop = layout.rows(rank, compact)
             pending.append(("scatter", i, layout, got, [p[start:stop] for p in partials]))
     torch.cuda.synchronize()
@@ -153,17 +162,20 @@ def check_graph_replay(transport, rank, world, device, replays=5, seed=3) -> Opt
     x = torch.zeros((m, hidden), dtype=dtype, device=device)
     y = transport.reduce_buffer(bucket, False)
     rs_out = torch.zeros((m, hidden), dtype=dtype, device=device)
+    gather = transport.gather_runner(bucket, False, (hidden,), engine="sm")
+    scatter = transport.reduce_scatter_runner(bucket, False, (hidden,))
+    dc = (counts_dev, offsets_dev)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm up (loads kernels) outside capture
-        transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
-        transport.reduce_scatter(y, bucket, compact=False, out=rs_out, device_counts=(counts_dev, offsets_dev))
+        gather(x, dc)
+        scatter(y, rs_out, dc)
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gathered = transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
-        transport.reduce_scatter(y, bucket, compact=False, out=rs_out, device_counts=(counts_dev, offsets_dev))
+        gathered = gather(x, dc)
+        scatter(y, rs_out, dc)
     rng = random.Random(seed)
     for replay in range(replays):
         counts = [rng.randint(0, m) for _ in range(world)]
@@ -210,7 +222,7 @@ def check_slow_readers(transport, rank, world, device, calls=9, seed=5) -> Optio
         layout = nsa_cp.ShardLayout([rng.randint(0, m) for _ in range(world)])
         compact = rng.random() < 0.5
         shards = [_gen(seed * 1000 + i, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
-        got = transport.all_gather(shards[rank].to(device), layout, compact=compact, engine="sm")
+        got = _gather(transport, shards[rank].to(device), layout, compact, "sm")
         read_late(f"{tag} {layout} compact={compact}", got, _expected_gather(shards, layout, compact))
 
     for i in range(calls):
@@ -222,12 +234,13 @@ def check_slow_readers(transport, rank, world, device, calls=9, seed=5) -> Optio
     x = torch.zeros((m, hidden), dtype=dtype, device=device)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    gather = transport.gather_runner(bucket, False, (hidden,), engine="sm")
     with torch.cuda.stream(stream):
-        transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
+        gather(x, (counts_dev, offsets_dev))
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gathered = transport.all_gather(x, bucket, compact=False, engine="sm", device_counts=(counts_dev, offsets_dev))
+        gathered = gather(x, (counts_dev, offsets_dev))
     for j in range(calls):
         counts = [rng.randint(0, m) for _ in range(world)]
         shards = [_gen(seed * 1000 + calls + j, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(counts)]
@@ -243,6 +256,368 @@ def check_slow_readers(transport, rank, world, device, calls=9, seed=5) -> Optio
         if not torch.equal(got.cpu(), want):
             return f"{tag}: the result read late differs (a peer overwrote it before rank 1 read it)"
     return None
+
+
+# --------------------------------------------------------------------------- runners: strides, copy-in, fused stages, order
+
+_LAYOUT_KINDS = ("random", "zeros", "even", "empty", "full")
+
+
+def _layouts(world: int, max_tokens: int, seed: int):
+    """One layout of every kind (zero-token ranks, even, empty, at capacity), then random ones."""
+    rng = random.Random(seed)
+    out = [nsa_cp.ShardLayout([rng.randint(0, max_tokens) for _ in range(world)]),
+           nsa_cp.ShardLayout([0] + [rng.randint(1, max_tokens) for _ in range(world - 1)]),
+           nsa_cp.ShardLayout([rng.randint(1, max_tokens)] * world),
+           nsa_cp.ShardLayout([0] * world),
+           nsa_cp.ShardLayout([max_tokens] + [rng.randint(0, max_tokens) for _ in range(world - 1)])]
+    return out + [_random_layout(rng, world, max_tokens) for _ in range(2)]
+
+
+def check_strided_rows(transport, rank, world, device, seed=31) -> Optional[str]:
+    """Source rows with a row stride larger than the row (a column slice of a wider tensor, 16-byte
+    aligned and not), and an output with a row stride of its own for the reduce-scatter."""
+    hidden, dtype = transport.hidden_size, transport.dtype
+    for i, (extra, compact) in enumerate([(8, False), (8, True), (1, False)]):
+        layout = _layouts(world, transport.max_tokens_per_rank, seed + i)[0]
+        shards = [_gen(seed + i, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+        wide = torch.full((layout.count(rank), hidden + extra), float("nan"), dtype=dtype, device=device)
+        wide[:, :hidden].copy_(shards[rank].to(device))
+        _poison(*transport._gathers)
+        got = _gather(transport, wide[:, :hidden], layout, compact, "sm").clone()
+        transport.check_error()
+        if not torch.equal(got.cpu(), _expected_gather(shards, layout, compact)):
+            return f"gather of rows with stride {hidden + extra} (compact={compact}, {layout}) differs"
+        partials = [_gen(seed + 50 + i, q, layout.global_len(compact), (hidden,), dtype, "cpu") for q in range(world)]
+        out_wide = torch.full((layout.count(rank), hidden + extra), float("nan"), dtype=dtype, device=device)
+        _scatter(transport, partials[rank].to(device), layout, compact, out_wide[:, :hidden])
+        torch.cuda.synchronize()
+        transport.check_error()
+        start, stop = layout.rows(rank, compact)
+        problem = _check_sum(out_wide[:, :hidden].cpu(), [q[start:stop] for q in partials], dtype)
+        if problem:
+            return f"reduce-scatter into rows of stride {hidden + extra} (compact={compact}): {problem}"
+        if layout.count(rank) and not torch.isnan(out_wide[:, hidden:].float()).all():
+            return "the reduce-scatter wrote past the end of its output rows"
+    return None
+
+
+def check_reduce_copy_in(transport, rank, world, device, seed=41) -> Optional[str]:
+    """The reduce-scatter runner with the handed-out reduce buffer (no copy), another view object of the
+    same memory (no copy either), and a separate tensor (copied in); reduce_buffer hands out the same
+    object for an equal-but-new layout."""
+    hidden, dtype = transport.hidden_size, transport.dtype
+    for compact in (False, True):
+        layout = _layouts(world, transport.max_tokens_per_rank, seed)[0]
+        run = transport.reduce_scatter_runner(layout, compact, (hidden,))
+        twin = nsa_cp.ShardLayout(list(layout.per_rank_actual_token))
+        start, stop = layout.rows(rank, compact)
+        for k, how in enumerate(("handed-out", "another view", "separate")):
+            partials = [_gen(seed + 10 * k, q, layout.global_len(compact), (hidden,), dtype, "cpu") for q in range(world)]
+            if how == "separate":
+                y = partials[rank].to(device)
+            else:
+                y = transport.reduce_buffer(layout, compact)
+                y = y if how == "handed-out" else y[:]
+                y.copy_(partials[rank].to(device))
+            torch.cuda.synchronize()
+            dist.barrier()
+            got = run(y)
+            torch.cuda.synchronize()
+            transport.check_error()
+            problem = _check_sum(got.cpu(), [q[start:stop] for q in partials], dtype)
+            if problem:
+                return f"reduce-scatter with the {how} input (compact={compact}): {problem}"
+        if transport.reduce_buffer(layout, compact) is not transport.reduce_buffer(twin, compact):
+            return "reduce_buffer hands out another object for an equal layout"
+    return None
+
+
+def _norm_inputs(seed, layout, hidden, dtype, weight_dtype, with_residual):
+    """Every rank's x and residual (derived from seeds on every rank), the weight, and the reference:
+    (y rows per rank, residual after the call per rank)."""
+    xs = [_gen(seed, q, n, (hidden,), dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+    rs = [_gen(seed + 1, q, n, (hidden,), dtype, "cpu") if with_residual else None
+          for q, n in enumerate(layout.per_rank_actual_token)]
+    weight = (1.0 + 0.25 * _gen(seed + 2, 0, 1, (hidden,), torch.float32, "cpu")[0]).to(weight_dtype)
+    ys, r_after = [], []
+    for x, r in zip(xs, rs):
+        r_ref = None if r is None else r.clone()
+        y, _ = reference.fused_add_rmsnorm(x, r_ref, weight, _EPS)
+        ys.append(y)
+        r_after.append(r_ref)
+    return xs, rs, weight, ys, r_after
+
+
+_EPS = 1e-6
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> Optional[str]:
+    """y of the fused stage against the reference: one rounding of the same fp32 value, up to the order
+    of the sum of squares (a relative error of about one ulp of the dtype)."""
+    rtol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-5}[dtype]
+    got, want = got.double(), want.double()
+    if not torch.isfinite(got).all():
+        return "non-finite values (unwritten rows?)"
+    err = ((got - want).abs() - rtol * want.abs()).max().item() if got.numel() else 0.0
+    return None if err <= 1e-6 else f"max error beyond rtol {rtol}: {err:.3g}"
+
+
+def _same_on_every_rank(t: torch.Tensor) -> Optional[str]:
+    """Data movement is exact: every rank's gathered result is the same bytes."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, t.cpu().view(torch.uint8) if t.dtype != torch.uint8 else t.cpu())
+    for q, other in enumerate(everyone):
+        if not torch.equal(other, everyone[0]):
+            return f"rank {q}'s gathered result differs from rank 0's"
+    return None
+
+
+def check_norm_gather(transport, rank, world, device, seed=61) -> Optional[str]:
+    """Fused add + RMSNorm + push: padded and compact, with and without a residual, bf16/fp16/fp32
+    weights; y against the reference (one rounding), the residual updated in place exactly, padding rows
+    exactly zero, and every rank's result the same bytes."""
+    hidden, dtype = transport.hidden_size, transport.dtype
+    verdict = transport.support(nsa_cp.ShardLayout([1] * world), (hidden,), dtype, device, norm=True)
+    if not verdict:  # rows the norm stage cannot hold: the runner refuses with the same reason
+        try:
+            transport.norm_gather_runner(nsa_cp.ShardLayout([1] * world), False, (hidden,))
+        except ValueError as err:
+            return None if verdict.reason in str(err) else f"refusal without the reason: {err}"
+        return f"norm_gather_runner accepted rows that support() refuses ({verdict.reason})"
+    weight_dtypes = [dtype, torch.float32] if dtype != torch.float32 else [torch.float32, torch.bfloat16]
+    for i, layout in enumerate(_layouts(world, transport.max_tokens_per_rank, seed)):
+        for compact in (False, True):
+            with_residual = (i + compact) % 3 != 2
+            wdt = weight_dtypes[(i + compact) % 2]
+            xs, rs, weight, ys, r_after = _norm_inputs(seed + i, layout, hidden, dtype, wdt, with_residual)
+            x = xs[rank].to(device)
+            r = None if rs[rank] is None else rs[rank].to(device)
+            x_before = x.clone()
+            _poison(*transport._gathers)
+            run = transport.norm_gather_runner(layout, compact, (hidden,))
+            got = run(x, r, weight.to(device), _EPS).clone()
+            torch.cuda.synchronize()
+            transport.check_error()
+            tag = f"{layout} compact={compact} residual={with_residual} weight={wdt}"
+            want = _expected_gather(ys, layout, compact)
+            problem = _close(got.cpu(), want, dtype) or _same_on_every_rank(got)
+            if problem:
+                return f"norm gather {tag}: {problem}"
+            if not compact:
+                mask = _expected_gather([torch.ones(n, hidden) for n in layout.per_rank_actual_token], layout, False) == 0
+                if not torch.equal(got.cpu()[mask].float(), torch.zeros(int(mask.sum()))):
+                    return f"norm gather {tag}: padding rows are not zero"
+            if r is not None and not torch.equal(r.cpu(), r_after[rank]):
+                return f"norm gather {tag}: the residual was not updated to x + residual rounded"
+            if not torch.equal(x, x_before):
+                return f"norm gather {tag}: x was written"
+    return None
+
+
+def _fp8_expected(rows_per_rank, layout, compact):
+    """(q, scale) of the gathered rows by the reference quantizer; padding rows as the transport
+    writes them (q = 0, scale = 1e-10/448)."""
+    gathered = _expected_gather(rows_per_rank, layout, compact)
+    q, scale = reference.quant_fp8_g128(gathered)
+    if not compact:
+        real = _expected_gather([torch.ones(n, 1) for n in layout.per_rank_actual_token], layout, False)[:, 0] == 1
+        q[~real] = 0
+        scale[~real] = reference.FP8_PAD_SCALE
+    return q, scale
+
+
+def check_fp8_gather(transport, rank, world, device, seed=71) -> Optional[str]:
+    """The FP8 wire: quantize-only (bitwise equal to the reference quantizer of the gathered rows: the
+    same IEEE operations per element) and norm + quantize (scales within one ulp of the dtype, q within
+    one fp8 step, since y itself may differ by one ulp)."""
+    hidden, dtype = transport.hidden_size, transport.dtype
+    verdict = transport.support(nsa_cp.ShardLayout([1] * world), (hidden,), dtype, device, quant=nsa_cp_quant())
+    if not verdict:
+        try:
+            transport.gather_runner(nsa_cp.ShardLayout([1] * world), False, (hidden,), quant=nsa_cp_quant())
+        except ValueError as err:
+            return None if verdict.reason in str(err) else f"refusal without the reason: {err}"
+        return f"an fp8 gather runner was built where support() refuses ({verdict.reason})"
+    for i, layout in enumerate(_layouts(world, transport.max_tokens_per_rank, seed)):
+        for compact in (False, True):
+            xs, rs, weight, ys, _ = _norm_inputs(seed + i, layout, hidden, dtype, dtype, True)
+            tag = f"{layout} compact={compact}"
+            # quantize only
+            _poison(*transport._gathers)
+            q, scale = transport.gather_runner(layout, compact, (hidden,), quant=nsa_cp_quant())(xs[rank].to(device))
+            q, scale = q.clone(), scale.clone()
+            torch.cuda.synchronize()
+            transport.check_error()
+            want_q, want_s = _fp8_expected(xs, layout, compact)
+            if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or not (q.is_contiguous() and scale.is_contiguous()):
+                return f"fp8 gather {tag}: views are {q.dtype}/{scale.dtype}, contiguous {q.is_contiguous()}/{scale.is_contiguous()}"
+            if not torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)) or not torch.equal(scale.cpu(), want_s):
+                bad = (q.cpu().view(torch.uint8) != want_q.view(torch.uint8)).sum().item()
+                return f"fp8 gather {tag}: {bad} q bytes differ, scales equal: {torch.equal(scale.cpu(), want_s)}"
+            problem = _same_on_every_rank(q) or _same_on_every_rank(scale)
+            if problem:
+                return f"fp8 gather {tag}: {problem}"
+            # norm + quantize
+            r = rs[rank].to(device)
+            _poison(*transport._gathers)
+            q, scale = transport.norm_gather_runner(layout, compact, (hidden,), quant=nsa_cp_quant())(
+                xs[rank].to(device), r, weight.to(device), _EPS)
+            q, scale = q.clone().cpu(), scale.clone().cpu()
+            torch.cuda.synchronize()
+            transport.check_error()
+            want_q, want_s = _fp8_expected(ys, layout, compact)
+            rtol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-5}[dtype]
+            if not torch.isfinite(scale).all() or ((scale - want_s).abs() > rtol * want_s.abs() * 2).any():
+                return f"norm + fp8 gather {tag}: scales beyond {2 * rtol} relative"
+            dq, wq = q.float(), want_q.float()
+            if ((dq - wq).abs() > 0.125 * wq.abs() + 2 ** -9).any():
+                return f"norm + fp8 gather {tag}: q more than one fp8 step from the reference"
+    return None
+
+
+def nsa_cp_quant() -> str:
+    return "fp8_e4m3_g128"
+
+
+def _positions(seed: int, total: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(total, generator=g).to(torch.int64).to(device)
+
+
+def check_ordered(transport, rank, world, device, seed=81) -> Optional[str]:
+    """Ordered gather (plain and fused norm) and ordered reduce-scatter: compact row i lands at batch row
+    positions[i]; rank r sums rows positions[offsets[r] + i]. Exact movement, fp64 sums."""
+    hidden, dtype = transport.hidden_size, transport.dtype
+    norm_ok = bool(transport.support(nsa_cp.ShardLayout([1] * world), (hidden,), dtype, device, norm=True))
+    for i, layout in enumerate(_layouts(world, transport.max_tokens_per_rank, seed)):
+        total = layout.total_len
+        pos = _positions(seed + i, total, device)
+        xs, rs, weight, ys, _ = _norm_inputs(seed + i, layout, hidden, dtype, dtype, True)
+        inverse_order = torch.empty(total, dtype=torch.int64)
+        inverse_order[pos.cpu()] = torch.arange(total)
+        _poison(*transport._gathers)
+        got = transport.gather_runner(layout, True, (hidden,), ordered=True)(xs[rank].to(device), positions=pos).clone()
+        torch.cuda.synchronize()
+        transport.check_error()
+        want = torch.cat(xs)[inverse_order] if total else torch.empty((0, hidden), dtype=dtype)
+        if tuple(got.shape) != (total, hidden) or not torch.equal(got.cpu(), want):
+            return f"ordered gather {layout}: rows differ from batch order"
+        if norm_ok:
+            _poison(*transport._gathers)
+            run = transport.norm_gather_runner(layout, True, (hidden,), ordered=True)
+            got = run(xs[rank].to(device), rs[rank].to(device), weight.to(device), _EPS, positions=pos).clone()
+            torch.cuda.synchronize()
+            transport.check_error()
+            want = torch.cat(ys)[inverse_order] if total else torch.empty((0, hidden), dtype=dtype)
+            problem = _close(got.cpu(), want, dtype)
+            if problem:
+                return f"ordered norm gather {layout}: {problem}"
+        partials = [_gen(seed + 90 + i, q, total, (hidden,), dtype, "cpu") for q in range(world)]
+        y = transport.reduce_buffer(layout, True)
+        y.copy_(partials[rank].to(device))
+        torch.cuda.synchronize()
+        dist.barrier()
+        out = torch.full((layout.count(rank), hidden), float("nan"), dtype=dtype, device=device)
+        transport.reduce_scatter_runner(layout, True, (hidden,), ordered=True)(y, out, positions=pos)
+        torch.cuda.synchronize()
+        transport.check_error()
+        start, stop = layout.rows(rank, True)
+        mine = pos.cpu()[start:stop]
+        problem = _check_sum(out.cpu(), [p[mine] for p in partials], dtype)
+        if problem:
+            return f"ordered reduce-scatter {layout}: {problem}"
+    return None
+
+
+def check_norm_graph_replay(transport, rank, world, device, replays=5, seed=91) -> Optional[str]:
+    """The fused norm gather captured once (padded bucket, device counts) and replayed an odd number of
+    times with new counts: y, the residual and the zero padding follow every replay."""
+    hidden, dtype = transport.hidden_size, transport.dtype
+    m = transport.max_tokens_per_rank
+    bucket = nsa_cp.ShardLayout([m] * world)
+    if not transport.support(bucket, (hidden,), dtype, device, norm=True):
+        return None  # check_norm_gather covers the refusal
+    run = transport.norm_gather_runner(bucket, False, (hidden,))
+    counts_dev = torch.full((world,), m, dtype=torch.int32, device=device)
+    offsets_dev = torch.arange(world, dtype=torch.int32, device=device) * m
+    x = torch.zeros((m, hidden), dtype=dtype, device=device)
+    r = torch.zeros((m, hidden), dtype=dtype, device=device)
+    weight = torch.ones(hidden, dtype=dtype, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run(x, r, weight, _EPS, (counts_dev, offsets_dev))
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gathered = run(x, r, weight, _EPS, (counts_dev, offsets_dev))
+    rng = random.Random(seed)
+    for replay in range(replays):
+        counts = [rng.randint(0, m) for _ in range(world)]
+        layout = nsa_cp.ShardLayout(counts)
+        xs, rs, w, ys, r_after = _norm_inputs(seed + replay, layout, hidden, dtype, dtype, True)
+        counts_dev.copy_(torch.tensor(counts, dtype=torch.int32))
+        x.fill_(float("nan"))
+        x[: counts[rank]].copy_(xs[rank].to(device))
+        r[: counts[rank]].copy_(rs[rank].to(device))
+        weight.copy_(w.to(device))
+        _poison(gathered)
+        graph.replay()
+        torch.cuda.synchronize()
+        transport.check_error()
+        want = torch.cat([torch.cat([y, torch.zeros((m - y.shape[0], hidden), dtype=dtype)]) for y in ys])
+        problem = _close(gathered.cpu(), want, dtype)
+        if problem:
+            return f"norm graph replay {replay} counts {counts}: {problem}"
+        if not torch.equal(r[: counts[rank]].cpu(), r_after[rank]):
+            return f"norm graph replay {replay} counts {counts}: residual not updated"
+    return None
+
+
+def check_bad_positions(rank, world, device) -> Optional[str]:
+    """A position outside [0, T): nothing outside the buffers is touched (the value is clamped) and the
+    next check raises P2PError (not a timeout) naming the positions."""
+    transport = p2p.P2PTransport(None, 8, 64, torch.bfloat16, device, timeout_ms=20_000)
+    try:
+        layout = nsa_cp.ShardLayout([4] * world)
+        pos = torch.arange(layout.total_len, dtype=torch.int64, device=device)
+        pos[0] = layout.total_len + 1000  # out of range: rank 0's first row
+        x = torch.randn(4, 64, device=device).bfloat16()
+        transport.gather_runner(layout, True, (64,), ordered=True)(x, positions=pos)
+        torch.cuda.synchronize()
+        try:
+            transport.check_error()
+        except p2p.P2PTimeoutError as err:
+            return f"a bad position was reported as a timeout: {err}"
+        except p2p.P2PError as err:
+            if rank == 0 and "positions" not in str(err):
+                return f"the error does not name the positions: {err}"
+            return None
+        return None if rank != 0 else "a position outside [0, T) raised nothing"
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier()
+        transport.close()
+
+
+def check_runner_after_close(rank, world, device) -> Optional[str]:
+    """A runner kept past its transport's close (init_p2p again, destroy_p2p) raises instead of touching
+    freed memory; init_p2p and destroy_p2p each change the registry generation."""
+    before = p2p.generation()
+    transport = nsa_cp.init_p2p(None, 8, 64, torch.bfloat16, device)
+    after_init = p2p.generation()
+    run = transport.gather_runner(nsa_cp.ShardLayout([2] * world), False, (64,))
+    p2p.destroy_p2p(None)
+    after_destroy = p2p.generation()
+    if len({before, after_init, after_destroy}) != 3:
+        return f"generation did not change: {before}, {after_init}, {after_destroy}"
+    try:
+        run(torch.zeros(2, 64, dtype=torch.bfloat16, device=device))
+    except RuntimeError as err:
+        return None if "closed" in str(err) else f"unexpected error: {err}"
+    return "a runner of a closed transport launched"
 
 
 def _over_capacity(transport, rank, world, device):
@@ -331,11 +706,12 @@ def check_bad_geometry(rank, world, device) -> Optional[str]:
             return f"device 'cuda' became {transport.device}, expected {device}"
         layout = nsa_cp.ShardLayout([8] * world)
         x = torch.randn(8, 64, device=device).bfloat16()
-        if not transport.fits(x, layout):
-            return "a tensor on the transport's device does not fit"
+        verdict = transport.support(layout, tuple(x.shape[1:]), x.dtype, x.device)
+        if not verdict:
+            return f"a tensor on the transport's device does not fit: {verdict.reason}"
         counts = torch.full((world,), 9, dtype=torch.int32, device=device)
         offsets = torch.arange(world, dtype=torch.int32, device=device) * 8
-        transport.all_gather(x, layout, compact=False, engine="sm", device_counts=(counts, offsets))
+        _gather(transport, x, layout, False, "sm", (counts, offsets))
         torch.cuda.synchronize()
         try:
             transport.check_error()
@@ -356,7 +732,7 @@ def _expect_timeout(transport, layout, device, waited_limit_s=30.0) -> Optional[
     """Rank 0's gather whose peer never comes: P2PTimeoutError naming the call and both ranks, in time;
     then the broken transport refuses the next call."""
     t0 = time.time()
-    transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False, engine="sm")
+    _gather(transport, torch.randn(8, 256, device=device).bfloat16(), layout, False, "sm")
     torch.cuda.synchronize()
     waited = time.time() - t0
     result = None
@@ -370,7 +746,7 @@ def _expect_timeout(transport, layout, device, waited_limit_s=30.0) -> Optional[
         elif waited > waited_limit_s:
             result = f"timed out only after {waited:.1f} s"
     try:
-        transport.all_gather(torch.randn(8, 256, device=device).bfloat16(), layout, compact=False)
+        _gather(transport, torch.randn(8, 256, device=device).bfloat16(), layout, False)
         result = result or "a broken transport accepted another call"
     except p2p.P2PTimeoutError:
         pass
@@ -387,7 +763,7 @@ def run_peer_dies(rank: int, world: int, payload: dict) -> Dict[str, object]:
     transport = p2p.P2PTransport(None, 64, 256, torch.bfloat16, device, timeout_ms=1500)
     layout = nsa_cp.ShardLayout([8] * world)
     shards = [_gen(21, q, 8, (256,), torch.bfloat16, "cpu") for q in range(world)]
-    got = transport.all_gather(shards[rank].to(device), layout, compact=False, engine="sm").cpu()
+    got = _gather(transport, shards[rank].to(device), layout, False, "sm").cpu()
     transport.check_error()
     first = None if torch.equal(got, _expected_gather(shards, layout, False)) else "the first gather (both alive) differs"
     rank_log(f"peer-dies: memory {transport.memory}, first gather {'ok' if first is None else first}")
@@ -451,8 +827,16 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
         if not shared_gpu():
             run(f"capacity-fallback-{tag}", check_capacity_fallback, transport, rank, world, device)
         run(f"communicator-{tag}", check_communicator, transport, rank, world, device)
+        run(f"strided-{tag}", check_strided_rows, transport, rank, world, device)
+        run(f"copy-in-{tag}", check_reduce_copy_in, transport, rank, world, device)
+        run(f"norm-{tag}", check_norm_gather, transport, rank, world, device)
+        run(f"fp8-{tag}", check_fp8_gather, transport, rank, world, device)
+        run(f"ordered-{tag}", check_ordered, transport, rank, world, device)
+        run(f"norm-graph-{tag}", check_norm_graph_replay, transport, rank, world, device)
         p2p.destroy_p2p(None)
     run("bad-geometry", check_bad_geometry, rank, world, device)
+    run("bad-positions", check_bad_positions, rank, world, device)
+    run("closed", check_runner_after_close, rank, world, device)
     if world > 1:
         run("timeout", check_timeout, rank, world, device)
     results["__info__"] = info

@@ -29,7 +29,10 @@ pytestmark = [
 
 PAYLOAD = {
     # (hidden, dtype): production rows (16-byte vectors), and rows of 72 / 70 bytes for the narrow paths
-    "shapes": [(7168, torch.bfloat16), (36, torch.bfloat16), (35, torch.bfloat16), (100, torch.float32)],
+    # (256, fp16): the fused norm / fp8 stages on fp16 with two fp8 groups; 36 / 35 bf16 rows: the norm
+    # stage refuses them (not 16-byte words), the check asserts the refusal
+    "shapes": [(7168, torch.bfloat16), (36, torch.bfloat16), (35, torch.bfloat16), (100, torch.float32),
+               (256, torch.float16)],
     "max_tokens": 96,
     # second gather buffer: unset = the default (every call fits: always double buffered); 48 = layouts
     # on both sides of it, so calls mix double buffering with entry waits; 0 = none (always wait)
@@ -39,7 +42,8 @@ _TAGS = [f"{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"]]
 CHECKS = (
     [f"gather-{t}-{e}-{lay}" for t in _TAGS for e in ("sm", "ce") for lay in ("padded", "compact")]
     + [f"scatter-{t}-{lay}" for t in _TAGS for lay in ("padded", "compact")]
-    + [f"{k}-{t}" for t in _TAGS for k in ("stress", "graph", "slow-readers", "capacity", "communicator")]
+    + [f"{k}-{t}" for t in _TAGS for k in ("stress", "graph", "slow-readers", "capacity", "communicator", "strided",
+                                            "copy-in", "norm", "fp8", "ordered", "norm-graph")]
 )
 NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling back to NCCL
 
@@ -47,7 +51,7 @@ NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling ba
 def _params():
     for world, backend in WORLDS or [(2, "nccl")]:
         name = f"w{world}" + ("-shared-gpu" if backend != "nccl" else "")
-        for check in CHECKS + ["bad-geometry"] + (["timeout"] if world > 1 else []):
+        for check in CHECKS + ["bad-geometry", "bad-positions", "closed"] + (["timeout"] if world > 1 else []):
             yield pytest.param(world, backend, check, id=f"{name}-{check}")
         for check in NCCL_ONLY:
             marks = [] if backend == "nccl" else [pytest.mark.skip(reason="needs NCCL; the ranks share one GPU")]
