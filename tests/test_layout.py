@@ -74,9 +74,11 @@ def test_rmsnorm_convention():
     x, r = torch.randn(5, 16), torch.randn(5, 16)
     ref = lambda t: (t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double())
     assert torch.allclose(norm(x).double(), ref(x), rtol=1e-6, atol=1e-6)
+    r0 = r.clone()
     y, s = norm(x, r)
-    assert torch.equal(s, x + r)
-    assert torch.allclose(y.double(), ref(x + r), rtol=1e-6, atol=1e-6)
+    assert s is r  # the residual is updated in place and returned
+    assert torch.equal(s, (x.float() + r0.float()).to(x.dtype))
+    assert torch.allclose(y.double(), ref(x + r0), rtol=1e-6, atol=1e-6)
     assert norm(x.bfloat16()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="x"):
         norm(torch.randn(2, 8))
