@@ -12,7 +12,17 @@ One tail, on every rank, from the attention output ``x [n_r, H]`` and the residu
     rows times a per-rank constant, written into the buffer the reduce-scatter reads) ->
     reduce-scatter back to [n_r, H] -> add + RMSNorm (the next layer's input norm)
 
-Rows (``--methods`` selects by name or glob; ``sglang`` and ``sglang_fp8`` are always kept):
+``--part boundary`` times the two halves of that boundary on their own instead (padded layout), with
+issue 13's targets printed last as ratios per M: ``ag_sglang`` (baseline norm + F.pad + all-gather),
+``ag_nsa_p2p`` (``cp_all_gather`` alone, P2P), ``normag_fused_{p2p,nccl}`` (``fused_add_rmsnorm_all_gather``),
+``ag_fp8_p2p`` (``cp_all_gather(quant="fp8_e4m3_g128")`` alone), ``ag_dpfp8_sglang`` (baseline norm +
+SGLang's FP8 DP-gather recipe: quantize the local rows, gather payload and scales, dequantize),
+``normag_fp8_fused_p2p``; ``rs_sglang`` (``reduce_scatter_tensor`` + slice + baseline norm),
+``rs_nsa_p2p`` (``cp_reduce_scatter`` alone from the P2P reduce buffer), ``rsnorm_fused_{p2p,nccl}``
+(``reduce_scatter_fused_add_rmsnorm``). Each is checked once against its float32 reference (the plain
+gather bitwise). The tail part prints issue 12's layer-tail targets last.
+
+Rows of the tail part (``--methods`` selects by name or glob; ``sglang`` and ``sglang_fp8`` are always kept):
 
 * ``sglang``          what SGLang 0.5.23 does at this boundary, written as a user would: the baseline
                       norm in place, ``F.pad`` to ``[M, H]`` + ``all_gather_into_tensor`` into a fresh
@@ -168,17 +178,19 @@ class TailCtx(gs.Ctx):
 class TailBufs:
     x: torch.Tensor  # [n_r, H] attention output (flashinfer normalises it in place)
     res: torch.Tensor  # [n_r, H] residual (updated in place or rebound)
+    partials: Optional[torch.Tensor] = None  # [M*P, H] this rank's MoE partials, padded (boundary part)
 
 
 def coef_of(rank: int) -> float:
     return (rank + 1) / 4.0  # exact in bf16; partials differ per rank, so a wrong source shows
 
 
-def make_tail_bufs(c: TailCtx, rank: int, seed: int) -> TailBufs:
+def make_tail_bufs(c: TailCtx, rank: int, seed: int, partials: bool = False) -> TailBufs:
     n = c.layout.per_rank_actual_token[rank]
     x = gs._randn((n, c.hidden), gs._seed(seed, 11, rank), c.dtype, c.device)
     res = gs._randn((n, c.hidden), gs._seed(seed, 12, rank), c.dtype, c.device)
-    return TailBufs(x, res)
+    part = gs._randn((c.layout.padded_len, c.hidden), gs._seed(seed, 13, rank), c.dtype, c.device) if partials else None
+    return TailBufs(x, res, part)
 
 
 def weights(hidden, dtype, device, seed) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -223,11 +235,17 @@ def _split_quant(gathered):
 @dataclasses.dataclass(frozen=True)
 class Row:
     name: str
-    fn: Callable[[TailCtx, TailBufs], Tuple[torch.Tensor, torch.Tensor]]
+    fn: Callable[[TailCtx, TailBufs], tuple]  # -> outputs: tensors, or (q, scale) pairs of an FP8 gather
     what: str
-    wire: str = "bf16"  # "bf16" | "fp8": its baseline and tolerance
+    wire: str = "bf16"  # "bf16" | "fp8": its baseline (tail part) and tolerance
     needs: Optional[Callable[[TailCtx], Optional[str]]] = None
     prepare: Optional[Callable[[TailCtx], None]] = None
+    # boundary part: the float32 reference of the outputs, whether they must match bitwise, where the
+    # partials go before a call (the P2P reduce buffer), and the row the ratio column divides by
+    ref: Optional[Callable[[TailCtx, int], tuple]] = None
+    exact: bool = False
+    stage: Optional[Callable[[TailCtx, TailBufs], None]] = None
+    baseline: Optional[str] = None
 
 
 def sglang(c: TailCtx, b: TailBufs):
@@ -353,15 +371,176 @@ ROWS: List[Row] = [
 BASELINE = {"bf16": "sglang", "fp8": "sglang_fp8"}
 
 
-def select_rows(patterns: Optional[str]) -> List[Row]:
+# ============================================================================ boundary part
+# The two halves of the layer boundary on their own (``--part boundary``), padded layout: what issue 13's
+# targets compare. Gather side: from x, residual -> every rank's normed rows. Reduce side: from this
+# rank's partials (staged once into the buffer the reduce-scatter reads) -> the next layer's normed rows.
+def _gather_ref_rows(c: TailCtx, seed: int, norm: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(padded [M*P, H] rows of every rank: normed (bf16) or x itself, this rank's new residual)."""
+    M, counts = c.M, c.layout.per_rank_actual_token
+    rows, res1 = [], None
+    for q in range(c.world):
+        b = make_tail_bufs(c, q, seed)
+        s = b.x.float() + b.res.float()
+        rows.append(F.pad(_rms(s, c.w1).to(c.dtype) if norm else b.x, (0, 0, 0, M - counts[q])))
+        if q == c.rank:
+            res1 = s
+    return torch.cat(rows), res1
+
+
+def _dequant_ref(rows: torch.Tensor) -> torch.Tensor:
+    q8, scale = quant_ref(rows)
+    n, h = rows.shape
+    return (q8.float().view(n, h // 128, 128) * scale.view(n, h // 128, 1)).view(n, h)
+
+
+def ref_gather(norm: bool, fp8: bool):
+    def ref(c: TailCtx, seed: int):
+        rows, res1 = _gather_ref_rows(c, seed, norm)
+        rows = _dequant_ref(rows) if fp8 else rows.float()
+        return (rows, res1) if norm else (rows,)
+
+    return ref
+
+
+def ref_reduce(norm: bool):
+    def ref(c: TailCtx, seed: int):
+        a, n = c.rank * c.M, c.n
+        acc = torch.zeros((n, c.hidden), dtype=torch.float32, device=c.device)
+        for q in range(c.world):
+            acc += make_tail_bufs(c, q, seed, partials=True).partials[a:a + n].float()
+        if not norm:
+            return (acc,)
+        s2 = acc.to(c.dtype).float() + make_tail_bufs(c, c.rank, seed).res.float()
+        return _rms(s2, c.w2), s2
+
+    return ref
+
+
+def b_ag_sglang(c: TailCtx, b: TailBufs):
+    h, b.res = c.norm(b.x, b.res, c.w1)
+    full = torch.empty((c.M * c.world, c.hidden), dtype=c.dtype, device=c.device)
+    gs._all_gather_single(full, F.pad(h, (0, 0, 0, c.M - c.n)), group=c.group)
+    return full, b.res
+
+
+def b_ag_dpfp8_sglang(c: TailCtx, b: TailBufs):
+    """SGLang's FP8 DP-gather recipe after the norm: quantize the local rows, gather the payload and the
+    scales (two collectives; padded here, gatherv there), dequantize the gathered rows."""
+    M, n, H = c.M, c.n, c.hidden
+    h, b.res = c.norm(b.x, b.res, c.w1)
+    q, scale = c.nsa.quant_fp8_g128(h)
+    q_full = torch.empty((M * c.world, H), dtype=torch.uint8, device=c.device)
+    gs._all_gather_single(q_full, F.pad(q.view(torch.uint8), (0, 0, 0, M - n)), group=c.group)
+    s_full = torch.empty((M * c.world, H // 128), dtype=torch.float32, device=c.device)
+    gs._all_gather_single(s_full, F.pad(scale, (0, 0, 0, M - n)), group=c.group)
+    return c.nsa.dequant_fp8_g128(q_full.view(torch.float8_e4m3fn), s_full, c.dtype), b.res
+
+
+def _bk(c: TailCtx, backend: str) -> dict:
+    return {"backend": backend}
+
+
+def b_ag_nsa(backend: str, quant: Optional[str] = None):
+    def fn(c: TailCtx, b: TailBufs):
+        kw = {"quant": quant} if quant else {}
+        return (c.nsa.cp_all_gather(b.x, c.layout, c.group, backend=backend, **kw),)
+
+    return fn
+
+
+def b_normag_fused(backend: str, quant: Optional[str] = None):
+    def fn(c: TailCtx, b: TailBufs):
+        kw = {"backend": backend} if c.fused_backend_kw else {}
+        return c.nsa.fused_add_rmsnorm_all_gather(b.x, b.res, c.w1, EPS, c.layout, c.group, quant=quant, **kw)
+
+    return fn
+
+
+def _rs_source(c: TailCtx, b: TailBufs, backend: str) -> torch.Tensor:
+    if backend == "p2p":  # the transport's reduce buffer, where the MoE would have written (staged)
+        return _comm(c, "p2p", False).mlp_output_buffer(c.layout, b.x)
+    return b.partials
+
+
+def stage_p2p_partials(c: TailCtx, b: TailBufs) -> None:
+    _comm(c, "p2p", False).mlp_output_buffer(c.layout, b.x).copy_(b.partials)
+
+
+def b_rs_sglang(c: TailCtx, b: TailBufs):
+    mine = torch.empty((c.M, c.hidden), dtype=c.dtype, device=c.device)
+    gs._reduce_scatter_single(mine, b.partials, group=c.group)
+    return c.norm(mine[: c.n], b.res, c.w2)
+
+
+def b_rs_nsa(backend: str):
+    def fn(c: TailCtx, b: TailBufs):
+        return (c.nsa.cp_reduce_scatter(_rs_source(c, b, backend), c.layout, c.group, backend=backend),)
+
+    return fn
+
+
+def b_rsnorm_fused(backend: str):
+    def fn(c: TailCtx, b: TailBufs):
+        kw = {"backend": backend} if c.fused_backend_kw else {}
+        return c.nsa.reduce_scatter_fused_add_rmsnorm(_rs_source(c, b, backend), b.res, c.w2, EPS, c.layout, c.group,
+                                                      **kw)
+
+    return fn
+
+
+def _needs_p2p_quant(c: TailCtx) -> Optional[str]:
+    return _needs_quant(c) or _needs_p2p(c)
+
+
+def _needs_dequant(c: TailCtx) -> Optional[str]:
+    missing = [n for n in ("quant_fp8_g128", "dequant_fp8_g128") if not hasattr(c.nsa, n)]
+    return f"this nsa_cp has no {', '.join(missing)}" if missing else None
+
+
+BOUNDARY_ROWS: List[Row] = [
+    Row("ag_sglang", b_ag_sglang, "baseline norm + F.pad + all_gather_into_tensor", ref=ref_gather(True, False)),
+    Row("ag_nsa_p2p", b_ag_nsa("p2p"), "cp_all_gather alone (no norm), P2P", needs=_needs_p2p, prepare=_prepare_p2p,
+        ref=ref_gather(False, False), exact=True),
+    Row("normag_fused_p2p", b_normag_fused("p2p"), "fused_add_rmsnorm_all_gather, P2P", needs=_needs_fused("p2p"),
+        prepare=_prepare_p2p, ref=ref_gather(True, False), baseline="ag_sglang"),
+    Row("normag_fused_nccl", b_normag_fused("nccl"), "fused_add_rmsnorm_all_gather, NCCL", needs=_needs_fused("nccl"),
+        ref=ref_gather(True, False), baseline="ag_sglang"),
+    Row("ag_fp8_p2p", b_ag_nsa("p2p", FP8), "cp_all_gather(quant=fp8) alone (no norm), P2P", "fp8",
+        needs=_needs_p2p_quant, prepare=_prepare_p2p, ref=ref_gather(False, True), baseline="ag_nsa_p2p"),
+    Row("ag_dpfp8_sglang", b_ag_dpfp8_sglang, "baseline norm + SGLang's FP8 DP-gather recipe (quant, 2 gathers, "
+        "dequant)", "fp8", needs=_needs_dequant, ref=ref_gather(True, True)),
+    Row("normag_fp8_fused_p2p", b_normag_fused("p2p", FP8), "fused_add_rmsnorm_all_gather(quant=fp8), P2P", "fp8",
+        needs=_needs_fused("p2p", FP8), prepare=_prepare_p2p, ref=ref_gather(True, True), baseline="ag_dpfp8_sglang"),
+    Row("rs_sglang", b_rs_sglang, "reduce_scatter_tensor + slice + baseline norm", ref=ref_reduce(True)),
+    Row("rs_nsa_p2p", b_rs_nsa("p2p"), "cp_reduce_scatter alone (no norm), P2P, from the reduce buffer",
+        needs=_needs_p2p, prepare=_prepare_p2p, ref=ref_reduce(False), stage=stage_p2p_partials, baseline="rs_sglang"),
+    Row("rsnorm_fused_p2p", b_rsnorm_fused("p2p"), "reduce_scatter_fused_add_rmsnorm, P2P, from the reduce buffer",
+        needs=_needs_fused("p2p"), prepare=_prepare_p2p, ref=ref_reduce(True), stage=stage_p2p_partials,
+        baseline="rs_sglang"),
+    Row("rsnorm_fused_nccl", b_rsnorm_fused("nccl"), "reduce_scatter_fused_add_rmsnorm, NCCL", needs=_needs_fused("nccl"),
+        ref=ref_reduce(True), baseline="rs_sglang"),
+]
+PART_ROWS = {"tail": ROWS, "boundary": BOUNDARY_ROWS}
+PART_KEEP = {"tail": set(BASELINE.values()), "boundary": {"ag_sglang", "rs_sglang"}}
+
+
+def baseline_of(row: Row) -> str:
+    if row.baseline:
+        return row.baseline
+    return BASELINE[row.wire] if row.ref is None else row.name
+
+
+def select_rows(patterns: Optional[str], part: str = "tail") -> List[Row]:
+    rows = PART_ROWS[part]
     if not patterns:
-        return list(ROWS)
+        return list(rows)
     pats = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen = {r.name for r in ROWS if any(fnmatch.fnmatchcase(r.name, p) for p in pats)}
+    chosen = {r.name for r in rows if any(fnmatch.fnmatchcase(r.name, p) for p in pats)}
     if not chosen:
-        raise SystemExit(f"--methods {patterns!r} matches none of {[r.name for r in ROWS]}")
-    chosen |= set(BASELINE.values())
-    return [r for r in ROWS if r.name in chosen]
+        raise SystemExit(f"--methods {patterns!r} matches none of {[r.name for r in rows]}")
+    chosen |= PART_KEEP[part]
+    return [r for r in rows if r.name in chosen]
 
 
 # ============================================================================ correctness
@@ -394,6 +573,15 @@ def reference(c: TailCtx, seed: int, wire: str) -> Tuple[torch.Tensor, torch.Ten
     return _rms(s2, c.w2), s2
 
 
+def _as_values(out) -> torch.Tensor:
+    """A tensor, or an FP8 gather's (q, scale) dequantized to float32 (q * its group's scale)."""
+    if isinstance(out, (tuple, list)):
+        q, scale = out
+        n, h = q.shape
+        return (q.float().view(n, h // 128, 128) * scale.float().view(n, h // 128, 1)).view(n, h)
+    return out
+
+
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> Tuple[float, float]:
     """(relative L2 error of the tensor, of its worst row); inf for NaN or a wrong shape."""
     if out.shape != ref.shape:
@@ -414,9 +602,11 @@ def check_rows(c: TailCtx, rows: List[Row], seed: int, log) -> Dict[str, str]:
     notes: Dict[str, str] = {}
     for i, row in enumerate(rows):
         s = gs._seed(seed, 31, i)
-        b = make_tail_bufs(c, c.rank, s)
+        b = make_tail_bufs(c, c.rank, s, partials=row.ref is not None)
         try:
-            y, res = row.fn(c, b)
+            if row.stage is not None:
+                row.stage(c, b)
+            outs = tuple(row.fn(c, b))
         except NotImplementedError as e:
             status[i], notes[row.name] = gs.SKIP, f"NotImplementedError: {e}"
             continue
@@ -429,13 +619,22 @@ def check_rows(c: TailCtx, rows: List[Row], seed: int, log) -> Dict[str, str]:
             dist.barrier(group=c.group)
             continue
         gs._sync(c)
-        ref_y, ref_res = reference(c, s, row.wire)
-        (ey, ry), (er, rr) = _rel(y, ref_y), _rel(res, ref_res)
-        errors[i] = min(max(ey, er), 1e30)
-        if not (max(ey, er) <= TOL[row.wire] and max(ry, rr) <= ROW_TOL[row.wire]):
-            status[i], notes[row.name] = gs.BAD, (
-                f"relative L2 error (whole, worst row): normed rows {ey:.3g}, {ry:.3g}; residual {er:.3g}, {rr:.3g}"
-                f" (tolerance {TOL[row.wire]}, {ROW_TOL[row.wire]})")
+        refs = reference(c, s, row.wire) if row.ref is None else row.ref(c, s)
+        if len(outs) != len(refs):
+            status[i], notes[row.name] = gs.BAD, f"{len(outs)} outputs, expected {len(refs)}"
+        elif row.exact:
+            same = [o.shape == r.shape and torch.equal(o, r.to(o.dtype)) for o, r in zip(outs, refs)]
+            if not all(same):
+                status[i], notes[row.name] = gs.BAD, f"outputs differ from the exact expected rows: {same}"
+        else:
+            errs = [_rel(_as_values(o), r) for o, r in zip(outs, refs)]
+            whole, worst = max(e[0] for e in errs), max(e[1] for e in errs)
+            errors[i] = min(whole, 1e30)
+            if not (whole <= TOL[row.wire] and worst <= ROW_TOL[row.wire]):
+                status[i], notes[row.name] = gs.BAD, (
+                    "relative L2 error (whole, worst row) per output: "
+                    + "; ".join(f"{a:.3g}, {b_:.3g}" for a, b_ in errs)
+                    + f" (tolerance {TOL[row.wire]}, {ROW_TOL[row.wire]})")
         dist.barrier(group=c.group)
     flags = status.clone()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=c.group)
@@ -499,7 +698,10 @@ def run_config(c: TailCtx, rows: List[Row], args, cfg_idx: int, log) -> Tuple[Li
         nbuf = max(2, min(8, math.ceil(4 * l2 / max(1, 2 * c.n * row_bytes))))
     else:
         nbuf = 2
-    bufsets = [make_tail_bufs(c, c.rank, gs._seed(args.seed, cfg_idx, 100 + k)) for k in range(nbuf)]
+    boundary = args.part == "boundary"
+    bufsets = [make_tail_bufs(c, c.rank, gs._seed(args.seed, cfg_idx, 100 + k), boundary) for k in range(nbuf)]
+    for stage in dict.fromkeys(r.stage for r in active if r.stage):  # partials into the reduce buffer, once
+        stage(c, bufsets[0])
     dev = gs.time_methods(c, active, bufsets, args.rounds, args.warmup, ahead=not args.cold)
     eager = time_eager(c, active, bufsets, args.rounds, args.layers)
     del bufsets
@@ -508,11 +710,11 @@ def run_config(c: TailCtx, rows: List[Row], args, cfg_idx: int, log) -> Tuple[Li
         torch.cuda.empty_cache()
     out = []
     for r in active:
-        base = BASELINE[r.wire]
+        base = baseline_of(r)
         d, e = dev[r.name], eager[r.name]
         bd, be = dev.get(base), eager.get(base)
         out.append({
-            "config": cfg_idx, "counts": "/".join(map(str, c.counts)), "max_rank_len": c.M,
+            "part": args.part, "config": cfg_idx, "counts": "/".join(map(str, c.counts)), "max_rank_len": c.M,
             "total_len": L.total_len, "padded_len": L.padded_len, "hidden": c.hidden, "dtype": args.dtype,
             "row": r.name, "what": r.what, "wire": r.wire, "baseline": base,
             "device_ms": d["ms"], "device_spread": d["spread"], "host_us_per_layer": d["host_ms"] * 1e3,
@@ -541,7 +743,7 @@ def worker(rank, world, use_cuda, port, args, configs, result_path):
     torch.set_grad_enabled(False)  # the collectives are not differentiable; norms' weights are plain tensors
     nsa = gs._import_nsa_cp()
     dtype = gs.DTYPES[args.dtype]
-    rows = select_rows(args.methods)
+    rows = select_rows(args.methods, args.part)
 
     def log(msg):
         if rank == 0:
@@ -593,16 +795,74 @@ def format_table(result, cpu: bool) -> str:
         lines.append("")
         if rs:
             r0 = rs[0]
+            over = ("over sglang, FP8 rows over sglang_fp8" if r0.get("part", "tail") == "tail"
+                    else "over the row named in 'base'")
             lines.append(f"counts [{r0['counts'].replace('/', ', ')}]  M={r0['max_rank_len']}  H={r0['hidden']} "
-                         f"{r0['dtype']}  ({r0['rounds']} rounds, eager: {r0['layers']} layers back to back; x base: "
-                         f"over sglang, FP8 rows over sglang_fp8)")
-            lines.append(hdr)
+                         f"{r0['dtype']}  ({r0['rounds']} rounds, eager: {r0['layers']} calls back to back; x base: "
+                         f"{over})")
+            lines.append(hdr + ("   base" if r0.get("part") == "boundary" else ""))
         for r in rs:
+            base = f"   {r['baseline']}" if r.get("part") == "boundary" and r["baseline"] != r["row"] else ""
             lines.append(f"{r['row']:<24}{r['device_ms']:>10.3f}{r['x_base_device']:>8.2f}{r['eager_ms']:>10.3f}"
-                         f"{r['x_base_eager']:>8.2f}{r['host_us_per_layer']:>15.1f}{r['x_base_host']:>8.2f}")
+                         f"{r['x_base_eager']:>8.2f}{r['host_us_per_layer']:>15.1f}{r['x_base_host']:>8.2f}{base}")
         for name, why in result["skipped"].get(str(cfg), {}).items():
             lines.append(f"{name:<24}skipped: {why}")
+    lines += format_targets(rows)
     return "\n".join(lines)
+
+
+# issue 13 (boundary part): (label, numerator row, denominator row, limit, smallest M it applies at), device ms
+TARGETS_13 = [
+    ("fused norm+AG P2P / cp_all_gather P2P", "normag_fused_p2p", "ag_nsa_p2p", 1.1, 2048),
+    ("fused norm+AG P2P / flashinfer-or-baseline norm + F.pad + AG", "normag_fused_p2p", "ag_sglang", 0.6, 0),
+    ("fused RS+norm P2P / cp_reduce_scatter P2P", "rsnorm_fused_p2p", "rs_nsa_p2p", 1.1, 2048),
+    ("FP8 gather P2P / bf16 gather P2P", "ag_fp8_p2p", "ag_nsa_p2p", 0.6, 8192),
+    ("fused norm+FP8 AG P2P / norm + SGLang FP8 DP-gather recipe", "normag_fp8_fused_p2p", "ag_dpfp8_sglang", 0.5, 0),
+]
+
+
+def format_targets(rows: List[dict]) -> List[str]:
+    """The issues' targets as ratios per M, with verdicts: issue 12's for the tail part (host per layer
+    <= 0.5x sglang at every M, eager <= 0.6x at M = 256), issue 13's for the boundary part (device ms)."""
+    by = {(r["max_rank_len"], r["row"]): r for r in rows}
+    Ms = sorted({r["max_rank_len"] for r in rows})
+    parts = {r.get("part", "tail") for r in rows}
+    lines = []
+    if "tail" in parts:
+        lines += ["", "issue 12 targets (host us per layer <= 0.50x sglang at every M; eager ms <= 0.60x sglang at "
+                  "M = 256), per M " + " ".join(map(str, Ms)) + ":"]
+        names = list(dict.fromkeys(r["row"] for r in rows if r["wire"] == "bf16" and r["row"] != "sglang"))
+        for name in names:
+            cells, ok = [], True
+            for M in Ms:
+                r = by.get((M, name))
+                if r is None:
+                    cells.append("  -  ")
+                    continue
+                ok &= r["x_base_host"] <= 0.5
+                cells.append(f"{r['x_base_host']:5.2f}")
+            e = by.get((256, name))
+            eager = "" if e is None else f" | eager @256 {e['x_base_eager']:.2f} {'ok' if e['x_base_eager'] <= 0.6 else 'MISS'}"
+            lines.append(f"  {name:<22} host x {' '.join(cells)} {'ok' if ok else 'MISS'}{eager}")
+    if "boundary" in parts:
+        lines += ["", "issue 13 targets (device ms ratios), per M " + " ".join(map(str, Ms)) + ":"]
+        for label, num, den, limit, min_m in TARGETS_13:
+            cells, verdict = [], "ok"
+            for M in Ms:
+                a, b = by.get((M, num)), by.get((M, den))
+                if a is None or b is None or b["device_ms"] <= 0:
+                    cells.append("  -  ")
+                    verdict = "incomplete" if verdict == "ok" else verdict
+                    continue
+                ratio = a["device_ms"] / b["device_ms"]
+                applies = M >= min_m
+                cells.append(f"{ratio:5.2f}" + ("" if applies else "*"))
+                if applies and ratio > limit:
+                    verdict = "MISS"
+            where = "every M" if min_m == 0 else f"M >= {min_m}"
+            lines.append(f"  {label:<62} <= {limit:.2f} at {where:<9} {' '.join(cells)}  {verdict}")
+        lines.append("  (* outside the M range the target applies to)")
+    return lines
 
 
 def write_outputs(result, csv_path, json_path):
@@ -631,7 +891,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=8, help="tails back to back per eager sample")
     p.add_argument("--cold", action="store_true", help="no GPU sleep before a device-time round")
     p.add_argument("--norm", choices=("auto", "flashinfer", "nsa"), default="auto")
-    p.add_argument("--methods", help="comma-separated row names or globs (sglang, sglang_fp8 always kept)")
+    p.add_argument("--part", choices=("tail", "boundary"), default="tail",
+                   help="tail: whole MoE tails; boundary: the two halves (norm+gather, reduce-scatter+norm) on their "
+                        "own, with issue 13's targets")
+    p.add_argument("--methods", help="comma-separated row names or globs (the baselines are always kept)")
     p.add_argument("--gpus", type=int)
     p.add_argument("--cpu-ranks", type=int)
     p.add_argument("--seed", type=int, default=0)
