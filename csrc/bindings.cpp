@@ -245,6 +245,17 @@ out: device address of our [counts[rank], hidden] result, row i at out + i*out_r
 positions, num_positions: an ordered call (compact=True): every reduce buffer holds [num_positions]
 rows in batch order and our row i is summed from row positions[offsets[rank] + i]. The rest as in
 gather.)doc")
+      .def("reduce_scatter_norm", &nsa_cp::P2PState::reduce_scatter_norm, py::arg("out"),
+           py::arg("out_row_stride_bytes"), py::arg("residual"), py::arg("residual_row_stride_bytes"),
+           py::arg("weight"), py::arg("weight_dtype"), py::arg("eps"), py::arg("counts"), py::arg("offsets"),
+           py::arg("max_rank_len"), py::arg("compact"), py::arg("stream"), py::arg("positions") = 0,
+           py::arg("num_positions") = -1, py::call_guard<py::gil_scoped_release>(),
+           R"doc(Enqueue the reduce-scatter fused with the next add + RMSNorm (one block per row).
+
+Per row i of ours: h = the sum over ranks (rank order, fp32) rounded to the dtype (what reduce_scatter
+writes); s = h + residual[i] in fp32; residual[i] <- s rounded, in place; out[i] = s * rsqrt(mean(s^2)
++ eps) * weight in fp32, rounded once. out, residual: 16-byte aligned addresses and row strides;
+weight: device [hidden] of weight_dtype (DTYPE_*). The rest as in reduce_scatter.)doc")
       .def("barrier", &nsa_cp::P2PState::barrier, py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
            "Enqueue a barrier of the group on the gather channel (one 32-thread block).")
       .def("copy_engine_begin", &nsa_cp::P2PState::copy_engine_begin, py::arg("stream"),

@@ -88,6 +88,12 @@ class P2PState {
                   int64_t num_positions);
   void reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64_t counts, uint64_t offsets,
                       int64_t max_rank_len, bool compact, uint64_t stream, uint64_t positions, int64_t num_positions);
+  // The reduce-scatter with the add + RMSNorm epilogue (p2p_kernels.h, NormEpilogue): out = the normed
+  // rows, residual updated in place.
+  void reduce_scatter_norm(uint64_t out, int64_t out_row_stride_bytes, uint64_t residual,
+                           int64_t residual_row_stride_bytes, uint64_t weight, int weight_dtype, double eps,
+                           uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact, uint64_t stream,
+                           uint64_t positions, int64_t num_positions);
   void barrier(uint64_t stream);
   // The copy engine's gather (transfers the caller makes between the two): entry barrier; done
   // barrier, then the record that buffer 0 was written last.
@@ -116,6 +122,10 @@ class P2PState {
                   uint64_t positions, int64_t num_positions) const;
   int next_buffer(int64_t max_rank_len);
   int data_blocks(int64_t max_rank_len) const;
+  int row_blocks(int64_t max_rank_len) const;
+  int norm_words_per_thread(const char* fn) const;
+  void check_norm_rows(const char* fn, const char* name, uint64_t ptr, int64_t stride, int64_t max_rank_len) const;
+  void check_weight(const char* fn, uint64_t weight, int weight_dtype, double eps) const;
 
   int device_, rank_, world_, dtype_, sm_count_;
   uint64_t gather_ptrs_, reduce_ptrs_, pads_, seq_, arrive_, gather_state_, err_host_, err_dev_, timeout_ns_;

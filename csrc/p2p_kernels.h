@@ -71,4 +71,20 @@ struct ReduceParams {
 void enqueue_reduce_scatter(const ReduceParams& p, const SignalArgs& s, int dtype, bool vector, int num_blocks,
                             cudaStream_t stream);
 
+// The reduce-scatter's add + RMSNorm epilogue: h = the rank-ordered fp32 sum rounded to the dtype (what
+// the plain reduce-scatter returns), s = h + residual in fp32, residual <- s rounded, out = s * rsqrt(
+// mean(s^2) + eps) * weight rounded once. One row per block, the row in registers.
+struct NormEpilogue {
+  char* residual;      // [counts[rank], hidden], updated in place
+  int64_t res_stride;  // bytes
+  const void* weight;  // [hidden], weight_dtype
+  int weight_dtype;
+  float eps;
+  int64_t hidden;
+};
+
+// words_per_thread: 2 or 4 (16-byte words; rows of at most words_per_thread * kDataThreads * 16 bytes).
+void enqueue_reduce_scatter_norm(const ReduceParams& p, const NormEpilogue& e, const SignalArgs& s, int dtype,
+                                 int words_per_thread, int num_blocks, cudaStream_t stream);
+
 }  // namespace nsa_cp

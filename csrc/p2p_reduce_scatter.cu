@@ -7,6 +7,10 @@
 // One launch: "entered" barrier, phase 0 (every rank's partials are complete); the pull-and-sum;
 // "done" barrier, phase 1 (no rank may overwrite its reduce buffer while a peer still reads it).
 //
+// The norm epilogue (p2p_reduce_scatter_norm_kernel, one row per block): the rounded sum plus the
+// residual, the residual updated in place, RMSNorm into out: the reduce-scatter fused with the next
+// layer's add + norm.
+//
 // Ordered calls (positions): the reduce buffers hold [num_positions] rows in batch order; this rank's
 // row i is summed from row positions[offsets[rank] + i] of every rank's buffer (the read index is all
 // that changes).
@@ -97,6 +101,113 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
   grid_done_barrier(s, epoch, !ok);
 }
 
+// The same protocol as above; the data movement one row per block: every word of the row is pulled
+// from every rank and summed (rank order, fp32), rounded to the dtype, then the add + RMSNorm epilogue
+// (p2p_kernels.h, NormEpilogue) writes the residual and the normed row.
+template <int D, int K>
+__global__ void __launch_bounds__(kDataThreads)
+    p2p_reduce_scatter_norm_kernel(const ReduceParams p, const NormEpilogue ep, const SignalArgs s) {
+  constexpr int E = 16 / Elem<D>::kBytes;
+  __shared__ Geometry g;
+  __shared__ float s_red[2][kDataThreads / 32];
+
+  const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
+  const uint32_t epoch = read_epoch(s);
+  if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
+
+  const int rank = s.rank, world = s.world;
+  const int bad = stage_geometry(g, entry, p.M, p.compact, 16, p.out, s, epoch,
+                                 p.positions == nullptr ? -1 : p.num_positions);
+  const int64_t n = g.counts[rank];
+
+  bool ok = bad < 0;
+  if (ok) ok = block_wait_all(s, 0, epoch);
+
+  if (ok && n > 0) {
+    const int64_t src0 = p.compact ? g.offsets[rank] : rank * p.M;
+    const char* src[kMaxWorld];
+#pragma unroll
+    for (int q = 0; q < kMaxWorld; ++q) src[q] = q < world ? reinterpret_cast<const char*>(g.bufs[q]) : nullptr;
+    const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
+    const int64_t words = ep.hidden / E;
+    int parity = 0;
+    for (int64_t row = blockIdx.x; row < n; row += gridDim.x, parity ^= 1) {
+      const int64_t src_row =
+          p.positions == nullptr ? src0 + row : position_row(p.positions, p.num_positions, src0 + row, s, epoch);
+      char* rr = ep.residual + row * ep.res_stride;
+      float v[K][E];
+      float ss = 0.f;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t w = t + k * kDataThreads;
+        if (w < words) {
+          const int64_t off = src_row * p.row_bytes + w * 16;
+          uint4 x[kMaxWorld];
+#pragma unroll
+          for (int q = 0; q < kMaxWorld; ++q) {
+            if (q < world) x[q] = load_peer<uint4>(src[q] + off);
+          }
+          unpack<D>(x[0], v[k]);
+#pragma unroll
+          for (int q = 1; q < kMaxWorld; ++q) {
+            if (q < world) {
+              float f[E];
+              unpack<D>(x[q], f);
+#pragma unroll
+              for (int e = 0; e < E; ++e) v[k][e] += f[e];
+            }
+          }
+          uint4* rp = reinterpret_cast<uint4*>(rr + w * 16);
+          float r[E];
+          unpack<D>(*rp, r);
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            v[k][e] = Elem<D>::to_f(Elem<D>::from_f(v[k][e])) + r[e];  // the reduce-scatter's rounded rows + residual
+            ss = fmaf(v[k][e], v[k][e], ss);
+          }
+          uint4 o;
+          pack<D>(v[k], o);
+          *rp = o;
+        } else {
+#pragma unroll
+          for (int e = 0; e < E; ++e) v[k][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) s_red[parity][warp] = ss;
+      __syncthreads();
+      float total = 0.f;
+#pragma unroll
+      for (int i = 0; i < kDataThreads / 32; ++i) total += s_red[parity][i];
+      const float rstd = 1.0f / sqrtf(total / static_cast<float>(ep.hidden) + ep.eps);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t w = t + k * kDataThreads;
+        if (w >= words) continue;
+        float y[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) y[e] = (v[k][e] * rstd) * load_as_float(ep.weight, ep.weight_dtype, w * E + e);
+        uint4 o;
+        pack<D>(y, o);
+        *reinterpret_cast<uint4*>(p.out + row * p.out_stride + w * 16) = o;
+      }
+    }
+  }
+
+  grid_done_barrier(s, epoch, !ok);
+}
+
+template <int D>
+void launch_norm_typed(const ReduceParams& p, const NormEpilogue& e, const SignalArgs& s, int words_per_thread,
+                       int num_blocks, cudaStream_t st) {
+  if (words_per_thread <= 2) {
+    p2p_reduce_scatter_norm_kernel<D, 2><<<num_blocks, kDataThreads, 0, st>>>(p, e, s);
+  } else {
+    p2p_reduce_scatter_norm_kernel<D, 4><<<num_blocks, kDataThreads, 0, st>>>(p, e, s);
+  }
+}
+
 template <int D>
 void launch_typed(const ReduceParams& p, const SignalArgs& s, bool vector, int num_blocks, cudaStream_t st) {
   if (vector) {
@@ -119,6 +230,21 @@ void enqueue_reduce_scatter(const ReduceParams& p, const SignalArgs& s, int dtyp
       break;
     default:
       launch_typed<kFP32>(p, s, vector, num_blocks, st);
+      break;
+  }
+}
+
+void enqueue_reduce_scatter_norm(const ReduceParams& p, const NormEpilogue& e, const SignalArgs& s, int dtype,
+                                 int words_per_thread, int num_blocks, cudaStream_t st) {
+  switch (dtype) {
+    case kBF16:
+      launch_norm_typed<kBF16>(p, e, s, words_per_thread, num_blocks, st);
+      break;
+    case kFP16:
+      launch_norm_typed<kFP16>(p, e, s, words_per_thread, num_blocks, st);
+      break;
+    default:
+      launch_norm_typed<kFP32>(p, e, s, words_per_thread, num_blocks, st);
       break;
   }
 }
@@ -160,6 +286,12 @@ void append_kernel_info_reduce_scatter(std::vector<KernelInfo>& out) {
   append_kernel_info(out, "p2p_reduce_scatter<fp16,scalar>", p2p_reduce_scatter_kernel<kFP16, false>);
   append_kernel_info(out, "p2p_reduce_scatter<fp32,vec16>", p2p_reduce_scatter_kernel<kFP32, true>);
   append_kernel_info(out, "p2p_reduce_scatter<fp32,scalar>", p2p_reduce_scatter_kernel<kFP32, false>);
+  append_kernel_info(out, "p2p_reduce_scatter<norm,bf16,2>", p2p_reduce_scatter_norm_kernel<kBF16, 2>);
+  append_kernel_info(out, "p2p_reduce_scatter<norm,bf16,4>", p2p_reduce_scatter_norm_kernel<kBF16, 4>);
+  append_kernel_info(out, "p2p_reduce_scatter<norm,fp16,2>", p2p_reduce_scatter_norm_kernel<kFP16, 2>);
+  append_kernel_info(out, "p2p_reduce_scatter<norm,fp16,4>", p2p_reduce_scatter_norm_kernel<kFP16, 4>);
+  append_kernel_info(out, "p2p_reduce_scatter<norm,fp32,2>", p2p_reduce_scatter_norm_kernel<kFP32, 2>);
+  append_kernel_info(out, "p2p_reduce_scatter<norm,fp32,4>", p2p_reduce_scatter_norm_kernel<kFP32, 4>);
 }
 
 }  // namespace nsa_cp

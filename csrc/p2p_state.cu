@@ -138,6 +138,36 @@ int P2PState::data_blocks(int64_t max_rank_len) const {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count_, (moved + kBytesPerBlock - 1) / kBytesPerBlock)));
 }
 
+int P2PState::row_blocks(int64_t max_rank_len) const {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_rank_len, int64_t{kNormBlocksPerSm} * sm_count_)));
+}
+
+int P2PState::norm_words_per_thread(const char* fn) const {
+  require(row_bytes_ % 16 == 0, fn,
+          "rows must be a multiple of 16 bytes (hidden * element size = " + std::to_string(row_bytes_) + ")");
+  const int64_t words_per_thread = (row_bytes_ / 16 + kDataThreads - 1) / kDataThreads;
+  require(words_per_thread <= 4, fn,
+          "rows of " + std::to_string(row_bytes_) + " bytes are longer than the norm stage holds (" +
+              std::to_string(4 * kDataThreads * 16) + ")");
+  return static_cast<int>(words_per_thread);
+}
+
+void P2PState::check_norm_rows(const char* fn, const char* name, uint64_t ptr, int64_t stride,
+                               int64_t max_rank_len) const {
+  require(stride >= 0 && stride % 16 == 0 && ptr % 16 == 0, fn,
+          std::string(name) + " and its row stride must be 16-byte aligned (got address % 16 = " +
+              std::to_string(ptr % 16) + ", stride " + std::to_string(stride) + ")");
+  require(stride <= INT64_MAX / (max_rank_len + 1), fn, std::string(name) + " size in bytes overflows int64");
+}
+
+void P2PState::check_weight(const char* fn, uint64_t weight, int weight_dtype, double eps) const {
+  require_ptr(weight, fn, "weight (device [hidden] vector)");
+  require(weight_dtype == kBF16 || weight_dtype == kFP16 || weight_dtype == kFP32, fn,
+          "weight_dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(weight_dtype));
+  require(weight % element_bytes(weight_dtype) == 0, fn, "weight must be aligned to its element size");
+  require(eps >= 0.0, fn, "eps must be >= 0, got " + std::to_string(eps));
+}
+
 int64_t P2PState::gather_rows(int buffer) const {
   require(buffer == 0 || buffer == 1, "gather_rows", "buffer must be 0 or 1, got " + std::to_string(buffer));
   return world_ * (buffer == 0 || double_rows_ == 0 ? max_rows_ : double_rows_);
@@ -184,31 +214,13 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
   require(quant == static_cast<int>(Quant::kNone) || quant == static_cast<int>(Quant::kFp8G128), fn,
           "quant must be 0 (none) or 1 (fp8_e4m3_g128), got " + std::to_string(quant));
   require(norm || quant != 0, fn, "norm=False needs quant=1: without either there is nothing to compute (use gather)");
-  const int64_t words = row_bytes_ / 16;
-  require(row_bytes_ % 16 == 0, fn,
-          "rows must be a multiple of 16 bytes (hidden * element size = " + std::to_string(row_bytes_) + ")");
-  const int64_t words_per_thread = (words + kDataThreads - 1) / kDataThreads;
-  require(words_per_thread <= 4, fn,
-          "rows of " + std::to_string(row_bytes_) + " bytes are longer than the norm stage holds (" +
-              std::to_string(4 * kDataThreads * 16) + ")");
-  require(x_row_stride_bytes >= 0 && x_row_stride_bytes % 16 == 0 && x % 16 == 0, fn,
-          "x and its row stride must be 16-byte aligned (got address % 16 = " + std::to_string(x % 16) +
-              ", stride " + std::to_string(x_row_stride_bytes) + ")");
-  require(x_row_stride_bytes <= INT64_MAX / (max_rank_len + 1), fn, "source size in bytes overflows int64");
+  const int words_per_thread = norm_words_per_thread(fn);
+  check_norm_rows(fn, "x", x, x_row_stride_bytes, max_rank_len);
   if (residual != 0) {
     require(norm, fn, "a residual needs norm=True");
-    require(residual_row_stride_bytes >= 0 && residual_row_stride_bytes % 16 == 0 && residual % 16 == 0, fn,
-            "residual and its row stride must be 16-byte aligned (got address % 16 = " + std::to_string(residual % 16) +
-                ", stride " + std::to_string(residual_row_stride_bytes) + ")");
-    require(residual_row_stride_bytes <= INT64_MAX / (max_rank_len + 1), fn, "residual size in bytes overflows int64");
+    check_norm_rows(fn, "residual", residual, residual_row_stride_bytes, max_rank_len);
   }
-  if (norm) {
-    require_ptr(weight, fn, "weight (device [hidden] vector)");
-    require(weight_dtype == kBF16 || weight_dtype == kFP16 || weight_dtype == kFP32, fn,
-            "weight_dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(weight_dtype));
-    require(weight % element_bytes(weight_dtype) == 0, fn, "weight must be aligned to its element size");
-    require(eps >= 0.0, fn, "eps must be >= 0, got " + std::to_string(eps));
-  }
+  if (norm) check_weight(fn, weight, weight_dtype, eps);
   if (quant != 0) {
     require(hidden_ % kFp8Group == 0, fn,
             "fp8_e4m3_g128 needs hidden to be a multiple of 128, got " + std::to_string(hidden_));
@@ -230,8 +242,7 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
   const NormSource a{as_ptr<const char>(x),  x_row_stride_bytes, as_ptr<char>(residual), residual_row_stride_bytes,
                      as_ptr<const void>(weight), weight_dtype, static_cast<float>(eps), norm, hidden_,
                      scale_offset(buffer)};
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_rank_len, int64_t{kNormBlocksPerSm} * sm_count_)));
-  enqueue_gather_norm(p, a, s, dtype_, static_cast<int>(words_per_thread), static_cast<Quant>(quant), blocks,
+  enqueue_gather_norm(p, a, s, dtype_, words_per_thread, static_cast<Quant>(quant), row_blocks(max_rank_len),
                       as_stream(stream));
   check_launch(fn);
   return buffer;
@@ -265,6 +276,40 @@ void P2PState::reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64
   const bool vector =
       common_alignment({out, static_cast<uint64_t>(out_row_stride_bytes), static_cast<uint64_t>(row_bytes_)}) == 16;
   enqueue_reduce_scatter(p, s, dtype_, vector, data_blocks(max_rank_len), as_stream(stream));
+  check_launch(fn);
+}
+
+void P2PState::reduce_scatter_norm(uint64_t out, int64_t out_row_stride_bytes, uint64_t residual,
+                                   int64_t residual_row_stride_bytes, uint64_t weight, int weight_dtype, double eps,
+                                   uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact,
+                                   uint64_t stream, uint64_t positions, int64_t num_positions) {
+  constexpr const char* fn = "P2PState.reduce_scatter_norm";
+  check_error_record(fn);
+  check_call(fn, counts, offsets, max_rank_len, compact, positions, num_positions);  // first: bounds max_rank_len
+  const int words_per_thread = norm_words_per_thread(fn);
+  check_norm_rows(fn, "out", out, out_row_stride_bytes, max_rank_len);
+  require(out_row_stride_bytes >= row_bytes_, fn,
+          "out_row_stride_bytes must be >= hidden * element size (" + std::to_string(row_bytes_) + "), got " +
+              std::to_string(out_row_stride_bytes));
+  require_ptr(residual, fn, "residual (this rank's [n, hidden] rows, updated in place)");
+  check_norm_rows(fn, "residual", residual, residual_row_stride_bytes, max_rank_len);
+  check_weight(fn, weight, weight_dtype, eps);
+  const DeviceGuard guard(device_, fn);
+  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelScatter, as_ptr<uint32_t>(seq_ + 4),
+                     as_ptr<uint32_t>(arrive_ + 4), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
+  const ReduceParams p{as_ptr<char>(out),
+                       out_row_stride_bytes,
+                       row_bytes_,
+                       as_ptr<const uint64_t>(reduce_ptrs_),
+                       as_ptr<const int>(counts),
+                       as_ptr<const int>(offsets),
+                       max_rank_len,
+                       compact,
+                       as_ptr<const int64_t>(positions),
+                       positions != 0 ? num_positions : -1};
+  const NormEpilogue e{as_ptr<char>(residual), residual_row_stride_bytes, as_ptr<const void>(weight), weight_dtype,
+                       static_cast<float>(eps), hidden_};
+  enqueue_reduce_scatter_norm(p, e, s, dtype_, words_per_thread, row_blocks(max_rank_len), as_stream(stream));
   check_launch(fn);
 }
 

@@ -530,6 +530,55 @@ def check_ordered(transport, rank, world, device, seed=81) -> Optional[str]:
     return None
 
 
+def check_reduce_scatter_norm(transport, rank, world, device, seed=101) -> Optional[str]:
+    """The reduce-scatter fused with the next add + RMSNorm (padded, compact, ordered): the residual
+    becomes exactly (rank-ordered fp32 sum rounded) + residual rounded; the output is the norm of that
+    (one rounding, sum-of-squares order aside)."""
+    hidden, dtype = transport.hidden_size, transport.dtype
+    probe = nsa_cp.ShardLayout([1] * world)
+    verdict = transport.support(probe, (hidden,), dtype, device, norm=True)
+    if not verdict:
+        try:
+            transport.reduce_scatter_runner(probe, False, (hidden,), norm=True)
+        except ValueError as err:
+            return None if verdict.reason in str(err) else f"refusal without the reason: {err}"
+        return f"a fused reduce-scatter runner was built where support() refuses ({verdict.reason})"
+    for i, layout in enumerate(_layouts(world, transport.max_tokens_per_rank, seed)):
+        for mode in ("padded", "compact", "ordered"):
+            compact, ordered = mode != "padded", mode == "ordered"
+            rows = layout.global_len(compact)
+            partials = [_gen(seed + i, q, rows, (hidden,), dtype, "cpu") for q in range(world)]
+            start, stop = layout.rows(rank, compact)
+            pos = _positions(seed + i, layout.total_len, device) if ordered else None
+            mine = pos.cpu()[start:stop] if ordered else torch.arange(start, stop)
+            acc = partials[0][mine].float()
+            for q in range(1, world):
+                acc = acc + partials[q][mine].float()
+            residual = _gen(seed + i + 7, rank, layout.count(rank), (hidden,), dtype, "cpu")
+            weight = (1.0 + 0.25 * _gen(seed + i + 8, 0, 1, (hidden,), torch.float32, "cpu")[0]).to(dtype)
+            r_ref = residual.clone()
+            want, _ = reference.fused_add_rmsnorm(acc.to(dtype), r_ref, weight, _EPS)
+            y = transport.reduce_buffer(layout, compact)
+            y.copy_(partials[rank].to(device))
+            r = residual.to(device)
+            out = torch.full((layout.count(rank), hidden), float("nan"), dtype=dtype, device=device)
+            torch.cuda.synchronize()
+            dist.barrier()
+            run = transport.reduce_scatter_runner(layout, compact, (hidden,), ordered=ordered, norm=True)
+            got, got_r = run(y, r, weight.to(device), _EPS, out, positions=pos)
+            torch.cuda.synchronize()
+            transport.check_error()
+            tag = f"{layout} {mode}"
+            if got is not out or got_r is not r:
+                return f"fused reduce-scatter {tag}: did not return (out, residual)"
+            if not torch.equal(r.cpu(), r_ref):
+                return f"fused reduce-scatter {tag}: residual is not the rounded sum + residual"
+            problem = _close(got.cpu(), want, dtype)
+            if problem:
+                return f"fused reduce-scatter {tag}: {problem}"
+    return None
+
+
 def check_norm_graph_replay(transport, rank, world, device, replays=5, seed=91) -> Optional[str]:
     """The fused norm gather captured once (padded bucket, device counts) and replayed an odd number of
     times with new counts: y, the residual and the zero padding follow every replay."""
@@ -833,6 +882,7 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
         run(f"fp8-{tag}", check_fp8_gather, transport, rank, world, device)
         run(f"ordered-{tag}", check_ordered, transport, rank, world, device)
         run(f"norm-graph-{tag}", check_norm_graph_replay, transport, rank, world, device)
+        run(f"scatter-norm-{tag}", check_reduce_scatter_norm, transport, rank, world, device)
         p2p.destroy_p2p(None)
     run("bad-geometry", check_bad_geometry, rank, world, device)
     run("bad-positions", check_bad_positions, rank, world, device)

@@ -48,8 +48,8 @@ def test_module_surface():
     assert _C.MAX_WORLD == 8 and _C.MAX_BLOCKS == 65535 and _C.THREADS_PER_BLOCK == 512
     assert (_C.ERR_NONE, _C.ERR_TIMEOUT, _C.ERR_BAD_DEVICE_ARG, _C.ERR_BAD_POSITION) == (0, 1, 2, 3)
     assert (_C.QUANT_NONE, _C.QUANT_FP8_E4M3_G128) == (0, 1)
-    for method in ("gather", "norm_gather", "reduce_scatter", "barrier", "copy_engine_begin", "copy_engine_end",
-                   "error", "gather_rows", "scale_offset", "close"):
+    for method in ("gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier", "copy_engine_begin",
+                   "copy_engine_end", "error", "gather_rows", "scale_offset", "close"):
         assert getattr(_C.P2PState, method).__doc__, method
     assert _C.P2PState.__doc__ and issubclass(_C.P2PDeviceError, RuntimeError)
     assert (_C.DTYPE_BF16, _C.DTYPE_FP16, _C.DTYPE_FP32) == (0, 1, 2)

@@ -61,6 +61,14 @@ def _reduce_scatter(state, **kw):
     return state.reduce_scatter(**args)
 
 
+def _reduce_scatter_norm(state, **kw):
+    args = dict(out=P, out_row_stride_bytes=HIDDEN * 2, residual=P, residual_row_stride_bytes=HIDDEN * 2, weight=P,
+                weight_dtype=2, eps=1e-6, counts=P, offsets=P, max_rank_len=16, compact=False, stream=0, positions=0,
+                num_positions=-1)
+    args.update(kw)
+    return state.reduce_scatter_norm(**args)
+
+
 CONSTRUCTOR_BAD = [
     (dict(device=-1), "device must be"),
     (dict(world=0), "world must be in"),
@@ -148,10 +156,23 @@ SCATTER_BAD = [
     (dict(max_rank_len=MAX_ROWS + 1), "the capacity"),
     (dict(positions=P, compact=True, num_positions=WORLD * 16 + 1), "num_positions must be in"),
 ]
+SCATTER_NORM_BAD = [
+    (dict(residual=0), "residual"),
+    (dict(residual=P + 4), "residual and its row stride"),
+    (dict(residual_row_stride_bytes=HIDDEN * 2 + 2), "residual and its row stride"),
+    (dict(out=P + 2), "out and its row stride"),
+    (dict(out_row_stride_bytes=HIDDEN * 2 - 16), "out_row_stride_bytes must be >="),
+    (dict(weight=0), "weight"),
+    (dict(weight_dtype=3), "weight_dtype must be"),
+    (dict(eps=-1e-3), "eps must be >= 0"),
+    (dict(max_rank_len=MAX_ROWS + 1), "the capacity"),
+    (dict(positions=P, num_positions=4), "compact geometry"),
+]
 LAUNCH_BAD = (
     [(_gather, b, m) for b, m in GATHER_BAD]
     + [(_norm_gather, b, m) for b, m in NORM_BAD]
     + [(_reduce_scatter, b, m) for b, m in SCATTER_BAD]
+    + [(_reduce_scatter_norm, b, m) for b, m in SCATTER_NORM_BAD]
 )
 
 
@@ -173,9 +194,14 @@ def test_norm_stage_limits_need_their_geometry(err):
     wide = _C.P2PState(**_state_args(err, hidden=32768 + 8))  # more than 4 words per thread
     with pytest.raises(ValueError, match="longer than the norm stage holds"):
         _norm_gather(wide, x_row_stride_bytes=2 * 32776, residual_row_stride_bytes=2 * 32776)
+    with pytest.raises(ValueError, match="longer than the norm stage holds"):
+        _reduce_scatter_norm(wide, out_row_stride_bytes=2 * 32776, residual_row_stride_bytes=2 * 32776)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        _reduce_scatter_norm(odd, out_row_stride_bytes=2016, residual_row_stride_bytes=2016)
 
 
-@pytest.mark.parametrize("call", ["gather", "norm_gather", "reduce_scatter", "barrier", "copy_engine_begin"])
+@pytest.mark.parametrize("call", ["gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier",
+                                  "copy_engine_begin"])
 def test_a_set_error_record_refuses_every_launch_first(state, err, call):
     """After a device-side error nothing more is enqueued, whatever the arguments (even bad ones)."""
     err[:] = torch.tensor([1, 3, 1, 17], dtype=torch.int32)  # a timeout of the reduce-scatter's done phase
@@ -183,6 +209,7 @@ def test_a_set_error_record_refuses_every_launch_first(state, err, call):
         "gather": lambda: _gather(state, counts=0),
         "norm_gather": lambda: _norm_gather(state, quant=7),
         "reduce_scatter": lambda: _reduce_scatter(state, out=P + 1),
+        "reduce_scatter_norm": lambda: _reduce_scatter_norm(state, residual=0),
         "barrier": lambda: state.barrier(0),
         "copy_engine_begin": lambda: state.copy_engine_begin(0),
     }[call]
@@ -193,12 +220,14 @@ def test_a_set_error_record_refuses_every_launch_first(state, err, call):
 
 
 @needs_no_gpu
-@pytest.mark.parametrize("call", ["gather", "norm_gather", "reduce_scatter", "barrier", "copy_engine_end"])
+@pytest.mark.parametrize("call", ["gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier",
+                                  "copy_engine_end"])
 def test_valid_launch_without_gpu_is_a_clean_runtime_error(state, call):
     launch = {
         "gather": lambda: _gather(state),
         "norm_gather": lambda: _norm_gather(state),
         "reduce_scatter": lambda: _reduce_scatter(state),
+        "reduce_scatter_norm": lambda: _reduce_scatter_norm(state),
         "barrier": lambda: state.barrier(0),
         "copy_engine_end": lambda: state.copy_engine_end(0),
     }[call]
@@ -217,6 +246,7 @@ def test_ordered_and_fp8_arguments_pass_the_checks(state):
         lambda: _norm_gather(state, residual=0, residual_row_stride_bytes=0),
         lambda: _norm_gather(state, norm=False, quant=1, residual=0, weight=0, weight_dtype=9, eps=-1.0),
         lambda: _reduce_scatter(state, compact=True, positions=P, num_positions=7),
+        lambda: _reduce_scatter_norm(state, compact=True, positions=P, num_positions=7, weight_dtype=0),
     ]
     for call in calls:
         try:
@@ -231,6 +261,7 @@ def test_closed_state_refuses_everything(state):
     state.close()
     assert state.closed
     for call in (lambda: _gather(state), lambda: _norm_gather(state), lambda: _reduce_scatter(state),
+                 lambda: _reduce_scatter_norm(state),
                  lambda: state.barrier(0), lambda: state.copy_engine_begin(0), lambda: state.copy_engine_end(0),
                  state.error):
         with pytest.raises(RuntimeError, match="closed"):

@@ -43,7 +43,7 @@ CHECKS = (
     [f"gather-{t}-{e}-{lay}" for t in _TAGS for e in ("sm", "ce") for lay in ("padded", "compact")]
     + [f"scatter-{t}-{lay}" for t in _TAGS for lay in ("padded", "compact")]
     + [f"{k}-{t}" for t in _TAGS for k in ("stress", "graph", "slow-readers", "capacity", "communicator", "strided",
-                                            "copy-in", "norm", "fp8", "ordered", "norm-graph")]
+                                            "copy-in", "norm", "fp8", "ordered", "norm-graph", "scatter-norm")]
 )
 NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling back to NCCL
 

@@ -56,7 +56,9 @@ Reduce-scatter. The MoE writes its partials straight into this rank's reduce buf
 hands it out, the same view object the runner holds; anything else is copied in first). One kernel
 (csrc/p2p_reduce_scatter.cu) waits until every rank's partials are complete, pulls this rank's ``n_r``
 rows from every rank, sums them in fp32 in rank order 0..P-1 and writes ``[n_r, ...]``; a done barrier
-keeps every rank from overwriting its reduce buffer while a peer still reads it.
+keeps every rank from overwriting its reduce buffer while a peer still reads it. With ``norm=True`` the
+same kernel family pulls one row per block and fuses the next layer's add + RMSNorm: the rounded sum
+plus the residual (updated in place), normed into the output (``postprocess_layer`` + ``prepare_attn``).
 
 Reuse safety. A rank writes into a peer's gather buffer only when no reader of that buffer's previous
 contents can still run on the peer. Two ways, chosen per call on the device:
@@ -229,7 +231,8 @@ class P2PTransport:
     def support(self, layout: ShardLayout, row_shape: Sequence[int], dtype: torch.dtype, device, *,
                 quant: Optional[str] = None, norm: bool = False) -> Support:
         """Whether this transport can serve a call on rows of ``row_shape`` / ``dtype`` / ``device`` in
-        ``layout`` (and, with ``quant`` / ``norm``, the fused stages). A ``no`` says what to change."""
+        ``layout`` (and, with ``quant`` / ``norm``, the fused stages: the norm gather, the fp8 gather, the
+        reduce-scatter's norm epilogue). A ``no`` says what to change."""
         if layout.cp_size != self.world:
             return Support.no(f"layout has cp_size {layout.cp_size}, the P2P transport's group has {self.world} ranks")
         if layout.max_rank_len > self.max_tokens_per_rank:
@@ -489,7 +492,12 @@ class P2PTransport:
 
     def reduce_scatter_runner(self, layout: ShardLayout, compact: bool, row_shape: Sequence[int], *,
                               ordered: bool = False, norm: bool = False):
-        """A callable ``run(y, out=None, device_counts=None, positions=None) -> [n_r, *row_shape]``.
+        """A callable ``run(y, out=None, device_counts=None, positions=None) -> [n_r, *row_shape]``; with
+        ``norm=True``, ``run(y, residual, weight, eps, out=None, device_counts=None, positions=None) ->
+        (out, residual)``: the reduce-scatter fused with the next add + RMSNorm (the sum over ranks rounded
+        to the dtype, as the plain call returns it, then ``s = that + residual`` in fp32, ``residual <- s``
+        rounded in place, ``out = s * rsqrt(mean(s^2) + eps) * weight`` rounded once; ``residual`` and
+        ``out`` 16-byte aligned rows, ``weight`` ``[H]`` bf16 / fp16 / fp32).
 
         ``y``: every rank's partials ``[rows, *row_shape]`` (rows = ``layout.global_len(compact)``;
         ``ordered``: ``[T, ...]`` in batch order). Copied into the reduce buffer unless it is the view
@@ -498,11 +506,8 @@ class P2PTransport:
         rows dense, any row stride). ``device_counts``, ``positions``: as for ``gather_runner``; with
         device counts, rows past this replay's count are left untouched.
         """
-        if norm:
-            raise ValueError("norm: the P2P reduce-scatter has no fused add + RMSNorm epilogue; compose "
-                             "the reduce-scatter with a norm")
         row_shape = tuple(int(d) for d in row_shape)
-        self.support(layout, row_shape, self.dtype, self.device).require("y")
+        self.support(layout, row_shape, self.dtype, self.device, norm=norm).require("y")
         view = self.reduce_buffer(layout, compact or ordered, row_shape)
         view_ptr, view_stride = view.data_ptr(), view.stride()
         out_shape = (layout.count(self.rank), *row_shape)
@@ -513,6 +518,10 @@ class P2PTransport:
         launch, stream, index, elem = self._state.reduce_scatter, self._stream, self.device.index, self._elem
         dtype, device = self.dtype, self.device
         device_error, native_error = self._device_error, self._C.P2PDeviceError
+
+        if norm:
+            return self._reduce_scatter_norm_run(layout, view, out_shape, counts, offsets, m, kernel_compact, npos,
+                                                 ordered)
 
         def run(y, out=None, device_counts=None, positions=None):
             if y is not view and (y.data_ptr() != view_ptr or y.stride() != view_stride):
@@ -534,6 +543,40 @@ class P2PTransport:
             except native_error:
                 device_error()
             return out
+
+        run.keep = (counts, offsets, view)
+        return run
+
+    def _reduce_scatter_norm_run(self, layout, view, out_shape, counts, offsets, m, kernel_compact, npos, ordered):
+        """``run(y, residual, weight, eps, out=None, device_counts=None, positions=None) -> (out, residual)``:
+        the reduce-scatter fused with the next add + RMSNorm (``reduce_scatter_runner(norm=True)``)."""
+        view_ptr, view_stride = view.data_ptr(), view.stride()
+        c0, o0 = counts.data_ptr(), offsets.data_ptr()
+        launch, stream, index, elem = self._state.reduce_scatter_norm, self._stream, self.device.index, self._elem
+        dtype, device, codes = self.dtype, self.device, _DTYPE_CODES
+        device_error, native_error = self._device_error, self._C.P2PDeviceError
+
+        def run(y, residual, weight, eps, out=None, device_counts=None, positions=None):
+            if y is not view and (y.data_ptr() != view_ptr or y.stride() != view_stride):
+                view.copy_(y)
+            if out is None:
+                out = torch.empty(out_shape, dtype=dtype, device=device)
+            if device_counts is None:
+                c, o = c0, o0
+            else:
+                c, o = device_counts[0].data_ptr(), device_counts[1].data_ptr()
+            if positions is None:
+                if ordered:
+                    raise ValueError("positions: an ordered reduce-scatter needs the int64 [T] positions tensor, got None")
+                p = 0
+            else:
+                p = positions.data_ptr()
+            try:
+                launch(out.data_ptr(), out.stride(0) * elem, residual.data_ptr(), residual.stride(0) * elem,
+                       weight.data_ptr(), codes[weight.dtype], eps, c, o, m, kernel_compact, stream(index), p, npos)
+            except native_error:
+                device_error()
+            return out, residual
 
         run.keep = (counts, offsets, view)
         return run
