@@ -12,7 +12,7 @@ differ iff some rank holds another layout) and which ranks rejected their input,
 together: the rank with bad input raises its own ValueError, the others a LayoutMismatchError naming
 those ranks; with disagreeing layouts every rank raises LayoutMismatchError naming its own layout.
 Nobody enters the data collective, so nothing hangs and nothing is written. Off by default: it costs
-one small all-reduce per call (see the README for the measured cost).
+one small all-reduce per call (see docs/performance.md for the measured cost).
 """
 
 from __future__ import annotations
