@@ -119,7 +119,10 @@ def test_gpu_kernel_info():
     names = {k["name"] for k in info}
     families = ("barrier", "p2p_gather", "p2p_reduce_scatter", "pack_rows", "padded_compact")
     assert {n.split("<")[0] for n in names} == set(families), names
-    assert len(info) == 16
+    # copy / fused norm / fp8 stages of the gather, plain and norm-epilogue reduce-scatters, row copies
+    assert len(info) == 1 + 15 + 12 + 6, sorted(names)
+    assert {"p2p_gather<copy16>", "p2p_gather<norm,bf16,2>", "p2p_gather<fp8,bf16,2>",
+            "p2p_reduce_scatter<norm,bf16,2>"} <= names
     import torch
 
     assert _native.device_unsupported_reason(torch.cuda.current_device()) == ""  # this GPU runs them
