@@ -11,13 +11,15 @@
 # Environment: OUT (default ./gpu_out), TOTAL_S, TESTS (paths for the second test stage; default every
 # test file but the P2P suite), BENCH_ARGS (default: --M 256 2048 8192 32768 --imbalance 0.2 --rounds 15;
 # the symmetric-buffer rows take the even layout of each M on their own),
-# TAIL_ARGS (layer_tail.py; default its sweep), EXAMPLE_COMMS (default "nsa_cp baseline"),
+# TAIL_ARGS / BOUNDARY_ARGS (layer_tail.py, tail and boundary parts; default their sweep),
+# EXAMPLE_COMMS (default "nsa_cp baseline"),
 # EXTRA_DIAG=1 (also host_overhead.py and p2p_latency.py, outside the budget).
 # Each stage runs under `timeout`; the tests get what the budget leaves after the benchmark stages'
 # reserve, so a slow test stage cannot eat the benchmarks.
 #
 # Files under $OUT (at most 8 come back from the device tool): logs.tar.gz (every log), bench.csv,
-# bench.json, bench.png (collective benchmark), layer_tail.csv, layer_tail.json, summary.txt.
+# bench.json, bench.png (collective benchmark), layer_tail.csv, layer_tail.json, boundary.csv
+# (layer_tail.py --part boundary), summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -42,7 +44,7 @@ budget() { local c=$1 l; l=$(( $(left) - $2 )); [ "$l" -lt "$c" ] && c=$l; [ "$c
 # what the later selected stages need (s): keeps the tests from eating the benchmarks
 reserve_after_tests() {
   local r=0
-  want bench && r=$((r + 100)); want tail && r=$((r + 90)); want example && r=$((r + 60))
+  want bench && r=$((r + 100)); want tail && r=$((r + 130)); want example && r=$((r + 60))
   echo $r
 }
 
@@ -55,7 +57,8 @@ note() { SUMMARY+=("$(printf '%-16s %-9s %6s s  %s' "$1" "$2" "$3" "${4:-}")"); 
   nvidia-smi topo -m 2>/dev/null | head -6
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee "$LOGS/env.log"
-GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+# GPUS=2 with CPU-sized *_ARGS (--cpu-ranks 2 ...) and EXAMPLE_DEVICE=cpu: a dry run of the script on a CPU machine
+GPUS=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}
 
 # ---------------------------------------------------------------- wheels (carried: .whl/, no index)
 JIT_PID=""
@@ -147,7 +150,7 @@ unset NSA_TEST_LOG_DIR
 if want bench; then
   t=$(date +%s)
   if [ "$GPUS" -ge 2 ]; then
-    reserve=0; want tail && reserve=$((reserve + 90)); want example && reserve=$((reserve + 60))
+    reserve=0; want tail && reserve=$((reserve + 130)); want example && reserve=$((reserve + 60))
     cap=$(budget 200 "$reserve")
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
     timeout -k 10 "$cap" python3 benchmarks/gather_scatter.py ${BENCH_ARGS:---M 256 2048 8192 32768 --imbalance 0.2 --rounds 15} \
@@ -163,13 +166,20 @@ if want tail; then
   t=$(date +%s)
   if [ -n "$JIT_PID" ]; then wait "$JIT_PID"; tail -2 "$LOGS/flashinfer_jit.log"; fi
   if [ "$GPUS" -ge 2 ]; then
-    reserve=0; want example && reserve=60
-    cap=$(budget 180 "$reserve")
+    reserve=40; want example && reserve=$((reserve + 60))  # the boundary part after it
+    cap=$(budget 150 "$reserve")
     # shellcheck disable=SC2086  # TAIL_ARGS is a list of arguments
     timeout -k 10 "$cap" python3 benchmarks/layer_tail.py ${TAIL_ARGS:-} --csv "$OUT/layer_tail.csv" \
       --json "$OUT/layer_tail.json" >"$LOGS/layer_tail.log" 2>&1
     rc=$?; [ "$rc" = 124 ] && rc="timeout"
-    note "layer tail" "$rc" $(( $(date +%s) - t )) "$(grep -m1 '^baseline norm' "$LOGS/layer_tail.log") (limit $cap s)"
+    note "layer tail" "$rc" $(( $(date +%s) - t )) "$(grep -m1 '^baseline norm' "$LOGS/layer_tail.log" | cut -c1-100) (limit $cap s)"
+    t=$(date +%s)
+    cap=$(budget 100 "$( want example && echo 60 || echo 0)")
+    # shellcheck disable=SC2086
+    timeout -k 10 "$cap" python3 benchmarks/layer_tail.py --part boundary ${BOUNDARY_ARGS:-} \
+      --csv "$OUT/boundary.csv" >"$LOGS/boundary.log" 2>&1
+    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    note "boundary" "$rc" $(( $(date +%s) - t )) "layer_tail.py --part boundary (limit $cap s)"
   else
     note "layer tail" skipped 0 "$GPUS GPU(s): the benchmark needs 2+"
   fi
@@ -186,7 +196,7 @@ if want example; then
     for comm in ${EXAMPLE_COMMS:-nsa_cp baseline}; do
       t=$(date +%s)
       cap=$(budget 60 0)
-      timeout -k 10 "$cap" "${RUN[@]}" --nproc-per-node 2 examples/nsa_prefill.py --device cuda --comm "$comm" \
+      timeout -k 10 "$cap" "${RUN[@]}" --nproc-per-node 2 examples/nsa_prefill.py --device "${EXAMPLE_DEVICE:-cuda}" --comm "$comm" \
         >"$LOGS/example_$comm.log" 2>&1
       rc=$?; [ "$rc" = 124 ] && rc="timeout"
       note "example $comm" "$rc" $(( $(date +%s) - t )) "$(grep -v '^\s*$' "$LOGS/example_$comm.log" | grep -v -i warn | tail -1 | cut -c1-110)"
@@ -203,24 +213,30 @@ fi
 # ---------------------------------------------------------------- files and summary
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 {
-  echo "=================== summary ($(( $(date +%s) - T0 )) s of ${TOTAL_S}; logs: logs.tar.gz) ==================="
-  printf '%-16s %-9s %6s    %s\n' stage rc time result
-  printf '%s\n' "${SUMMARY[@]}"
-  grep -h "rs-accuracy" "$LOGS/pytest_p2p.log" 2>/dev/null | head -3
+  # details first, the stage table last (the device tool returns the end of the output)
+  if [ -f "$LOGS/layer_tail.log" ]; then
+    echo "layer tail (device ms: host enqueuing ahead; eager ms: host-inclusive; x base: over sglang / sglang_fp8):"
+    grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/layer_tail.log" | head -3
+    sed -n '/^baseline norm: .*stand-in/,/^issue 12 targets/p' "$LOGS/layer_tail.log" | grep -v -E "skipped:|^$|^issue 12"
+    grep -E "skipped:" "$LOGS/layer_tail.log" | sort -u -k1,1 | head -13
+  fi
+  if [ -f "$LOGS/bench.log" ]; then
+    grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/bench.log" | head -3
+    sed -n '/^host us per call/,$p' "$LOGS/bench.log"
+  fi
+  [ -f "$LOGS/layer_tail.log" ] && sed -n '/^issue 12 targets/,$p' "$LOGS/layer_tail.log"
+  if [ -f "$LOGS/boundary.log" ]; then
+    grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/boundary.log" | head -3
+    grep -E "skipped:" "$LOGS/boundary.log" | sort -u -k1,1 | head -11
+    sed -n '/^issue 13 targets/,$p' "$LOGS/boundary.log"
+  fi
   for log in pytest_p2p pytest; do
     grep -E "^(FAILED|ERROR) " "$LOGS/$log.log" 2>/dev/null | head -8
   done
-  if [ -f "$LOGS/bench.log" ]; then
-    grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/bench.log" | head -3
-    grep -E "^(symm_ag|symm_rs|even_ag@symm|even_rs@symm) " "$LOGS/bench.log" | head -12
-    sed -n '/^host us per call/,$p' "$LOGS/bench.log"
-  fi
-  if [ -f "$LOGS/layer_tail.log" ]; then
-    echo
-    echo "layer tail (device ms: host enqueuing ahead; eager ms: host-inclusive; x base: over sglang / sglang_fp8):"
-    grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/layer_tail.log" | head -3
-    sed -n '/^baseline norm: .*stand-in/,$p' "$LOGS/layer_tail.log" | grep -v -E "skipped:|^$"
-    grep -E "skipped:" "$LOGS/layer_tail.log" | sort -u -k1,1 | head -13
-  fi
+  grep -h "rs-accuracy" "$LOGS/pytest_p2p.log" 2>/dev/null | head -3
+  echo
+  echo "=================== summary ($(( $(date +%s) - T0 )) s of ${TOTAL_S}; files: $(cd "$OUT" && ls | tr '\n' ' ')) ==================="
+  printf '%-16s %-9s %6s    %s\n' stage rc time result
+  printf '%s\n' "${SUMMARY[@]}"
 } >"$OUT/summary.txt"
 cat "$OUT/summary.txt"
