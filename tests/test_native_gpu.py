@@ -348,3 +348,159 @@ def test_gpu_graph_replay_with_new_counts():
         assert [int(s[0]) for s in ranks.seq] == [3, 3]  # capture itself ran nothing
     finally:
         ranks.close()
+
+
+# ---- P2PState: simulated ranks of one process, each with its own native state ------------------------
+
+
+class _States:
+    """``world`` P2PStates over buffers of one GPU (peers' addresses are local ones), each launching on its
+    own stream; few blocks (sm_count=4) so every simulated rank's kernel is resident at once."""
+
+    def __init__(self, world, max_rows, double_rows, hidden, dtype):
+        import torch
+
+        dev = torch.device("cuda")
+        self.torch, self.world, self.hidden, self.dtype, self.max_rows = torch, world, hidden, dtype, max_rows
+        self.pads = [torch.zeros(_C.SIGNAL_WORDS, dtype=torch.int32, device=dev) for _ in range(world)]
+        self.gathers = [[torch.full((world * rows, hidden), 7, dtype=dtype, device=dev) for _ in range(world)]
+                        for rows in (max_rows, double_rows)]
+        self.reduces = [torch.full((world * max_rows, hidden), 7, dtype=dtype, device=dev) for _ in range(world)]
+        self.gather_ptrs = torch.tensor([[t.data_ptr() for t in bufs] for bufs in self.gathers], dtype=torch.int64,
+                                        device=dev)
+        self.reduce_ptrs = torch.tensor([t.data_ptr() for t in self.reduces], dtype=torch.int64, device=dev)
+        self.pad_ptrs = torch.tensor([p.data_ptr() for p in self.pads], dtype=torch.int64, device=dev)
+        self.local = [torch.zeros(6, dtype=torch.int32, device=dev) for _ in range(world)]  # seq[2] arrive[2] state[2]
+        self.err = [_C.alloc_host_mapped_u32(4) for _ in range(world)]
+        self.streams = [torch.cuda.Stream() for _ in range(world)]
+        code = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[dtype]
+        self.states = [
+            _C.P2PState(torch.cuda.current_device(), r, world, self.gather_ptrs.data_ptr(),
+                        self.reduce_ptrs.data_ptr(), self.pad_ptrs.data_ptr(), self.local[r].data_ptr(),
+                        self.local[r].data_ptr() + 8, self.local[r].data_ptr() + 16, self.err[r][0], self.err[r][1],
+                        TIMEOUT_NS, hidden, code, 4, max_rows, double_rows)
+            for r in range(world)
+        ]
+        torch.cuda.synchronize()
+
+    def close(self):
+        for s in self.states:
+            s.close()
+        for host, _ in self.err:
+            _C.free_host_mapped(host)
+
+    def each(self, call):
+        """``call(rank, state, stream_int)`` for every rank on its own stream; returns the results."""
+        torch = self.torch
+        torch.cuda.synchronize()
+        out = []
+        for r, state in enumerate(self.states):
+            with torch.cuda.stream(self.streams[r]):
+                out.append(call(r, state, self.streams[r].cuda_stream))
+        torch.cuda.synchronize()
+        assert [s.error()[0] for s in self.states] == [0] * self.world, [s.error() for s in self.states]
+        return out
+
+    def view(self, buffer, rank, rows):
+        return self.gathers[buffer][rank][:rows]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_gpu_p2p_state_gathers(dtype_name):
+    """P2PState on one GPU: plain, fused norm, fp8 and ordered gathers, the reduce-scatter with and
+    without its norm epilogue, against torch references; the double buffer alternates for layouts that fit
+    the second buffer, buffer 0 otherwise."""
+    import torch
+
+    from nsa_cp import reference
+
+    dtype = getattr(torch, dtype_name)
+    world, max_rows, double_rows, hidden = 2, 16, 8, 256
+    st = _States(world, max_rows, double_rows, hidden, dtype)
+    try:
+        g = torch.Generator().manual_seed(5)
+        rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).cuda()  # noqa: E731
+        last = [0]
+
+        def next_buffer(m):  # what every P2PState must pick: alternate while the layout fits buffer 1
+            last[0] = 1 - last[0] if m <= double_rows else 0
+            return last[0]
+
+        for counts in ([5, 3], [0, 8], [16, 2], [8, 8], [0, 0], [3, 16]):
+            m = max(counts)
+            offsets = [0, counts[0]]
+            dc = torch.tensor(counts, dtype=torch.int32, device="cuda")
+            do = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+            xs = [rand(n, hidden) for n in counts]
+            for compact in (False, True):
+                rows = sum(counts) if compact else world * m
+                got = st.each(lambda r, s, stream: s.gather(xs[r].data_ptr(), xs[r].stride(0) * xs[r].element_size(),
+                                                             dc.data_ptr(), do.data_ptr(), m, compact, stream))
+                assert got == [next_buffer(m)] * world, (counts, compact, got)
+                want = _expected_gather(xs, counts, m, compact, hidden, dtype)
+                for r in range(world):
+                    assert torch.equal(st.view(got[r], r, rows), want), (counts, compact, r)
+                # fused add + RMSNorm
+                rs = [rand(n, hidden) for n in counts]
+                weight = rand(hidden)
+                refs = [reference.fused_add_rmsnorm(x.cpu(), r.cpu().clone(), weight.cpu(), 1e-6) for x, r in zip(xs, rs)]
+                got = st.each(lambda r, s, stream: s.norm_gather(
+                    xs[r].data_ptr(), xs[r].stride(0) * xs[r].element_size(), rs[r].data_ptr(),
+                    rs[r].stride(0) * rs[r].element_size(), weight.data_ptr(), {torch.bfloat16: 0, torch.float32: 2}[dtype],
+                    1e-6, True, 0, dc.data_ptr(), do.data_ptr(), m, compact, stream))
+                assert got == [next_buffer(m)] * world, (counts, compact, got)
+                want = _expected_gather([y.cuda() for y, _ in refs], counts, m, compact, hidden, dtype)
+                tol = dict(rtol=2 ** -7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+                for r in range(world):
+                    torch.testing.assert_close(st.view(got[r], r, rows), want, **tol)
+                    assert torch.equal(rs[r].cpu(), refs[r][1]), "residual not updated in place"
+                # fp8, quantize only: bitwise against the reference quantizer
+                got = st.each(lambda r, s, stream: s.norm_gather(
+                    xs[r].data_ptr(), xs[r].stride(0) * xs[r].element_size(), 0, 0, 0, 0, 0.0, False, 1,
+                    dc.data_ptr(), do.data_ptr(), m, compact, stream))
+                assert got == [next_buffer(m)] * world, (counts, compact, got)
+                q_want, s_want = reference.quant_fp8_g128(_expected_gather(xs, counts, m, compact, hidden, dtype).cpu())
+                for r in range(world):
+                    raw = st.gathers[got[r]][r].view(-1).view(torch.uint8)
+                    q = raw[: rows * hidden].cpu()
+                    off = st.states[r].scale_offset(got[r])
+                    scale = raw[off: off + rows * hidden // 128 * 4].view(torch.float32).view(rows, hidden // 128).cpu()
+                    assert torch.equal(q.view(rows, hidden), q_want.view(torch.uint8)), (counts, compact, r)
+                    assert torch.equal(scale, s_want), (counts, compact, r)
+            # ordered gather (compact geometry): compact row i lands at positions[i]
+            total = sum(counts)
+            pos = torch.randperm(total, generator=g).cuda()
+            got = st.each(lambda r, s, stream: s.gather(xs[r].data_ptr(), xs[r].stride(0) * xs[r].element_size(),
+                                                         dc.data_ptr(), do.data_ptr(), m, True, stream,
+                                                         pos.data_ptr(), total))
+            assert got == [next_buffer(m)] * world, (counts, got)
+            want = torch.empty(total, hidden, dtype=dtype, device="cuda")
+            if total:
+                want[pos] = torch.cat(xs)
+            for r in range(world):
+                assert torch.equal(st.view(got[r], r, total), want), (counts, r)
+            # reduce-scatter, plain and with the norm epilogue (padded)
+            partials = [rand(world * m, hidden) for _ in range(world)]
+            for r in range(world):
+                st.reduces[r][: world * m].copy_(partials[r])
+            outs = [torch.full((n, hidden), float("nan"), dtype=dtype, device="cuda") for n in counts]
+            st.each(lambda r, s, stream: s.reduce_scatter(outs[r].data_ptr(), hidden * outs[r].element_size(),
+                                                          dc.data_ptr(), do.data_ptr(), m, False, stream))
+            rs = [rand(n, hidden) for n in counts]
+            rs_before = [r.cpu().clone() for r in rs]
+            weight = rand(hidden)
+            normed = [torch.full((n, hidden), float("nan"), dtype=dtype, device="cuda") for n in counts]
+            st.each(lambda r, s, stream: s.reduce_scatter_norm(
+                normed[r].data_ptr(), hidden * normed[r].element_size(), rs[r].data_ptr(), hidden * rs[r].element_size(),
+                weight.data_ptr(), {torch.bfloat16: 0, torch.float32: 2}[dtype], 1e-6, dc.data_ptr(), do.data_ptr(), m,
+                False, stream))
+            for r, n in enumerate(counts):
+                rows_r = slice(r * m, r * m + n)
+                summed = (partials[0][rows_r].float() + partials[1][rows_r].float()).to(dtype)
+                assert torch.equal(outs[r], summed), (counts, r)
+                y, r_after = reference.fused_add_rmsnorm(summed.cpu(), rs_before[r].clone(), weight.cpu(), 1e-6)
+                assert torch.equal(rs[r].cpu(), r_after), ("reduce-scatter norm residual", counts, r)
+                torch.testing.assert_close(normed[r].cpu(), y, **tol)
+    finally:
+        st.close()
