@@ -741,6 +741,9 @@ def worker(rank, world, use_cuda, port, args, configs, result_path):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_grad_enabled(False)  # the collectives are not differentiable; norms' weights are plain tensors
+    # a tail takes the host several times one collective's call: sleep longer per call before a round
+    # (gather_scatter.time_round reads this; ~2e6 cycles per ms at H200 clocks)
+    gs.AHEAD_CYCLES_PER_METHOD = int(args.ahead_ms * 2_000_000)
     nsa = gs._import_nsa_cp()
     dtype = gs.DTYPES[args.dtype]
     rows = select_rows(args.methods, args.part)
@@ -890,6 +893,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=8, help="tails back to back per eager sample")
     p.add_argument("--cold", action="store_true", help="no GPU sleep before a device-time round")
+    p.add_argument("--ahead-ms", type=float, default=3.0,
+                   help="GPU sleep per call before a device-time round, so the host enqueues the round ahead")
     p.add_argument("--norm", choices=("auto", "flashinfer", "nsa"), default="auto")
     p.add_argument("--part", choices=("tail", "boundary"), default="tail",
                    help="tail: whole MoE tails; boundary: the two halves (norm+gather, reduce-scatter+norm) on their "
