@@ -101,7 +101,7 @@ def reduce_scatter_fused_add_rmsnorm(partials, residual, weight, eps, layout, gr
     """``nsa_cp.reduce_scatter_fused_add_rmsnorm`` (eager)."""
     def prepare():
         plan = plans.scatter_plan("reduce_scatter_fused_add_rmsnorm", partials, layout, group, compact, None, algo,
-                                  backend, device_counts, positions)
+                                  backend, device_counts, positions, norm=residual is not None)
         plan.check(partials, None, device_counts, positions)
         if partials.dim() != 2:
             raise ValueError(f"partials: expected a 2-D tensor [rows, hidden], got shape {checks.shape_str(partials.shape)}")
@@ -110,9 +110,11 @@ def reduce_scatter_fused_add_rmsnorm(partials, residual, weight, eps, layout, gr
         return plan
 
     plan = _prepared("reduce_scatter_fused_add_rmsnorm", validate, layout, group, partials, positions, prepare)
-    reduced = plan.run(_values(partials), None, device_counts, positions)
-    y, new_residual = plans.norm_in_place(reduced, _values(residual), _values(weight), float(eps))
-    return y, (new_residual if residual is None else residual)
+    if residual is None:
+        reduced = plan.run(_values(partials), None, device_counts, positions)
+        return plans.norm_in_place(reduced, None, _values(weight), float(eps))
+    y, _ = plan.run_norm(_values(partials), _values(residual), _values(weight), float(eps), device_counts, positions)
+    return y, residual
 
 
 def reduce_scatter_buffer(like, layout, group=None, *, compact=False, backend="auto", positions=None):

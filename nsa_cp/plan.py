@@ -58,10 +58,7 @@ def cache_size() -> int:
 
 
 def _p2p_generation():
-    generation = getattr(p2p, "generation", None)
-    if generation is not None:
-        return generation()
-    return tuple(id(t) for t in p2p._REGISTRY.values())
+    return p2p.generation()
 
 
 def _lookup(key) -> Optional[Any]:
@@ -86,11 +83,12 @@ def _bound_collectives(group) -> nccl.Collectives:
 
 
 # --------------------------------------------------------------------------- backend choice
-def _transport(backend: str, group, layout: ShardLayout, row_shape, dtype, device, name: str, needs: str):
+def _transport(backend: str, group, layout: ShardLayout, row_shape, dtype, device, name: str, quant=None,
+               norm: bool = False):
     """The P2P transport this plan uses, or None for NCCL/gloo. The same answer on every rank.
 
-    ``needs``: the runner the plan will ask the transport for (an older transport may lack the fused
-    ones: backend "auto" then takes NCCL, "p2p" raises)."""
+    ``quant`` / ``norm``: the fused stage the plan asks of it (the transport's ``support`` says whether it
+    serves it); backend "auto" then takes NCCL where it does not, "p2p" raises saying why."""
     if backend == "auto":
         backend = envs.NSA_CP_BACKEND
     if backend == "nccl" or (backend == "auto" and (device.type != "cuda" or not p2p.any_registered())):
@@ -98,10 +96,8 @@ def _transport(backend: str, group, layout: ShardLayout, row_shape, dtype, devic
     transport = p2p.get_p2p(group)
     if transport is None:
         verdict = Support.no("'p2p' needs nsa_cp.init_p2p(group, max_tokens_per_rank, hidden_size, dtype) first")
-    elif not hasattr(transport, needs):
-        verdict = Support.no(f"this P2P transport has no {needs}")
     else:
-        verdict = transport.support(layout, row_shape, dtype, device)
+        verdict = transport.support(layout, row_shape, dtype, device, quant=quant, norm=norm)
     if backend == "p2p":
         if not verdict:
             raise ValueError(f"backend: 'p2p' cannot serve this call ({name}): {verdict.reason}")
@@ -220,8 +216,7 @@ def _build_gather(op, mode, x, layout, pg, group, compact, algo, backend, has_dc
     plan.rows = layout.count(rank)
     plan.out_shapes = tuple((result_len, *shape) for shape, _, _ in source.streams)
     plan.out_dtypes = tuple(dtype for _, dtype, _ in source.streams)
-    needs = "gather_runner" if mode in ("copy", "quant") else "norm_gather_runner"
-    transport = _transport(backend, group, layout, row_shape, x.dtype, x.device, "x", needs)
+    transport = _transport(backend, group, layout, row_shape, x.dtype, x.device, "x", quant, mode.startswith("norm"))
     plan._p2p, plan._run = None, None
     if transport is not None and layout.total_len:
         plan.backend, plan.algo = "p2p", "ordered" if ordered else ("compact" if compact else "padded")
@@ -245,11 +240,26 @@ def _p2p_gather(transport, mode, layout, compact, row_shape, quant, ordered) -> 
         runner = transport.gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
         if quant is None:
             return lambda x, dc, pos, norm_args: (runner(x, dc, pos),)
-        return lambda x, dc, pos, norm_args: tuple(runner(x, dc, pos))
+        return lambda x, dc, pos, norm_args: runner(x, dc, pos)
     runner = transport.norm_gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
-    if quant is None:
-        return lambda x, dc, pos, norm_args: (runner(x, *norm_args, dc, pos),)
-    return lambda x, dc, pos, norm_args: tuple(runner(x, *norm_args, dc, pos))
+
+    def run(x, dc, pos, norm_args):
+        residual, weight, eps = norm_args
+        # the fused kernel moves 16-byte words: an unaligned view (rare: a slice) goes through an aligned copy
+        if _unaligned(x):
+            x = x.clone()
+        if residual is not None and _unaligned(residual):
+            staged = residual.clone()
+            result = runner(x, staged, weight, eps, dc, pos)
+            residual.copy_(staged)
+        else:
+            result = runner(x, residual, weight, eps, dc, pos)
+        return (result,) if quant is None else result
+    return run
+
+
+def _unaligned(t: torch.Tensor) -> bool:
+    return bool((t.data_ptr() | (t.stride(0) * t.element_size())) & 15) if t.shape[0] else False
 
 
 # --------------------------------------------------------------------------- reduce-scatters
@@ -257,7 +267,7 @@ class ScatterPlan:
     """A resolved reduce-scatter: ``check`` then ``run``; ``buffer`` hands out where to write partials."""
 
     __slots__ = ("op", "rank", "rows", "layout", "device", "dtype", "row_shape", "out_shape", "signature", "backend",
-                 "algo", "compact", "_run", "_transport", "_p2p")
+                 "algo", "compact", "_run", "_transport", "_p2p", "_p2p_norm")
 
     def check(self, y: torch.Tensor, out, device_counts, positions) -> None:
         if y.shape[0] != self.rows:
@@ -276,6 +286,17 @@ class ScatterPlan:
             return self._p2p(y, out, device_counts, positions)
         return self._run(y, out, positions)
 
+    def run_norm(self, y, residual, weight, eps, device_counts, positions):
+        """The reduce-scatter, then the add + RMSNorm on this rank's rows: ``(normed, residual)``."""
+        if self._p2p_norm is not None:  # one kernel: the pull's rows are normed before they are stored
+            if _unaligned(residual):
+                staged = residual.clone()
+                out, _ = self._p2p_norm(y, staged, weight, eps, None, device_counts, positions)
+                residual.copy_(staged)
+                return out, residual
+            return self._p2p_norm(y, residual, weight, eps, None, device_counts, positions)
+        return norm_in_place(self.run(y, None, device_counts, positions), residual, weight, eps)
+
     def buffer(self) -> torch.Tensor:
         """Where the MoE writes its partials ``[rows, *row]``: the P2P transport's reduce buffer (no copy
         in before the pull), else a fresh tensor (NCCL reads any tensor)."""
@@ -285,25 +306,26 @@ class ScatterPlan:
 
 
 def scatter_plan(op: str, y: torch.Tensor, layout, group, compact: bool, out, algo: str, backend: str, device_counts,
-                 positions) -> ScatterPlan:
+                 positions, norm: bool = False) -> ScatterPlan:
+    """The cached plan of a reduce-scatter; ``norm``: followed by the add + RMSNorm with a residual."""
     if not isinstance(y, torch.Tensor) or y.dim() < 2:
         checks.check_tensor("y", y, "tokens")
     pg = nccl.resolve_group(group)
     key = (op, layout, y.shape[1:], y.dtype, y.device, compact, out is None, algo, backend, device_counts is None,
-           positions is None, pg, envs.plan_state())
+           positions is None, norm, pg, envs.plan_state())
     try:
         plan = _lookup(key)
     except TypeError:
         plan, key = None, None
     if plan is None:
         plan = _build_scatter(op, y, layout, pg, group, compact, algo, backend, device_counts is not None,
-                              positions is not None)
+                              positions is not None, norm)
         if key is not None:
             _store(key, plan)
     return plan
 
 
-def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ordered) -> ScatterPlan:
+def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ordered, norm) -> ScatterPlan:
     rank, size = pg.rank(), pg.size()
     checks.check_layout(layout, size)
     checks.check_choice("algo", algo, _ALGOS)
@@ -318,12 +340,13 @@ def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ord
     plan.compact, plan.row_shape = compact or ordered, row_shape
     plan.rows = layout.global_len(compact or ordered)
     plan.out_shape = (layout.count(rank), *row_shape)
-    transport = _transport(backend, group, layout, row_shape, y.dtype, y.device, "y", "reduce_scatter_runner")
-    plan._transport, plan._p2p, plan._run = None, None, None
+    transport = _transport(backend, group, layout, row_shape, y.dtype, y.device, "y", norm=norm)
+    plan._transport, plan._p2p, plan._p2p_norm, plan._run = None, None, None, None
     if transport is not None and layout.total_len:
         plan.backend, plan.algo, plan._transport = "p2p", "ordered" if ordered else ("compact" if compact else "padded"), transport
-        runner = transport.reduce_scatter_runner(layout, compact, row_shape, ordered=ordered)
-        plan._p2p = runner
+        plan._p2p = transport.reduce_scatter_runner(layout, compact, row_shape, ordered=ordered)
+        if norm:
+            plan._p2p_norm = transport.reduce_scatter_runner(layout, compact, row_shape, ordered=ordered, norm=True)
     else:
         row_bytes = math.prod(row_shape) * y.element_size()
         chosen = _algo(algo, layout, compact or ordered, y.is_cuda, layout.max_rank_len * row_bytes,
