@@ -254,7 +254,8 @@ gather.)doc")
 
 Per row i of ours: h = the sum over ranks (rank order, fp32) rounded to the dtype (what reduce_scatter
 writes); s = h + residual[i] in fp32; residual[i] <- s rounded, in place; out[i] = s * rsqrt(mean(s^2)
-+ eps) * weight in fp32, rounded once. out, residual: 16-byte aligned addresses and row strides;
++ eps) * weight in fp32, rounded once. out, residual: 16-byte aligned addresses and row strides (0
+only when this rank has no rows);
 weight: device [hidden] of weight_dtype (DTYPE_*). The rest as in reduce_scatter.)doc")
       .def("barrier", &nsa_cp::P2PState::barrier, py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
            "Enqueue a barrier of the group on the gather channel (one 32-thread block).")

@@ -116,7 +116,9 @@ __global__ void __launch_bounds__(kDataThreads)
   if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
 
   const int rank = s.rank, world = s.world;
-  const int bad = stage_geometry(g, entry, p.M, p.compact, 16, p.out, s, epoch,
+  // this rank's rows need both an output and a residual (either may be null only without rows)
+  const void* local = ep.residual == nullptr ? nullptr : p.out;
+  const int bad = stage_geometry(g, entry, p.M, p.compact, 16, local, s, epoch,
                                  p.positions == nullptr ? -1 : p.num_positions);
   const int64_t n = g.counts[rank];
 

@@ -157,7 +157,6 @@ SCATTER_BAD = [
     (dict(positions=P, compact=True, num_positions=WORLD * 16 + 1), "num_positions must be in"),
 ]
 SCATTER_NORM_BAD = [
-    (dict(residual=0), "residual"),
     (dict(residual=P + 4), "residual and its row stride"),
     (dict(residual_row_stride_bytes=HIDDEN * 2 + 2), "residual and its row stride"),
     (dict(out=P + 2), "out and its row stride"),
@@ -209,7 +208,7 @@ def test_a_set_error_record_refuses_every_launch_first(state, err, call):
         "gather": lambda: _gather(state, counts=0),
         "norm_gather": lambda: _norm_gather(state, quant=7),
         "reduce_scatter": lambda: _reduce_scatter(state, out=P + 1),
-        "reduce_scatter_norm": lambda: _reduce_scatter_norm(state, residual=0),
+        "reduce_scatter_norm": lambda: _reduce_scatter_norm(state, residual=P + 4),
         "barrier": lambda: state.barrier(0),
         "copy_engine_begin": lambda: state.copy_engine_begin(0),
     }[call]
@@ -247,6 +246,7 @@ def test_ordered_and_fp8_arguments_pass_the_checks(state):
         lambda: _norm_gather(state, norm=False, quant=1, residual=0, weight=0, weight_dtype=9, eps=-1.0),
         lambda: _reduce_scatter(state, compact=True, positions=P, num_positions=7),
         lambda: _reduce_scatter_norm(state, compact=True, positions=P, num_positions=7, weight_dtype=0),
+        lambda: _reduce_scatter_norm(state, out=0, residual=0),  # a rank without rows: empty tensors
     ]
     for call in calls:
         try:
