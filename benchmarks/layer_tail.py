@@ -35,6 +35,10 @@ Rows of the tail part (``--methods`` selects by name or glob; ``sglang`` and ``s
 * ``fused_{p2p,nccl}_{padded,compact}``  ``nsa_cp.fused_add_rmsnorm_all_gather`` -> stand-in into the
                       communicator's ``mlp_output_buffer`` -> ``nsa_cp.reduce_scatter_fused_add_rmsnorm``
                       (the next layer's norm fused into the reduce-scatter).
+* ``comm_fused_{p2p,nccl}_padded``  what a decoder loop on nsa_cp gets by default: communicators whose norms
+                      are ``nsa_cp.RMSNorm`` (so ``prepare_mlp`` fuses norm + gather), chained with
+                      ``set_next`` (``postprocess_layer`` fuses the reduce-scatter with the next layer's norm
+                      and the next ``prepare_attn`` takes the pair as it is).
 * ``sglang_fp8``      the FP8 MoE input as SGLang makes it: baseline norm, ``F.pad`` + all-gather of bf16,
                       then every rank quantizes every gathered row (``per_token_group_quant_fp8`` before
                       the FP8 MoE; ``nsa_cp.quant_fp8_g128`` stands in for SGLang's quantizer here, same
@@ -315,6 +319,47 @@ def nsa_fused(backend: str, compact: bool, quant: Optional[str] = None):
     return fn
 
 
+def _rmsnorm(c: TailCtx, weight: torch.Tensor):
+    mod = c.nsa.RMSNorm(c.hidden, eps=EPS, dtype=c.dtype, device=c.device)
+    mod.weight.data = weight
+    mod.requires_grad_(False)
+    return mod
+
+
+def _comm_pair(c: TailCtx, backend: str, compact: bool):
+    """(this layer's, the next layer's) communicators with nsa_cp.RMSNorm norms, chained (set_next): what
+    a decoder loop on nsa_cp gets by default (fused norm+gather; reduce-scatter fused with the next norm)."""
+    key = f"chained/{backend}/{int(compact)}"
+    pair = c.comms.get(key)
+    if pair is None:
+        cls = c.nsa.NSACPLayerCommunicator
+        this = cls(c.group, _rmsnorm(c, c.w2), _rmsnorm(c, c.w1), compact=compact, backend=backend)
+        nxt = cls(c.group, _rmsnorm(c, c.w2), _rmsnorm(c, c.w1), compact=compact, backend=backend)
+        this.set_next(nxt)
+        pair = c.comms[key] = (this, nxt)
+    return pair
+
+
+def nsa_chained(backend: str, compact: bool):
+    def fn(c: TailCtx, b: TailBufs):
+        comm, nxt = _comm_pair(c, backend, compact)
+        full, b.res = comm.prepare_mlp(b.x, b.res, c.layout)
+        partials = standin_bf16(c, full, comm.mlp_output_buffer(c.layout, b.x))
+        out, b.res = comm.postprocess_layer(partials, b.res, c.layout)
+        return nxt.prepare_attn(out, b.res, c.layout)
+
+    return fn
+
+
+def _needs_chained(backend: str):
+    def needs(c: TailCtx) -> Optional[str]:
+        if not hasattr(c.nsa.NSACPLayerCommunicator, "set_next"):
+            return "this nsa_cp's NSACPLayerCommunicator has no set_next (no fused chain)"
+        return _needs_p2p(c) if backend == "p2p" else None
+
+    return needs
+
+
 def _needs_p2p(c: TailCtx) -> Optional[str]:
     return gs._p2p_needs(c)
 
@@ -360,6 +405,10 @@ ROWS: List[Row] = [
         _needs_fused("nccl")),
     Row("fused_nccl_compact", nsa_fused("nccl", True), "fused norm+AG / RS+norm, NCCL compact", "bf16",
         _needs_fused("nccl")),
+    Row("comm_fused_p2p_padded", nsa_chained("p2p", False), "communicator, nsa_cp.RMSNorm norms, chained "
+        "(fused by default), P2P padded", "bf16", _needs_chained("p2p"), _prepare_p2p),
+    Row("comm_fused_nccl_padded", nsa_chained("nccl", False), "communicator, nsa_cp.RMSNorm norms, chained "
+        "(fused by default), NCCL padded", "bf16", _needs_chained("nccl")),
     Row("sglang_fp8", sglang_fp8, "SGLang-style + quant of the gathered rows (nsa_cp.quant_fp8_g128 as "
         "per_token_group_quant_fp8)", "fp8", _needs_quant),
     Row("fused_fp8_p2p_padded", nsa_fused("p2p", False, FP8), "fused norm+FP8 AG / RS+norm, P2P padded", "fp8",
