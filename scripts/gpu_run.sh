@@ -74,7 +74,14 @@ if want wheels; then
     if [ "$fi_v" != "not importable" ] && want tail; then
       # flashinfer's norm.cu includes cublasLt.h and curand_kernel.h: where the toolkit lacks them, take
       # the headers of the nvidia-cublas / nvidia-curand wheels torch depends on
+      # (flashinfer takes CUDA_HOME, else the folder above `which nvcc`: where that is a symlink's folder
+      # without the toolkit's headers, name the real toolkit)
       cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}
+      if [ ! -f "$cuda_home/include/cuda_runtime.h" ]; then
+        for real in "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")")" /usr/local/cuda; do
+          if [ -f "$real/include/cuda_runtime.h" ]; then export CUDA_HOME="$real"; cuda_home=$real; break; fi
+        done
+      fi
       for header in cublasLt.h curand_kernel.h; do
         [ -f "$cuda_home/include/$header" ] && continue
         inc=$(python3 -c 'import glob, os, site, sys
