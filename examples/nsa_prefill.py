@@ -102,6 +102,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--index-heads", type=int, default=None, help="NSA indexer heads")
     p.add_argument("--index-dim", type=int, default=None, help="NSA indexer key/query dim")
     p.add_argument("--nsa-index-topk", type=int, default=0, help="NSA-like key selection: keys kept per query (0: dense causal)")
+    p.add_argument("--query-chunk", type=int, default=0, help="attention queries per chunk (0: sized to ~128M mask/score elements)")
     p.add_argument("--experts", type=int, default=None, help="routed experts (a multiple of the CP size)")
     p.add_argument("--topk", type=int, default=None, help="routed experts per token")
     p.add_argument("--moe-intermediate", type=int, default=None)
@@ -154,6 +155,7 @@ class Shape:
     moe_intermediate: int
     shared_intermediate: int
     nsa_index_topk: int
+    query_chunk: int = 0
 
     @property
     def kv_width(self) -> int:
@@ -268,21 +270,26 @@ def attention_core(s: Shape, layer: Layer, q: torch.Tensor, kv: torch.Tensor, ba
         v = (latent @ layer.w_uv).view(length, nh, d)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(length, nh, dr)], dim=-1)
         kpos = torch.arange(length, device=q.device)
-        allowed = kpos[None, :] <= qpos[:, None]                                          # [nq, L]
-        if s.nsa_index_topk and s.nsa_index_topk < length:
-            # lightning-indexer-like score: sum_h w_h * relu(q_h . k), fp32; keep the top K causal keys
-            iq = index_q[rows].float()                                                    # [nq, hI, dI]
-            score = torch.einsum("qhd,kd->qhk", iq, k_index.float()).relu()
-            score = (score * index_w[rows].float()[:, :, None]).sum(1)                    # [nq, L]
-            score = score.masked_fill(~allowed, float("-inf"))
-            top = score.topk(s.nsa_index_topk, dim=-1).indices
-            chosen = torch.zeros_like(allowed).scatter_(1, top, True)
-            allowed = allowed & chosen
-        o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=allowed[None, None], scale=scale,
-        )                                                                                 # [1, nh, nq, d]
-        out[rows] = o[0].transpose(0, 1).reshape(rows.numel(), nh * d)
+        qk, vk = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        nsa = bool(s.nsa_index_topk) and s.nsa_index_topk < length
+        # query chunks bound the [chunk, L] mask and the [chunk, index_heads, L] indexer scores (a long
+        # request has L in the tens of thousands)
+        chunk = s.query_chunk or max(1, (1 << 27) // (length * (s.index_heads if nsa else 1)))
+        for c in range(0, rows.numel(), chunk):
+            rows_c, qpos_c = rows[c : c + chunk], qpos[c : c + chunk]
+            allowed = kpos[None, :] <= qpos_c[:, None]                                    # [nq, L]
+            if nsa:
+                # lightning-indexer-like score: sum_h w_h * relu(q_h . k), fp32; keep the top K causal keys
+                iq = index_q[rows_c].float()                                              # [nq, hI, dI]
+                score = torch.einsum("qhd,kd->qhk", iq, k_index.float()).relu()
+                score = (score * index_w[rows_c].float()[:, :, None]).sum(1)              # [nq, L]
+                score = score.masked_fill(~allowed, float("-inf"))
+                top = score.topk(s.nsa_index_topk, dim=-1).indices
+                allowed = allowed & torch.zeros_like(allowed).scatter_(1, top, True)
+            o = F.scaled_dot_product_attention(
+                q[rows_c].transpose(0, 1)[None], qk, vk, attn_mask=allowed[None, None], scale=scale,
+            )                                                                             # [1, nh, nq, d]
+            out[rows_c] = o[0].transpose(0, 1).reshape(rows_c.numel(), nh * d)
     return out
 
 
@@ -510,7 +517,8 @@ def _run(args, device) -> dict:
     rank, cp = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
     s = Shape(args.hidden, args.heads, args.head_dim, args.rope_dim, args.kv_lora_rank, args.index_heads, args.index_dim,
-              args.experts, args.topk, args.moe_intermediate, args.shared_intermediate, args.nsa_index_topk)
+              args.experts, args.topk, args.moe_intermediate, args.shared_intermediate, args.nsa_index_topk,
+              args.query_chunk)
     if s.experts % cp:
         raise SystemExit(f"--experts: expected a multiple of the CP size {cp}, got {s.experts}")
     if s.topk > s.experts:

@@ -30,7 +30,8 @@ CASES_2 = {
     "even-split-baseline": (["--comm", "baseline"], True),
     "shared-kv-nsa_cp": ([SHARED], True),
     "shared-kv-baseline-nsa-topk": ([SHARED, "--comm", "baseline", "--nsa-index-topk", "16"], True),
-    "shared-kv-both-nsa-topk": ([SHARED, "--comm", "both", "--nsa-index-topk", "16", "--page-size", "16"], True),
+    "shared-kv-both-nsa-topk-chunked": ([SHARED, "--comm", "both", "--nsa-index-topk", "16", "--page-size", "16",
+                                         "--query-chunk", "7"], True),
     # page 8, requests of 5 and 3 tokens: one page each, both dealt to block 0 -> rank 1 holds nothing
     "shared-kv-zero-token-rank": ([SHARED, "--seq-lens", "5,3", "--page-size", "8", "--comm", "both"], True),
     "fault-kv-order": ([SHARED, "--fault", "kv_order"], False),
