@@ -18,7 +18,10 @@ Each layer, every rank holding only its own tokens (the residual stream stays lo
                top-k routed experts per token (padding rows' ids -> -1, ``mask_padding_topk_ids``), each
                rank runs only its own experts (experts sharded over the CP ranks) and writes its partial
                sums into ``mlp_output_buffer``; ``postprocess_layer`` reduce-scatters them back to the
-               rank's tokens, and the shared expert adds its output on the local tokens.
+               rank's tokens (the shared expert, run on the rank's own tokens, is added into its own slot
+               of the partials first). nsa_cp's communicators are chained: the reduce-scatter also runs
+               the next layer's residual add + input norm, and the MoE gather applies the post-attention
+               norm inside the collective.
 
 Flags that choose the path:
 
@@ -45,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import math
 import os
 import statistics
@@ -325,10 +327,6 @@ def routed_experts(layer: Layer, x: torch.Tensor, weights: torch.Tensor, ids: to
 
 
 # ----------------------------------------------------------------------------- communication
-def _ordered_gather_supported() -> bool:
-    return "positions" in inspect.signature(nsa_cp.cp_all_gather).parameters
-
-
 class FaultyKV:
     """Wraps a communication method and swaps two neighbouring rows of every KV gather (``--fault kv_order``)."""
 
@@ -352,15 +350,13 @@ class NsaComm:
 
     def __init__(self, group, layers, layout, kv_layout, positions, rank, backend, p2p_args):
         self.layout, self.kv_layout, self.positions, self.group, self.backend = layout, kv_layout, positions, group, backend
-        self.ordered = _ordered_gather_supported()
-        if not self.ordered:
-            self.restore = torch.empty_like(positions)
-            self.restore[positions] = torch.arange(positions.numel(), device=positions.device)
         self.comms = [
             nsa_cp.NSACPLayerCommunicator(group, layer.input_norm, layer.post_attention_norm, mlp_mode="full",
                                           backend=backend, **p2p_args)
             for layer in layers
         ]
+        # layer i's reduce-scatter also runs layer i+1's residual add + input norm (one fused pass)
+        nsa_cp.NSACPLayerCommunicator.chain(self.comms)
         start = rank * layout.max_rank_len
         self.own = slice(start, start + layout.per_rank_actual_token[rank])
 
@@ -368,10 +364,8 @@ class NsaComm:
         return self.comms[i].prepare_attn(h, residual, self.layout)
 
     def kv_gather(self, kv_local):
-        if self.ordered:
-            return nsa_cp.cp_all_gather(kv_local, self.kv_layout, self.group, positions=self.positions, backend=self.backend)
-        # until the ordered gather lands: the compact gather and one index_select into token order
-        return nsa_cp.cp_all_gather(kv_local, self.kv_layout, self.group, compact=True, backend=self.backend).index_select(0, self.restore)
+        # every rank's rows written straight to their batch positions: no index_select pass
+        return nsa_cp.cp_all_gather(kv_local, self.kv_layout, self.group, positions=self.positions, backend=self.backend)
 
     def prepare_mlp(self, i, attn, residual):
         """-> (gathered [M * cp, H] rank-major, residual, this rank's normed rows [rows, H])."""
@@ -392,6 +386,8 @@ class BaselineComm:
 
     def __init__(self, group, layers, layout, kv_layout, positions, rank):
         self.group, self.layers, self.layout, self.kv_layout, self.rank = group, layers, layout, kv_layout, rank
+        start = rank * layout.max_rank_len
+        self.own = slice(start, start + layout.per_rank_actual_token[rank])
         m = kv_layout.max_rank_len
         # batch position -> row of the padded rank-major gather
         rows = torch.cat([torch.arange(n) + q * m for q, n in enumerate(kv_layout.per_rank_actual_token)]).to(positions.device)
@@ -449,10 +445,11 @@ class Timer:
         return {p: sum(s.elapsed_time(e) for s, e in pairs) for p, pairs in self.events.items()}
 
 
-def forward_cp(s: Shape, layers: List[Layer], x: torch.Tensor, batch: Batch, comm, logical_layout, rank, timer: Timer):
+def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch: Batch, comm, logical_layout, rank,
+               timer: Timer):
     """This rank's prefill: x [rows, H] (its tokens, then padding rows on the old path) -> final hidden."""
     residual = None
-    h = x
+    h = x.clone()  # the fused add + norm updates the residual in place (flashinfer's convention); x is reused
     real = logical_layout.per_rank_actual_token[rank]
     for i, layer in enumerate(layers):
         with timer.phase("attention"):
@@ -468,14 +465,16 @@ def forward_cp(s: Shape, layers: List[Layer], x: torch.Tensor, batch: Batch, com
             mask_padding_topk_ids(ids, logical_layout)                   # padding rows route nowhere
             partials = comm.mlp_output_buffer(i, gathered)
             partials.copy_(routed_experts(layer, gathered, weights, ids))
-            shared = swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
+            # the shared expert on this rank's tokens only, added into its own slot: the reduce-scatter
+            # then counts it exactly once and hands back the layer's whole output
+            partials[comm.own] += swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
         with timer.phase("reduce_scatter"):
-            moe_out, residual = comm.postprocess_layer(i, partials, residual)   # [rows, H]: this rank's sums
-        h = moe_out + shared
-    return layers[-1].input_norm(h, residual)[0] if layers else x
+            # nsa_cp chains the communicators: this also runs the next layer's residual add + input norm
+            h, residual = comm.postprocess_layer(i, partials, residual)  # [rows, H]
+    return final_norm(h, residual)[0] if layers else final_norm(x)
 
 
-def forward_reference(s: Shape, layers: List[Layer], x: torch.Tensor, batch: Batch) -> torch.Tensor:
+def forward_reference(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The same model on one process: every token, every expert, no communication."""
     residual = None
     h = x
@@ -486,7 +485,7 @@ def forward_reference(s: Shape, layers: List[Layer], x: torch.Tensor, batch: Bat
         normed, residual = layer.post_attention_norm(attn, residual)
         weights, ids = route(s, layer, normed)
         h = routed_experts(layer, normed, weights, ids).to(normed.dtype) + swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
-    return layers[-1].input_norm(h, residual)[0] if layers else x
+    return final_norm(h, residual)[0] if layers else final_norm(x)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -549,6 +548,9 @@ def _run(args, device) -> dict:
 
     per_rank = s.experts // cp
     layers = [Layer(s, i, range(rank * per_rank, (rank + 1) * per_rank), args.seed, device, dtype) for i in range(args.layers)]
+    final_norm = nsa_cp.RMSNorm(s.hidden, eps=1e-6, dtype=dtype, device=device)
+    with torch.no_grad():
+        final_norm.weight.copy_(1 + 0.1 * _param(args.seed, -2, shape=(s.hidden,), fan_in=1, device=device, dtype=dtype).float())
 
     methods = ["nsa_cp", "baseline"] if args.comm == "both" else [args.comm]
     comms = {}
@@ -569,13 +571,12 @@ def _run(args, device) -> dict:
         print(f"nsa_prefill: cp={cp} device={device.type} dtype={args.dtype} tokens={total} requests={len(seq_lens)} "
               f"split={split} page={page} per_rank={counts} rows={list(layout.per_rank_actual_token)} "
               f"layers={args.layers} H={s.hidden} heads={s.heads}x{s.head_dim}+{s.rope_dim} kv_lora={s.kv_lora_rank} "
-              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk} "
-              f"ordered_gather={'positions=' if _ordered_gather_supported() else 'compact+index_select (fallback)'}", flush=True)
+              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk}", flush=True)
 
     outputs = {}
     with torch.no_grad():
         for method, comm in comms.items():
-            outputs[method] = forward_cp(s, layers, x_local, batch, comm, logical, rank, Timer(False))[: counts[rank]]
+            outputs[method] = forward_cp(s, layers, final_norm, x_local, batch, comm, logical, rank, Timer(False))[: counts[rank]]
 
         if not args.no_check:
             tol = args.tol if args.tol is not None else TOLERANCE[dtype]
@@ -587,7 +588,7 @@ def _run(args, device) -> dict:
             if rank == 0:
                 full_layers = [Layer(s, i, range(s.experts), args.seed, device, dtype) for i in range(args.layers)]
                 ref_batch = make_batch(seq_lens, torch.arange(total), total, device)
-                reference = forward_reference(s, full_layers, x_all, ref_batch)
+                reference = forward_reference(s, full_layers, final_norm, x_all, ref_batch)
                 del full_layers
             for method, out in outputs.items():
                 padded = F.pad(out, (0, 0, 0, m - out.shape[0]))
@@ -608,7 +609,7 @@ def _run(args, device) -> dict:
             report["tol"] = tol
 
         if device.type == "cuda" and args.iters > 0:
-            report["times"] = _bench(args, s, layers, x_local, batch, comms, logical, rank)
+            report["times"] = _bench(args, s, layers, final_norm, x_local, batch, comms, logical, rank)
     verdict = torch.tensor([int(all(math.isfinite(e) and e <= report.get("tol", math.inf) for e in report["errors"].values()))],
                            device=device)
     dist.broadcast(verdict, 0, group=group)
@@ -616,7 +617,7 @@ def _run(args, device) -> dict:
     return report
 
 
-def _bench(args, s, layers, x_local, batch, comms, logical, rank) -> dict:
+def _bench(args, s, layers, final_norm, x_local, batch, comms, logical, rank) -> dict:
     """Interleaved rounds of every method; median per method and phase, then the max over ranks."""
     samples = {m: {p: [] for p in ("e2e",) + PHASES} for m in comms}
     for it in range(args.warmup + args.iters):
@@ -626,7 +627,7 @@ def _bench(args, s, layers, x_local, batch, comms, logical, rank) -> dict:
             timer = Timer(True)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            forward_cp(s, layers, x_local, batch, comm, logical, rank, timer)
+            forward_cp(s, layers, final_norm, x_local, batch, comm, logical, rank, timer)
             end.record()
             torch.cuda.synchronize()
             if it >= args.warmup:

@@ -272,8 +272,6 @@ def test_install_without_sglang_raises_import_error(monkeypatch):
 def test_layout_from_sglang_built_metadata():
     """Metadata from SGLang 0.5.23's own zigzag strategy and padding, where SGLang can be imported."""
     try:
-        from unittest import mock
-
         from sglang.srt.layers.cp import padding as sgl_padding
         from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
     except Exception as e:  # noqa: BLE001  any import failure means: not testable in this environment
