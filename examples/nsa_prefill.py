@@ -104,7 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--index-heads", type=int, default=None, help="NSA indexer heads")
     p.add_argument("--index-dim", type=int, default=None, help="NSA indexer key/query dim")
     p.add_argument("--nsa-index-topk", type=int, default=0, help="NSA-like key selection: keys kept per query (0: dense causal)")
-    p.add_argument("--query-chunk", type=int, default=0, help="attention queries per chunk (0: sized to ~128M mask/score elements)")
+    p.add_argument("--query-chunk", type=int, default=0, help="attention queries per chunk (0: sized from the request length, heads and indexer heads)")
     p.add_argument("--experts", type=int, default=None, help="routed experts (a multiple of the CP size)")
     p.add_argument("--topk", type=int, default=None, help="routed experts per token")
     p.add_argument("--moe-intermediate", type=int, default=None)
@@ -274,9 +274,10 @@ def attention_core(s: Shape, layer: Layer, q: torch.Tensor, kv: torch.Tensor, ba
         kpos = torch.arange(length, device=q.device)
         qk, vk = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         nsa = bool(s.nsa_index_topk) and s.nsa_index_topk < length
-        # query chunks bound the [chunk, L] mask and the [chunk, index_heads, L] indexer scores (a long
-        # request has L in the tens of thousands)
-        chunk = s.query_chunk or max(1, (1 << 27) // (length * (s.index_heads if nsa else 1)))
+        # query chunks bound the [chunk, L] mask, the [chunk, index_heads, L] indexer scores and, should
+        # SDPA fall back to its math kernel, the [heads, chunk, L] fp32 scores (a long request has L in
+        # the tens of thousands)
+        chunk = s.query_chunk or max(1, min((1 << 30) // (length * nh), (1 << 27) // (length * (s.index_heads if nsa else 1))))
         for c in range(0, rows.numel(), chunk):
             rows_c, qpos_c = rows[c : c + chunk], qpos[c : c + chunk]
             allowed = kpos[None, :] <= qpos_c[:, None]                                    # [nq, L]

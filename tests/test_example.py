@@ -118,3 +118,23 @@ def test_example_under_torchrun():
     assert match is not None, proc.stdout + proc.stderr
     assert float(match.group(1)) <= float(match.group(2))
     assert "nsa_cp: max_rel_err=" in proc.stdout and "baseline: max_rel_err=" in proc.stdout
+
+
+@pytest.mark.skipif(
+    not (__import__("torch").cuda.is_available() and __import__("torch").cuda.device_count() >= 2),
+    reason="needs 2 CUDA GPUs (NCCL, P2P where init_p2p works)",
+)
+@pytest.mark.parametrize("split", ["even", "shared-kv"])
+def test_example_cuda_small(split):
+    """The CUDA path (bf16, NCCL/P2P, both methods, timing) on a small model: exit 0, both checked."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    argv = ["--device", "cuda", "--comm", "both", "--hidden", "1024", "--layers", "2", "--heads", "16",
+            "--experts", "8", "--topk", "2", "--moe-intermediate", "512", "--shared-intermediate", "512",
+            "--seq-lens", "700x8,3000", "--page-size", "64", "--nsa-index-topk", "256", "--iters", "2", "--warmup", "1"]
+    if split == "shared-kv":
+        argv.append(SHARED)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           EXAMPLE, *argv], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "nsa_cp: max_rel_err=" in proc.stdout and "baseline: max_rel_err=" in proc.stdout, proc.stdout
+    assert "baseline/nsa_cp:" in proc.stdout, proc.stdout
