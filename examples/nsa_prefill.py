@@ -63,7 +63,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import nsa_cp
-from nsa_cp.moe import mask_padding_topk_ids
 
 # the baseline is written with the collectives users know; torch 2.13 renamed them (FutureWarning)
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
@@ -463,7 +462,7 @@ def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch
             gathered, residual, normed = comm.prepare_mlp(i, attn, residual)   # [M * cp, H] rank-major
         with timer.phase("moe"):
             weights, ids = route(s, layer, gathered)
-            mask_padding_topk_ids(ids, logical_layout)                   # padding rows route nowhere
+            nsa_cp.mask_padding_topk_ids(ids, logical_layout)                   # padding rows route nowhere
             partials = comm.mlp_output_buffer(i, gathered)
             partials.copy_(routed_experts(layer, gathered, weights, ids))
             # the shared expert on this rank's tokens only, added into its own slot: the reduce-scatter
