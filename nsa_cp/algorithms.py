@@ -28,7 +28,8 @@ padded), "coalesced" (grouped reduces straight from views of the compact input),
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+import math
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -122,10 +123,17 @@ def _wire(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
     return t if t.dtype == wire else t.view(wire)
 
 
+def _rows(x: torch.Tensor, row_len: int) -> torch.Tensor:
+    """``x [n, ...]`` as ``[n, row_len]`` with unit inner stride (a view where it can be)."""
+    if x.dim() != 2:
+        x = x.reshape(x.shape[0], row_len)
+    return x if x.stride(1) == 1 or row_len <= 1 else x.contiguous()
+
+
 # --------------------------------------------------------------------------- gathers
 def gather_runner(
     coll: Collectives, layout: ShardLayout, rank: int, source: Source, compact: bool, algo: str, ordered: bool,
-    has_device_counts: bool,
+    has_device_counts: bool, device: torch.device,
 ) -> Callable:
     """``run(x, outs, device_counts, positions, norm_args) -> [results]``: one result per stream, each
     ``[global_len or T, *row]``; ``outs`` (or None) are the caller's output tensors (checked)."""
@@ -134,6 +142,15 @@ def gather_runner(
     m, n = layout.max_rank_len, layout.count(rank)
     padded_len, total = layout.padded_len, layout.total_len
     result_len = total if (compact or ordered) else padded_len
+    # this rank's count on the device (read by the kernels, so CUDA graphs replay with new counts): once
+    count0 = layout.device_tensors(device)[0][rank] if device.type == "cuda" else None
+    pack = None
+    if source.mode == "copy" and count0 is not None:
+        from .kernels import pack as kernels
+
+        shape, _, wire = streams[0]
+        row_len = math.prod(shape)
+        pack = kernels.launcher(device, row_len, torch.empty((), dtype=wire).element_size(), count0)
 
     def new_outputs(x, outs):
         if outs is not None:
@@ -141,9 +158,7 @@ def gather_runner(
         return [x.new_empty((result_len, *shape), dtype=dtype) for shape, dtype, _ in streams]
 
     def counts_of(x, device_counts):
-        if device_counts is not None:
-            return device_counts[0][rank]
-        return layout.device_tensors(x.device)[0][rank] if x.is_cuda else None
+        return device_counts[0][rank] if device_counts is not None else count0
 
     if total == 0:
         def run(x, outs, device_counts, positions, norm_args):
@@ -153,7 +168,11 @@ def gather_runner(
     def padded_into(x, bufs, device_counts, norm_args):
         """The source stage into this rank's slot of each ``[P*M, ...]`` buffer, then in-place gathers."""
         slots = [b.narrow(0, rank * m, m) for b in bufs]
-        source.fill(slots, x, n, counts_of(x, device_counts), norm_args)
+        if pack is not None and device_counts is None:  # the plain copy: one bound native launch
+            wire = streams[0][2]
+            pack(_rows(_wire(x, wire), row_len), _wire(slots[0], wire).view(m, row_len))
+        else:
+            source.fill(slots, x, n, counts_of(x, device_counts), norm_args)
         for (_, _, wire), buf, slot in zip(streams, bufs, slots):
             coll.all_gather_equal(_wire(buf, wire), _wire(slot, wire))
 

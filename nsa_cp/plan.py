@@ -85,27 +85,35 @@ def _bound_collectives(group) -> nccl.Collectives:
 # --------------------------------------------------------------------------- backend choice
 def _transport(backend: str, group, layout: ShardLayout, row_shape, dtype, device, name: str, quant=None,
                norm: bool = False):
-    """The P2P transport this plan uses, or None for NCCL/gloo. The same answer on every rank.
+    """``(transport, fused)``: the P2P transport this plan uses (None for NCCL/gloo; the same answer on
+    every rank), and whether it runs the plan's fused stage in its own kernel.
 
     ``quant`` / ``norm``: the fused stage the plan asks of it (the transport's ``support`` says whether it
-    serves it); backend "auto" then takes NCCL where it does not, "p2p" raises saying why."""
+    serves it). A norm it cannot fuse (rows of an odd byte size) runs as a kernel of its own before the
+    P2P move (``fused`` False); a quantization it cannot serve, or rows it cannot move at all, take NCCL
+    under backend "auto" and raise, saying why, under "p2p"."""
     if backend == "auto":
         backend = envs.NSA_CP_BACKEND
     if backend == "nccl" or (backend == "auto" and (device.type != "cuda" or not p2p.any_registered())):
-        return None
+        return None, False
     transport = p2p.get_p2p(group)
+    fused = norm or quant is not None
     if transport is None:
         verdict = Support.no("'p2p' needs nsa_cp.init_p2p(group, max_tokens_per_rank, hidden_size, dtype) first")
     else:
         verdict = transport.support(layout, row_shape, dtype, device, quant=quant, norm=norm)
+        if not verdict and norm and quant is None:
+            plain = transport.support(layout, row_shape, dtype, device)
+            if plain:
+                verdict, fused = plain, False
     if backend == "p2p":
         if not verdict:
             raise ValueError(f"backend: 'p2p' cannot serve this call ({name}): {verdict.reason}")
-        return transport
+        return transport, fused
     # auto: the even layout keeps the plain NCCL collective (the contract); P2P where it serves
     if layout.is_even or not verdict:
-        return None
-    return transport
+        return None, False
+    return transport, fused
 
 
 def _algo(algo: str, layout: ShardLayout, compact: bool, on_cuda: bool, slot_bytes: int, min_bytes: int,
@@ -216,18 +224,20 @@ def _build_gather(op, mode, x, layout, pg, group, compact, algo, backend, has_dc
     plan.rows = layout.count(rank)
     plan.out_shapes = tuple((result_len, *shape) for shape, _, _ in source.streams)
     plan.out_dtypes = tuple(dtype for _, dtype, _ in source.streams)
-    transport = _transport(backend, group, layout, row_shape, x.dtype, x.device, "x", quant, mode.startswith("norm"))
+    transport, fused = _transport(backend, group, layout, row_shape, x.dtype, x.device, "x", quant,
+                                  mode.startswith("norm"))
     plan._p2p, plan._run = None, None
     if transport is not None and layout.total_len:
         plan.backend, plan.algo = "p2p", "ordered" if ordered else ("compact" if compact else "padded")
-        plan._p2p = _p2p_gather(transport, mode, layout, compact, row_shape, quant, ordered)
+        plan._p2p = _p2p_gather(transport, mode if fused or mode == "copy" else "copy_after_norm", layout, compact,
+                                row_shape, quant, ordered)
     else:
         row_bytes = math.prod(row_shape) * x.element_size()
         chosen = _algo(algo, layout, compact or ordered, x.is_cuda, layout.max_rank_len * row_bytes,
                        envs.NSA_CP_COALESCED_GATHER_MIN_BYTES, has_dc)
         plan.backend, plan.algo = ("nccl" if x.is_cuda else "gloo"), chosen
         plan._run = algorithms.gather_runner(_bound_collectives(pg), layout, rank, source, compact, chosen, ordered,
-                                             has_dc)
+                                             has_dc, x.device)
     plan.signature = (f"{op}|{mode}|compact={compact}|dtype={x.dtype}|row={row_shape}|backend={plan.backend}|"
                       f"algo={plan.algo}|device_counts={has_dc}|ordered={ordered}|quant={quant}")
     logger.debug("nsa_cp plan: %s on %r", plan.signature, layout)
@@ -241,6 +251,15 @@ def _p2p_gather(transport, mode, layout, compact, row_shape, quant, ordered) -> 
         if quant is None:
             return lambda x, dc, pos, norm_args: (runner(x, dc, pos),)
         return lambda x, dc, pos, norm_args: runner(x, dc, pos)
+    if mode == "copy_after_norm":  # the transport cannot fuse this row size: the norm kernel, then the move
+        runner = transport.gather_runner(layout, compact, row_shape, ordered=ordered)
+
+        def run_after_norm(x, dc, pos, norm_args):
+            from .kernels import norm as kernels
+
+            y, _ = kernels.fused_add_rmsnorm(x, *norm_args, out=torch.empty_like(x))
+            return (runner(y, dc, pos),)
+        return run_after_norm
     runner = transport.norm_gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
 
     def run(x, dc, pos, norm_args):
@@ -340,12 +359,12 @@ def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ord
     plan.compact, plan.row_shape = compact or ordered, row_shape
     plan.rows = layout.global_len(compact or ordered)
     plan.out_shape = (layout.count(rank), *row_shape)
-    transport = _transport(backend, group, layout, row_shape, y.dtype, y.device, "y", norm=norm)
+    transport, fused = _transport(backend, group, layout, row_shape, y.dtype, y.device, "y", norm=norm)
     plan._transport, plan._p2p, plan._p2p_norm, plan._run = None, None, None, None
     if transport is not None and layout.total_len:
         plan.backend, plan.algo, plan._transport = "p2p", "ordered" if ordered else ("compact" if compact else "padded"), transport
         plan._p2p = transport.reduce_scatter_runner(layout, compact, row_shape, ordered=ordered)
-        if norm:
+        if norm and fused:
             plan._p2p_norm = transport.reduce_scatter_runner(layout, compact, row_shape, ordered=ordered, norm=True)
     else:
         row_bytes = math.prod(row_shape) * y.element_size()

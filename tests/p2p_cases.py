@@ -422,7 +422,7 @@ def _fp8_expected(rows_per_rank, layout, compact):
     q, scale = reference.quant_fp8_g128(gathered)
     if not compact:
         real = _expected_gather([torch.ones(n, 1) for n in layout.per_rank_actual_token], layout, False)[:, 0] == 1
-        q[~real] = 0
+        q.view(torch.uint8)[~real] = 0  # fp8 has no masked_fill: +0.0 is the zero byte
         scale[~real] = reference.FP8_PAD_SCALE
     return q, scale
 
@@ -714,7 +714,7 @@ def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]
         comm = nsa_cp.NSACPLayerCommunicator(None, norm, norm, compact=compact, backend="p2p")
         h = _gen(seed, rank, counts[rank], (hidden,), dtype, device)
         r = _gen(seed + 1, rank, counts[rank], (hidden,), dtype, device)
-        local, _ = comm.prepare_mlp(h, r, None)
+        local, _ = comm.prepare_mlp(h, r.clone(), None)  # the residual is updated in place
         shards = [None] * world
         dist.all_gather_object(shards, local.cpu())
         want = _expected_gather(shards, layout, compact)
@@ -723,7 +723,11 @@ def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]
         partial = comm.mlp_output_buffer(layout, full)
         if partial.data_ptr() != transport.reduce_buffer(layout, compact).data_ptr():
             return "mlp_output_buffer is not the transport's reduce buffer on the P2P backend"
-        if not torch.equal(full.cpu(), want):
+        # the oracle's norm (the module: flashinfer or Triton) and the fused push kernel may order the sum
+        # of squares differently: one unit in the last place apart at most; padding rows exactly zero
+        ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -22}[dtype]
+        got = full.cpu()
+        if got.shape != want.shape or bool(((got.float() - want.float()).abs() > ulp * want.float().abs()).any()):
             return f"communicator gather differs from the oracle ({layout}, compact={compact})"
         torch.mul(full, rank + 1, out=partial)  # the MoE writes its partials in place
         out, _ = comm.postprocess_layer(partial, res, layout)

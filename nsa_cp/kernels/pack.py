@@ -17,7 +17,7 @@ import triton.language as tl
 from .. import _native
 from ._rows import as_rows, block_shape, byte_strides, native_module
 
-__all__ = ["pack_into_slot"]
+__all__ = ["pack_into_slot", "launcher"]
 
 
 @triton.jit
@@ -81,3 +81,29 @@ def pack_into_slot(x: torch.Tensor, slot: torch.Tensor, count: torch.Tensor, imp
         BLOCK_N=block_n,
         num_warps=warps,
     )
+
+
+def launcher(device: torch.device, row_len: int, element_size: int, count: torch.Tensor, impl: Optional[str] = None):
+    """``launch(x, slot)``: ``pack_into_slot(x, slot, count)`` with everything that does not change from
+    call to call (the kernel choice, the row width, the count's address) resolved once, for a plan.
+
+    ``x [n, row_len]`` and ``slot [M, row_len]`` are 2-D with unit inner stride (the plan's call checks
+    and ``as_rows`` views make them so); ``count`` stays alive as long as the launcher.
+    """
+    native = native_module(count, impl) if count.is_cuda else None
+    if native is None:
+        return lambda x, slot: pack_into_slot(x, slot, count, impl="triton" if count.is_cuda else impl)
+    if count.dtype != torch.int32 or count.numel() != 1:
+        raise ValueError(f"count: expected one int32 element, got {count.dtype} {list(count.shape)}")
+    row_bytes, count_ptr, index = row_len * element_size, count.data_ptr(), count.device.index
+    pack_rows, stream, place = native.pack_rows, _native.current_stream, _native.launch_device
+
+    def launch(x: torch.Tensor, slot: torch.Tensor) -> None:
+        if slot.shape[0] == 0 or row_bytes == 0:
+            return
+        with place(slot.device):
+            pack_rows(x.data_ptr(), x.stride(0) * element_size, x.shape[0], slot.data_ptr(),
+                      slot.stride(0) * element_size, slot.shape[0], row_bytes, count_ptr, stream(slot.device))
+
+    launch.keep = count
+    return launch

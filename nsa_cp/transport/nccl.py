@@ -53,6 +53,11 @@ class Collectives:
         self._gather_opts = _c10d.AllgatherOptions()
         self._scatter_opts = _c10d.ReduceScatterOptions()
         self._scatter_opts.reduceOp = dist.ReduceOp.SUM
+        # as the public functions with async_op=False: NCCL then runs on the current stream, with no
+        # event handshake with its internal stream (less host work per call)
+        for opts in (self._gather_opts, self._scatter_opts):
+            if hasattr(opts, "asyncOp"):
+                opts.asyncOp = False
         self._direct = (
             hasattr(group, "_allgather_base") and hasattr(group, "_reduce_scatter_base")
             and envs.NSA_CP_NCCL_CALL == "direct"

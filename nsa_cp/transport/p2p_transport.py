@@ -300,6 +300,12 @@ class P2PTransport:
         scale = raw[start: start + rows * groups * 4].view(torch.float32).view(rows, groups)
         return q, scale
 
+    def _buffers(self, layout: ShardLayout) -> Tuple[int, int]:
+        """The gather buffers a call in ``layout`` may write, as the indices the native state returns:
+        (0, 1) when the layout fits the second (smaller) buffer, else (0, 0) (buffer 1 is never chosen;
+        a view of it would not hold the rows)."""
+        return (0, 1) if layout.max_rank_len <= self.double_buffer_tokens else (0, 0)
+
     def _output_rows(self, layout: ShardLayout, compact: bool, ordered: bool) -> int:
         return layout.total_len if ordered else layout.global_len(compact)
 
@@ -341,7 +347,7 @@ class P2PTransport:
         rows = self._output_rows(layout, compact, ordered)
         if engine == "ce":
             return self._copy_engine_runner(layout, compact, row_shape, rows)
-        views = tuple(self._rows_view(self._gathers[b], rows, row_shape) for b in (0, 1))
+        views = tuple(self._rows_view(self._gathers[b], rows, row_shape) for b in self._buffers(layout))
         counts, offsets = layout.device_tensors(self.device)
         c0, o0 = counts.data_ptr(), offsets.data_ptr()
         m, kernel_compact, npos = layout.max_rank_len, bool(compact or ordered), rows if ordered else -1
@@ -393,9 +399,9 @@ class P2PTransport:
     def _fused_runner(self, layout, compact, row_shape, *, norm: bool, quant: Optional[str], ordered: bool):
         rows = self._output_rows(layout, compact, ordered)
         if quant is not None:
-            views = tuple(self._fp8_views(b, rows) for b in (0, 1))
+            views = tuple(self._fp8_views(b, rows) for b in self._buffers(layout))
         else:
-            views = tuple(self._rows_view(self._gathers[b], rows, row_shape) for b in (0, 1))
+            views = tuple(self._rows_view(self._gathers[b], rows, row_shape) for b in self._buffers(layout))
         counts, offsets = layout.device_tensors(self.device)
         c0, o0 = counts.data_ptr(), offsets.data_ptr()
         m, kernel_compact, npos = layout.max_rank_len, bool(compact or ordered), rows if ordered else -1
