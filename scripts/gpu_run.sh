@@ -137,7 +137,7 @@ if want p2p; then
   reserve=$(reserve_after_tests); want tests && reserve=$((reserve + 60))  # the other tests' least share
   cap=$(budget "${P2P_TEST_TIMEOUT_S:-180}" "$reserve")
   # SIGINT at the limit: pytest stops where it is and still prints its counts (and the failures so far)
-  NSA_CP_P2P_TIMEOUT_MS=20000 timeout -s INT -k 20 "$cap" python3 -m pytest tests/test_p2p_gpu.py -q -rs \
+  NSA_CP_P2P_TIMEOUT_MS=20000 timeout -s INT -k 20 "$cap" python3 -m pytest tests/test_p2p_gpu.py -q -rfs \
     -p no:cacheprovider >"$LOGS/pytest_p2p.log" 2>&1
   rc=$?; [ "$rc" = 124 ] && rc="timeout"
   note "p2p tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest_p2p.log") (limit $cap s)"
@@ -146,7 +146,7 @@ if want tests; then
   t=$(date +%s)
   cap=$(budget "${TEST_TIMEOUT_S:-330}" "$(reserve_after_tests)")
   # shellcheck disable=SC2086  # TESTS is a list of paths
-  timeout -s INT -k 20 "$cap" python3 -m pytest ${TESTS:-tests} -q -rs -p no:cacheprovider --ignore tests/test_p2p_gpu.py \
+  timeout -s INT -k 20 "$cap" python3 -m pytest ${TESTS:-tests} -q -rfs -p no:cacheprovider --ignore tests/test_p2p_gpu.py \
     >"$LOGS/pytest.log" 2>&1
   rc=$?; [ "$rc" = 124 ] && rc="timeout"
   note "other tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest.log") (limit $cap s)"

@@ -434,7 +434,7 @@ def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
     device = torch.device("cuda", rank) if payload["device"] == "cuda" else torch.device("cpu")
     group = dist.group.WORLD
     if payload.get("p2p"):
-        nsa_cp.init_p2p(group, 64, payload["p2p"], torch.bfloat16)
+        nsa_cp.init_p2p(group, 256, payload["p2p"], torch.bfloat16)
     results: Dict[str, Optional[str]] = {}
     for case in payload["cases"]:
         try:
