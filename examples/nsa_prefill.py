@@ -110,6 +110,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--shared-intermediate", type=int, default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--backend", choices=("auto", "nccl", "p2p"), default="auto", help="nsa_cp transport (auto: P2P where init_p2p works)")
+    p.add_argument("--compact", action="store_true",
+                   help="nsa_cp: the MoE runs on the compact [total_len, H] gather (no padding rows to route)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=None, help="max_rel_err above this exits 1 (default per dtype)")
     p.add_argument("--warmup", type=int, default=2)
@@ -348,17 +350,16 @@ class NsaComm:
 
     name = "nsa_cp"
 
-    def __init__(self, group, layers, layout, kv_layout, positions, rank, backend, p2p_args):
+    def __init__(self, group, layers, layout, kv_layout, positions, rank, backend, p2p_args, compact=False):
         self.layout, self.kv_layout, self.positions, self.group, self.backend = layout, kv_layout, positions, group, backend
         self.comms = [
             nsa_cp.NSACPLayerCommunicator(group, layer.input_norm, layer.post_attention_norm, mlp_mode="full",
-                                          backend=backend, **p2p_args)
+                                          compact=compact, backend=backend, **p2p_args)
             for layer in layers
         ]
         # layer i's reduce-scatter also runs layer i+1's residual add + input norm (one fused pass)
         nsa_cp.NSACPLayerCommunicator.chain(self.comms)
-        start = rank * layout.max_rank_len
-        self.own = slice(start, start + layout.per_rank_actual_token[rank])
+        self.own = slice(*layout.rows(rank, compact=compact))
 
     def prepare_attn(self, i, h, residual):
         return self.comms[i].prepare_attn(h, residual, self.layout)
@@ -459,10 +460,10 @@ def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch
                 kv = comm.kv_gather(kv_local[:real])                    # [T, kv_width], batch order
             attn = attention_core(s, layer, q, kv, batch, index_q, index_w) @ layer.w_o
         with timer.phase("moe_gather"):
-            gathered, residual, normed = comm.prepare_mlp(i, attn, residual)   # [M * cp, H] rank-major
+            gathered, residual, normed = comm.prepare_mlp(i, attn, residual)   # [M * cp, H] (or compact [T, H])
         with timer.phase("moe"):
             weights, ids = route(s, layer, gathered)
-            nsa_cp.mask_padding_topk_ids(ids, logical_layout)                   # padding rows route nowhere
+            nsa_cp.mask_padding_topk_ids(ids, logical_layout)            # padding rows route nowhere (compact: none)
             partials = comm.mlp_output_buffer(i, gathered)
             partials.copy_(routed_experts(layer, gathered, weights, ids))
             # the shared expert on this rank's tokens only, added into its own slot: the reduce-scatter
@@ -559,7 +560,8 @@ def _run(args, device) -> dict:
             p2p_args = {}
             if device.type == "cuda" and args.backend != "nccl":
                 p2p_args = dict(p2p_max_tokens_per_rank=max(layout.max_rank_len, 1), hidden_size=s.hidden, dtype=dtype)
-            comms[method] = NsaComm(group, layers, layout, logical, positions, rank, args.backend, p2p_args)
+            comms[method] = NsaComm(group, layers, layout, logical, positions, rank, args.backend, p2p_args,
+                                    compact=args.compact)
         else:
             comms[method] = BaselineComm(group, layers, layout, logical, positions, rank)
         if args.fault == "kv_order":
@@ -571,7 +573,7 @@ def _run(args, device) -> dict:
         print(f"nsa_prefill: cp={cp} device={device.type} dtype={args.dtype} tokens={total} requests={len(seq_lens)} "
               f"split={split} page={page} per_rank={counts} rows={list(layout.per_rank_actual_token)} "
               f"layers={args.layers} H={s.hidden} heads={s.heads}x{s.head_dim}+{s.rope_dim} kv_lora={s.kv_lora_rank} "
-              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk}", flush=True)
+              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk} compact={args.compact}", flush=True)
 
     outputs = {}
     with torch.no_grad():

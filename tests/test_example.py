@@ -34,6 +34,7 @@ CASES_2 = {
                                          "--query-chunk", "7"], True),
     # page 8, requests of 5 and 3 tokens: one page each, both dealt to block 0 -> rank 1 holds nothing
     "shared-kv-zero-token-rank": ([SHARED, "--seq-lens", "5,3", "--page-size", "8", "--comm", "both"], True),
+    "shared-kv-compact": ([SHARED, "--compact", "--seq-lens", "37,64,21,9", "--nsa-index-topk", "16"], True),
     "shared-kv-both-bf16": ([SHARED, "--comm", "both", "--dtype", "bfloat16", "--nsa-index-topk", "16"], True),
     "fault-kv-order": ([SHARED, "--fault", "kv_order"], False),
 }
