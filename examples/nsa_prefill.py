@@ -33,6 +33,9 @@ Flags that choose the path:
 * ``--comm nsa_cp|baseline|both``: ``baseline`` is what a user writes by hand: ``F.pad`` to the longest
   shard + ``all_gather_into_tensor`` (+ ``index_select`` into token order for the KV) and
   ``reduce_scatter_tensor`` + a slice of the first ``n_r`` rows.
+* ``--compact``: nsa_cp's MoE runs on the compact ``[total_len, H]`` gather (no padding rows at all).
+* ``--backend auto|nccl|p2p``: nsa_cp's transport; auto takes the intranode P2P transport where
+  ``nsa_cp.init_p2p`` works (the communicators create it) and NCCL elsewhere.
 
 Output (rank 0): ``max_rel_err=<value>`` per method, the largest over ranks of the relative L2 error of
 the rank's final hidden states against the one-process model; the run exits 1 above ``--tol`` (default
@@ -53,10 +56,9 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
-
-import warnings
 
 import torch
 import torch.distributed as dist
