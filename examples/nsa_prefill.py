@@ -498,7 +498,9 @@ def _setup(args):
         backend = "nccl" if args.device == "cuda" else "gloo"
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast is off on the machines we measure
+            # NVLink multicast is off on the machines we measure: nothing here may depend on it
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         dist.init_process_group(backend)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     return own_group, device
@@ -575,7 +577,9 @@ def _run(args, device) -> dict:
         print(f"nsa_prefill: cp={cp} device={device.type} dtype={args.dtype} tokens={total} requests={len(seq_lens)} "
               f"split={split} page={page} per_rank={counts} rows={list(layout.per_rank_actual_token)} "
               f"layers={args.layers} H={s.hidden} heads={s.heads}x{s.head_dim}+{s.rope_dim} kv_lora={s.kv_lora_rank} "
-              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk} compact={args.compact}", flush=True)
+              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk} compact={args.compact} "
+              f"nsa_cp_transport={'p2p' if nsa_cp.get_p2p(group) is not None else 'nccl/gloo'}"
+              f"{' gpu=' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}", flush=True)
 
     outputs = {}
     with torch.no_grad():
