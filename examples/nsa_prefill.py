@@ -71,7 +71,7 @@ warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\
 
 CPU_DEFAULTS = dict(
     hidden=128, layers=2, heads=4, head_dim=16, rope_dim=8, kv_lora_rank=32, index_heads=2, index_dim=16,
-    experts=12, topk=2, moe_intermediate=64, shared_intermediate=64, seq_lens="37,64,21", page_size=8,
+    experts=12, topk=2, moe_intermediate=64, shared_intermediate=64, seq_lens="37,64,21,9", page_size=8,
     dtype="float32", comm="nsa_cp",
 )
 CUDA_DEFAULTS = dict(
