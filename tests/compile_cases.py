@@ -274,10 +274,19 @@ def _run_opcheck(case, rank, world, group, device, dtype) -> Optional[str]:
     counts, align = list(layout.per_rank_actual_token), layout.align
     g = torch.Generator().manual_seed(7)
     y = torch.randn(layout.padded_len, HIDDEN, generator=g).to(dtype).to(device)
-    for op, t in ((torch.ops.nsa_cp.cp_all_gather.default, x), (torch.ops.nsa_cp.cp_reduce_scatter.default, y)):
+    weight = (torch.rand(HIDDEN, generator=g) + 0.5).to(dtype).to(device)
+    ops = torch.ops.nsa_cp
+    for op, t, norm in ((ops.cp_all_gather.default, x, False), (ops.cp_reduce_scatter.default, y, False),
+                        (ops.fused_add_rmsnorm_all_gather.default, x, True),
+                        (ops.reduce_scatter_fused_add_rmsnorm.default, y, True)):
         for compact in (False, True):
             t_in = t[: layout.total_len] if (compact and t is y) else t
-            args = (t_in, counts, align, group.group_name, rank, compact, "auto", "auto", None, None, None)
+            tail = (counts, align, group.group_name, rank, compact, "auto", "auto", None, None, None, None)
+            if norm:  # residual of this rank's rows, mutated in place (declared in the schema)
+                residual = torch.randn(layout.count(rank), HIDDEN, generator=g).to(dtype).to(device)
+                args = (t_in, residual, weight, 1e-6, *tail)
+            else:
+                args = (t_in, *tail)
             results = torch.library.opcheck(op, args, raise_exception=False)
             failed = {k: v for k, v in results.items() if v != "SUCCESS"}
             if failed:
