@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -68,6 +69,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("nsa_cp")
+
+TESTED_SGLANG = "0.5.23"
 
 # every module of SGLang 0.5.23 that binds ``_cp_moves`` by name
 BOUNDARY_MODULES = (
@@ -366,6 +369,10 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
     import importlib
 
     modules = [importlib.import_module(name) for name in BOUNDARY_MODULES]
+    version = getattr(sys.modules.get("sglang"), "__version__", None)
+    if version is not None and not str(version).startswith(TESTED_SGLANG):
+        logger.warning("nsa_cp.integrations.sglang: written against SGLang %s's layer_boundary, found %s; "
+                       "check the CpMoves signatures", TESTED_SGLANG, version)
     from sglang.srt.layers.layer_boundary.contracts import CpMoves
 
     original = modules[0]._cp_moves
