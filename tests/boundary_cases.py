@@ -270,7 +270,7 @@ def _run_ordered(case, rank, world, group, device) -> Optional[str]:
     mine = torch.stack([p[per_rank[rank]].double() for p in partials])
     want = mine.sum(0)
     # each of the world-1 additions in the dtype rounds once: bounded by the magnitudes summed
-    unit = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}[dtype]
+    unit = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}[dtype]
     bound = world * unit * mine.abs().sum(0) + 1e-30
     if tuple(got.shape) != (counts[rank], hidden) or bool(((got.cpu().double() - want).abs() > bound).any()):
         return f"ordered reduce-scatter differs from the fp64 sum of this rank's batch rows (shape {tuple(got.shape)})"

@@ -732,7 +732,8 @@ def check_communicator(transport, rank, world, device, seed=11) -> Optional[str]
         torch.mul(full, rank + 1, out=partial)  # the MoE writes its partials in place
         out, _ = comm.postprocess_layer(partial, res, layout)
         start, stop = layout.rows(rank, compact)
-        problem = _check_sum(out.cpu(), [want[start:stop] * (q + 1) for q in range(world)], dtype)
+        # the partials are what the gather delivered (the same bytes on every rank), not the oracle's rows
+        problem = _check_sum(out.cpu(), [got[start:stop] * (q + 1) for q in range(world)], dtype)
         if problem:
             return f"communicator reduce-scatter ({layout}, compact={compact}): {problem}"
     return None
