@@ -13,6 +13,7 @@
 import contextlib
 import functools
 import os
+import re
 import shutil
 
 import pytest
@@ -109,21 +110,43 @@ FAKE_LAYOUTS = [([5, 3], 1), ([5, 3], 4), ([4, 0], 1), ([0, 0, 0], 1), ([4, 4], 
 @pytest.mark.parametrize("compact", [False, True])
 def test_fake_shapes(counts, align, compact):
     layout = nsa_cp.ShardLayout(counts, align=align)
+    ops = torch.ops.nsa_cp
+    tail = (compact, "auto", "auto", None, None, None)
     with FakeTensorMode():
         for rank, n in enumerate(counts):
             x = torch.empty(n, 3, 5, dtype=torch.bfloat16)
-            full = torch.ops.nsa_cp.cp_all_gather(x, counts, align, None, rank, compact, "auto", "auto", None, None, None)
+            full = ops.cp_all_gather(x, counts, align, None, rank, *tail, None)
             assert isinstance(full, FakeTensor)
             assert tuple(full.shape) == (layout.global_len(compact), 3, 5) and full.dtype == torch.bfloat16
+            ordered = ops.cp_all_gather(x, counts, align, None, rank, *tail, torch.empty(layout.total_len, dtype=torch.int64))
+            assert tuple(ordered.shape) == (layout.total_len, 3, 5)
             y = torch.empty(layout.global_len(compact), 7, dtype=torch.float32)
-            mine = torch.ops.nsa_cp.cp_reduce_scatter(y, counts, align, "any-group", rank, compact, "auto", "auto", None, None, None)
+            mine = ops.cp_reduce_scatter(y, counts, align, "any-group", rank, *tail, None)
             assert isinstance(mine, FakeTensor)
             assert tuple(mine.shape) == (n, 7) and mine.dtype == torch.float32
+            x2 = torch.empty(n, 256, dtype=torch.bfloat16)
+            q, scale = ops.cp_all_gather_fp8(x2, counts, align, None, rank, *tail, None)
+            rows = layout.global_len(compact)
+            assert (tuple(q.shape), q.dtype) == ((rows, 256), torch.float8_e4m3fn)
+            assert (tuple(scale.shape), scale.dtype) == ((rows, 2), torch.float32)
+            w = torch.empty(256, dtype=torch.bfloat16)
+            y2 = ops.fused_add_rmsnorm_all_gather(x2, x2.clone(), w, 1e-6, counts, align, None, rank, *tail, None)
+            assert tuple(y2.shape) == (rows, 256)
+            q2, s2 = ops.fused_add_rmsnorm_all_gather_fp8(x2, None, w, 1e-6, counts, align, None, rank, *tail, None)
+            assert tuple(q2.shape) == (rows, 256) and tuple(s2.shape) == (rows, 2)
+            p = torch.empty(rows, 256, dtype=torch.bfloat16)
+            out, h = ops.reduce_scatter_fused_add_rmsnorm(p, None, w, 1e-6, counts, align, None, rank, *tail, None)
+            assert tuple(out.shape) == (n, 256) and tuple(h.shape) == (n, 256)
 
 
 def test_op_schemas():
-    for name in ("cp_all_gather", "cp_reduce_scatter"):
+    args = ("SymInt[] counts, SymInt align, str? group_name, SymInt rank, bool compact, str algo, str backend, "
+            "bool? validate, Tensor? device_counts, Tensor? device_offsets, Tensor? positions)")
+    for name in ("cp_all_gather", "cp_reduce_scatter", "cp_all_gather_fp8"):
         schema = str(getattr(torch.ops.nsa_cp, name).default._schema)
-        assert ("SymInt[] counts, SymInt align, str? group_name, SymInt rank, bool compact, str algo, str backend, "
-                "bool? validate, Tensor? device_counts, Tensor? device_offsets) -> Tensor") in schema, schema
+        assert args in schema, schema
         assert "(a" not in schema and "!" not in schema, schema  # functional: no alias, no mutation
+    for name in ("fused_add_rmsnorm_all_gather", "fused_add_rmsnorm_all_gather_fp8", "reduce_scatter_fused_add_rmsnorm"):
+        schema = str(getattr(torch.ops.nsa_cp, name).default._schema)
+        assert args in schema and re.search(r"Tensor\(a\d+!\)\? residual", schema), schema  # declared mutated
+        assert schema.count("!") == 1, schema
