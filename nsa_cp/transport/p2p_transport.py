@@ -614,17 +614,9 @@ class P2PTransport:
         except Exception:  # interpreter shutdown: nothing useful to do
             pass
 
-    # ------------------------------------------------------------------ transitional entry points
-    # collectives.py / communicator.py call these until the plan layer calls the runners; they build
-    # (and cache) the same runners, with the per-call checks of the old interface.
-    def fits(self, t: torch.Tensor, layout: ShardLayout) -> bool:
-        """Whether a call on ``t`` and ``layout`` fits (``support`` as a bool)."""
-        return t.is_cuda and bool(self.support(layout, tuple(t.shape[1:]), t.dtype, t.device))
-
-    def check_fits(self, name: str, t: torch.Tensor, layout: ShardLayout) -> None:
-        """Raise ValueError naming ``name`` and saying why ``t`` / ``layout`` cannot use this transport."""
-        self.support(layout, tuple(t.shape[1:]), t.dtype, t.device).require(name)
-
+    # ------------------------------------------------------------------ direct entry points
+    # For benchmarks and diagnostics that pick the engine themselves: the same runners, cached per
+    # layout, with the call checks a plan would make. Library calls go through nsa_cp/plan.py.
     def _validated_counts(self, device_counts):
         if device_counts is None:
             return None
@@ -649,7 +641,7 @@ class P2PTransport:
         """Gather into this rank's gather buffer; returns its ``[global_len, *x.shape[1:]]`` view (see
         ``gather_runner``)."""
         self.check_error()
-        self.check_fits("x", x, layout)
+        self.support(layout, tuple(x.shape[1:]), x.dtype, x.device).require("x")
         device_counts = self._validated_counts(device_counts)
         chosen = self.choose_engine(engine, layout)
         if device_counts is not None and chosen != "sm":
@@ -666,7 +658,7 @@ class P2PTransport:
         """Sum every rank's partials for this rank's rows; returns ``[n_r, *y.shape[1:]]`` (see
         ``reduce_scatter_runner``)."""
         self.check_error()
-        self.check_fits("y", y, layout)
+        self.support(layout, tuple(y.shape[1:]), y.dtype, y.device).require("y")
         device_counts = self._validated_counts(device_counts)
         rest = tuple(y.shape[1:])
         run = self._compat_runner(("scatter", layout, compact, rest),
