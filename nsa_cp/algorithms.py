@@ -57,14 +57,17 @@ class Source:
             wire = torch.uint8 if dtype in _FP8_DTYPES else dtype
             self.streams = ((row_shape, dtype, wire),)
 
-    def fill(self, slots: Sequence[torch.Tensor], x: torch.Tensor, n: int, count: Optional[torch.Tensor], norm_args) -> None:
+    def fill(self, slots: Sequence[torch.Tensor], x: torch.Tensor, n: int, count: Optional[torch.Tensor], norm_args,
+             host_n: bool = False) -> None:
         """Write this rank's rows into ``slots`` (one ``[m, ...]`` tensor per stream, in the result dtype):
         rows ``[0, n)`` real, the rest padding. ``count``: the scalar tensor holding n when it is read
         on the device (CUDA; under CUDA graphs it may differ from the host's n) or given as device counts;
         None on CPU without device counts."""
         if self.mode == "copy" and x.dtype in _FP8_DTYPES:  # a copy moves bits: fp8 as uint8
             x, slots = x.view(torch.uint8), [slots[0].view(torch.uint8)]
-        if x.is_cuda:
+        if x.is_cuda and host_n and self.mode == "norm":  # n known on the host: flashinfer's norm may serve
+            _norm_rows(slots[0], x, n, norm_args)
+        elif x.is_cuda:
             _fill_cuda(self.mode, slots, x, count, norm_args)
         else:  # device counts on CPU: read them (no device to keep them on)
             _fill_reference(self.mode, slots, x, n if count is None else int(count), norm_args)
@@ -83,6 +86,17 @@ def _fill_reference(mode: str, slots, x: torch.Tensor, n: int, norm_args) -> Non
         reference.fused_add_rmsnorm_into_slot(x, *norm_args, slots[0], n)
     else:
         reference.fused_add_rmsnorm_quant_into_slot(x, *norm_args, slots[0], slots[1], n)
+
+
+def _norm_rows(slot: torch.Tensor, x: torch.Tensor, n: int, norm_args) -> None:
+    """slot[:n] = add + RMSNorm of x's n rows (residual in place), slot[n:] = 0, with the local norm of
+    nsa_cp.norm (flashinfer where it suits: a cheaper launch than the Triton kernel's)."""
+    from .norm import fused_add_rmsnorm_into
+
+    if n:
+        fused_add_rmsnorm_into(x, *norm_args, out=slot if n == slot.shape[0] else slot[:n])
+    if slot.shape[0] > n:
+        slot[n:].zero_()
 
 
 def _fill_cuda(mode: str, slots, x: torch.Tensor, count: torch.Tensor, norm_args) -> None:
@@ -172,7 +186,7 @@ def gather_runner(
             wire = streams[0][2]
             pack(_rows(_wire(x, wire), row_len), _wire(slots[0], wire).view(m, row_len))
         else:
-            source.fill(slots, x, n, counts_of(x, device_counts), norm_args)
+            source.fill(slots, x, n, counts_of(x, device_counts), norm_args, host_n=device_counts is None)
         for (_, _, wire), buf, slot in zip(streams, bufs, slots):
             coll.all_gather_equal(_wire(buf, wire), _wire(slot, wire))
 
@@ -186,7 +200,7 @@ def gather_runner(
         def gather_compact(x, bufs, device_counts, norm_args):
             local = [x.new_empty((n, *shape), dtype=dtype) for shape, dtype, _ in streams]
             if n:
-                source.fill(local, x, n, counts_of(x, device_counts), norm_args)
+                source.fill(local, x, n, counts_of(x, device_counts), norm_args, host_n=True)
             for (_, _, wire), buf, mine in zip(streams, bufs, local):
                 views = [_wire(buf, wire)[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(size))]
                 coll.all_gather_uneven(views, _wire(mine, wire))

@@ -41,7 +41,7 @@ from torch import nn
 
 from . import reference
 
-__all__ = ["RMSNorm", "flashinfer_norm_module"]
+__all__ = ["RMSNorm", "flashinfer_norm_module", "fused_add_rmsnorm_into"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -58,6 +58,39 @@ def flashinfer_norm_module():
         logger.info("nsa_cp.RMSNorm: flashinfer not usable (%s: %s)", type(exc).__name__, exc)
         return None
     return fi_norm
+
+
+def fused_add_rmsnorm_into(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                           out: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The add + RMSNorm of local rows ``x [n, H]`` into ``out [n, H]`` (which may be ``x`` itself when the
+    caller gives x up): ``(out, residual)``, residual updated in place. For the library's own norms
+    (a slot of the NCCL gather buffer, the rows a reduce-scatter returned).
+
+    flashinfer where it imports and suits (CUDA bf16/fp16 contiguous rows, weight of x's dtype, n > 0):
+    its launch costs a fraction of a Triton launch's host time; within one ulp of the Triton kernel.
+    Otherwise the Triton kernel on CUDA, the reference on CPU.
+    """
+    if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.shape[0]
+            and x.is_contiguous() and out.is_contiguous()
+            and (residual is None or residual.is_contiguous()) and flashinfer_norm_module() is not None):
+        fi = flashinfer_norm_module()
+        if residual is None:
+            fi.rmsnorm(x, weight, eps, out=out)
+        else:
+            if out is not x:
+                out.copy_(x)
+            fi.fused_add_rmsnorm(out, residual, weight, eps)  # out <- y, residual <- x + residual
+        return out, residual
+    if x.is_cuda:
+        from .kernels import norm as norm_kernels
+
+        norm_kernels.fused_add_rmsnorm(x, residual, weight, eps, out=None if out is x else out)
+        return out, residual
+    from . import reference
+
+    y, _ = reference.fused_add_rmsnorm(x, residual, weight, eps)
+    out.copy_(y)
+    return out, residual
 
 
 def _log_choice(impl: str, why: str) -> None:

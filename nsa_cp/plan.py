@@ -255,9 +255,9 @@ def _p2p_gather(transport, mode, layout, compact, row_shape, quant, ordered) -> 
         runner = transport.gather_runner(layout, compact, row_shape, ordered=ordered)
 
         def run_after_norm(x, dc, pos, norm_args):
-            from .kernels import norm as kernels
+            from .norm import fused_add_rmsnorm_into
 
-            y, _ = kernels.fused_add_rmsnorm(x, *norm_args, out=torch.empty_like(x))
+            y, _ = fused_add_rmsnorm_into(x, *norm_args, out=torch.empty_like(x))
             return (runner(y, dc, pos),)
         return run_after_norm
     runner = transport.norm_gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
@@ -383,9 +383,9 @@ def norm_in_place(h: torch.Tensor, residual, weight, eps) -> Tuple[torch.Tensor,
     updated in place; with ``residual=None``, ``y = rmsnorm(h)`` and ``h`` is the residual (kept)."""
     if not h.is_cuda:
         return reference.fused_add_rmsnorm(h, residual, weight, eps)
-    from .kernels import norm as kernels
+    from .norm import fused_add_rmsnorm_into
 
     if residual is None:
-        y, _ = kernels.fused_add_rmsnorm(h, None, weight, eps, out=torch.empty_like(h))
+        y, _ = fused_add_rmsnorm_into(h, None, weight, eps, out=torch.empty_like(h))
         return y, h
-    return kernels.fused_add_rmsnorm(h, residual, weight, eps)  # y overwrites h (private to this call)
+    return fused_add_rmsnorm_into(h, residual, weight, eps, out=h)  # y overwrites h (private to this call)
