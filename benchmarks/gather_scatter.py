@@ -246,7 +246,7 @@ def bytes_per_set(layout, hidden, dtype) -> int:
 class Method:
     name: str
     direction: str  # "ag" | "rs"
-    kind: str  # "even" | "padded" | "compact"
+    kind: str  # "even" | "padded" | "compact" | "ordered" (compact rows in batch order)
     fn: Callable[[Ctx, Bufs], torch.Tensor]
     needs: Optional[Callable[[Ctx], Optional[str]]] = None  # -> reason to skip, or None
     prepare: Optional[Callable[[Ctx], None]] = None  # once per configuration, before the check
@@ -279,6 +279,40 @@ def fpad_ag(c: Ctx, b: Bufs):
 def fpad_ag_compact(c: Ctx, b: Bufs):
     full = fpad_ag(c, b)
     return torch.cat([full[r * c.M : r * c.M + n] for r, n in enumerate(c.counts)])
+
+
+_ORDER: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _order(c: Ctx) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, gather_index)`` of this configuration, the same on every rank: positions, a fixed
+    permutation of the T batch rows (compact row i goes to batch row positions[i], as
+    ``torch.cat(nsa_cp.in_seq_positions(...))`` would give); gather_index, the padded row each batch row
+    comes from (what SGLang's ``index_select`` after a padded gather uses)."""
+    key = (c.counts, c.M, str(c.device))
+    if key not in _ORDER:
+        T = c.layout.total_len
+        g = torch.Generator().manual_seed(_seed(T, c.M, 7))
+        positions = torch.randperm(T, generator=g)
+        padded_row = torch.cat([torch.arange(n) + r * c.M for r, n in enumerate(c.counts)])
+        gather_index = torch.empty(T, dtype=torch.int64)
+        gather_index[positions] = padded_row
+        _ORDER[key] = (positions.to(c.device), gather_index.to(c.device))
+    return _ORDER[key]
+
+
+def fpad_ag_index_select(c: Ctx, b: Bufs):
+    """What a user writes for batch order: F.pad + all-gather, then index_select of the real rows."""
+    return fpad_ag(c, b).index_select(0, _order(c)[1])
+
+
+def nsa_ag_ordered(**kw):
+    """cp_all_gather(positions=...): every rank's rows straight to their batch rows."""
+
+    def fn(c: Ctx, b: Bufs):
+        return c.nsa.cp_all_gather(b.x, c.layout, c.group, positions=_order(c)[0], **kw)
+
+    return fn
 
 
 def list_ag(c: Ctx, b: Bufs):
@@ -484,6 +518,7 @@ METHODS: List[Method] = [
     Method("fpad_ag", "ag", "padded", fpad_ag),
     Method("fpad_ag_compact", "ag", "compact", fpad_ag_compact),
     Method("list_ag", "ag", "compact", list_ag, _nccl_only("uneven all_gather lists")),
+    Method("fpad_ag_index_select", "ag", "ordered", fpad_ag_index_select),
     Method("nsa_ag_padded", "ag", "padded", nsa_ag(False, backend="nccl")),
     Method("nsa_ag_compact", "ag", "compact", nsa_ag(True, backend="nccl")),
     Method("nsa_ag_compact_padded", "ag", "compact", nsa_ag(True, algo="padded", backend="nccl")),
@@ -491,6 +526,8 @@ METHODS: List[Method] = [
     Method("nsa_ag_padded_validated", "ag", "padded", nsa_ag(False, backend="nccl", validate=True), syncs_host=True),
     Method("nsa_ag_padded_auto", "ag", "padded", p2p_auto_ag(False), _p2p_needs, _p2p_prepare),
     Method("nsa_ag_compact_auto", "ag", "compact", p2p_auto_ag(True), _p2p_needs, _p2p_prepare),
+    Method("nsa_ag_ordered", "ag", "ordered", nsa_ag_ordered(backend="nccl")),
+    Method("nsa_ag_ordered_auto", "ag", "ordered", nsa_ag_ordered(backend="auto"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_padded_sm", "ag", "padded", p2p_ag(False, "sm"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_padded_ce", "ag", "padded", p2p_ag(False, "ce"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_compact_sm", "ag", "compact", p2p_ag(True, "sm"), _p2p_needs, _p2p_prepare),
@@ -544,6 +581,8 @@ def _expected_outputs(ctx: Ctx, hidden, dtype, seed):
         "padded": torch.cat([F.pad(x[:n], (0, 0, 0, M - n)) for x, n in zip(xs, ctx.counts)]),
         "compact": torch.cat([x[:n] for x, n in zip(xs, ctx.counts)]),
     }
+    ag["ordered"] = torch.empty_like(ag["compact"])
+    ag["ordered"][_order(ctx)[0]] = ag["compact"]
     a, b = L.offsets[ctx.rank], L.offsets[ctx.rank] + ctx.n
     acc = torch.zeros((b - a, hidden), dtype=torch.float32, device=ctx.device)
     for q in range(P):  # one rank's inputs at a time: bounded memory at large P*M
@@ -726,7 +765,7 @@ def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup, ahead: bool = True)
 def metrics(method: Method, layout, hidden, dtype, ms) -> Dict[str, float]:
     P, counts = layout.cp_size, layout.per_rank_actual_token
     row = hidden * torch.tensor([], dtype=dtype).element_size()
-    rows = layout.total_len if method.kind == "compact" else layout.padded_len
+    rows = layout.total_len if method.kind in ("compact", "ordered") else layout.padded_len
     if method.direction == "ag":
         link_rows = (P - 1) * max(counts)
     else:
@@ -877,7 +916,7 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
                 "align": args.align,
                 "direction": m.direction,
                 "method": m.name,
-                "layout_rows": "compact" if m.kind == "compact" else "padded",
+                "layout_rows": "compact" if m.kind in ("compact", "ordered") else "padded",
                 "time_ms": st["ms"],
                 "min_ms": st["min_ms"],
                 "spread": st["spread"],
