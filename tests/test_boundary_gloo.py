@@ -8,7 +8,7 @@ import pytest
 import boundary_cases
 from dist_harness import case_failures, run_world
 
-WORLD_SIZES = (1, 2, 3, 4)
+WORLD_SIZES = (1, 2, 3, 4, 8)
 
 
 @functools.lru_cache(maxsize=None)
