@@ -45,12 +45,10 @@ _BACKENDS = ("auto", "nccl", "p2p")
 _CACHE: dict = {}
 _CACHE_LIMIT = 1024
 _state = {"generation": None}
-_collectives: dict = {}  # process group -> nccl.Collectives (bound once)
 
 
 def clear_cache() -> None:
     _CACHE.clear()
-    _collectives.clear()
 
 
 def cache_size() -> int:
@@ -73,13 +71,6 @@ def _store(key, plan) -> None:
     if len(_CACHE) >= _CACHE_LIMIT:
         del _CACHE[next(iter(_CACHE))]  # the oldest: plans are cheap to rebuild
     _CACHE[key] = plan
-
-
-def _bound_collectives(group) -> nccl.Collectives:
-    coll = _collectives.get(group)
-    if coll is None or coll.group is not group:
-        coll = _collectives[group] = nccl.Collectives(group)
-    return coll
 
 
 # --------------------------------------------------------------------------- backend choice
@@ -236,7 +227,7 @@ def _build_gather(op, mode, x, layout, pg, group, compact, algo, backend, has_dc
         chosen = _algo(algo, layout, compact or ordered, x.is_cuda, layout.max_rank_len * row_bytes,
                        envs.NSA_CP_COALESCED_GATHER_MIN_BYTES, has_dc)
         plan.backend, plan.algo = ("nccl" if x.is_cuda else "gloo"), chosen
-        plan._run = algorithms.gather_runner(_bound_collectives(pg), layout, rank, source, compact, chosen, ordered,
+        plan._run = algorithms.gather_runner(nccl.Collectives(pg), layout, rank, source, compact, chosen, ordered,
                                              has_dc, x.device)
     plan.signature = (f"{op}|{mode}|compact={compact}|dtype={x.dtype}|row={row_shape}|backend={plan.backend}|"
                       f"algo={plan.algo}|device_counts={has_dc}|ordered={ordered}|quant={quant}")
@@ -371,7 +362,7 @@ def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ord
         chosen = _algo(algo, layout, compact or ordered, y.is_cuda, layout.max_rank_len * row_bytes,
                        envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES, has_dc)
         plan.backend, plan.algo = ("nccl" if y.is_cuda else "gloo"), chosen
-        plan._run = algorithms.scatter_runner(_bound_collectives(pg), layout, rank, compact, chosen, ordered)
+        plan._run = algorithms.scatter_runner(nccl.Collectives(pg), layout, rank, compact, chosen, ordered)
     plan.signature = (f"{op}|compact={compact}|dtype={y.dtype}|row={row_shape}|backend={plan.backend}|"
                       f"algo={plan.algo}|device_counts={has_dc}|ordered={ordered}")
     logger.debug("nsa_cp plan: %s on %r", plan.signature, layout)

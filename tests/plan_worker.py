@@ -138,6 +138,20 @@ def _check_keys(rank, world, group, device) -> Optional[str]:
             os.environ["NSA_CP_NCCL_CALL"] = saved
     if _plan_of(x, layout, group) is not first:
         return "the variable's old value did not find its plan again"
+    # and the new value takes effect: NSA_CP_NCCL_CALL=public routes the collective through torch's function
+    from nsa_cp.transport import nccl
+
+    public, seen = nccl._all_gather_single, []
+    nccl._all_gather_single = lambda *a, **k: (seen.append(1), public(*a, **k))[1]
+    try:
+        for value, want in ((None, 0), ("public", 1), (None, 0)):
+            seen.clear()
+            call = {**base, "env": {} if value is None else {"NSA_CP_NCCL_CALL": value}}
+            problem = one_call(call, rank, world, group, device)
+            if problem or len(seen) != want:
+                return problem or f"NSA_CP_NCCL_CALL={value}: torch's function called {len(seen)} times, expected {want}"
+    finally:
+        nccl._all_gather_single = public
     out = torch.empty((layout.padded_len, 8), device=device)
     if _plan_of(x, layout, group, out=out) is first:
         return "out= given and not given share a plan"
