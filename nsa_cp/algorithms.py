@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from . import reference
+from . import checks, reference
 from .layout import ShardLayout
 from .transport.nccl import Collectives
 
@@ -52,9 +52,9 @@ class Source:
         if mode in ("quant", "norm_quant"):
             hidden = row_shape[-1]
             # (row shape, dtype of the result, dtype on the wire)
-            self.streams = (((hidden,), _FP8, torch.uint8), ((hidden // 128,), torch.float32, torch.float32))
+            self.streams = (((hidden,), _FP8, torch.uint8), ((hidden // checks.FP8_GROUP,), torch.float32, torch.float32))
         else:
-            wire = torch.uint8 if dtype in _FP8_DTYPES else dtype
+            wire = torch.uint8 if dtype in checks.FP8_DTYPES else dtype
             self.streams = ((row_shape, dtype, wire),)
 
     def fill(self, slots: Sequence[torch.Tensor], x: torch.Tensor, n: int, count: Optional[torch.Tensor], norm_args,
@@ -63,7 +63,7 @@ class Source:
         rows ``[0, n)`` real, the rest padding. ``count``: the scalar tensor holding n when it is read
         on the device (CUDA; under CUDA graphs it may differ from the host's n) or given as device counts;
         None on CPU without device counts."""
-        if self.mode == "copy" and x.dtype in _FP8_DTYPES:  # a copy moves bits: fp8 as uint8
+        if self.mode == "copy" and x.dtype in checks.FP8_DTYPES:  # a copy moves bits: fp8 as uint8
             x, slots = x.view(torch.uint8), [slots[0].view(torch.uint8)]
         if x.is_cuda and host_n and self.mode == "norm":  # n known on the host: flashinfer's norm may serve
             _norm_rows(slots[0], x, n, norm_args)
@@ -72,9 +72,6 @@ class Source:
         else:  # device counts on CPU: read them (no device to keep them on)
             _fill_reference(self.mode, slots, x, n if count is None else int(count), norm_args)
 
-
-_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                    if hasattr(torch, n))
 
 
 def _fill_reference(mode: str, slots, x: torch.Tensor, n: int, norm_args) -> None:
