@@ -73,7 +73,7 @@ contents can still run on the peer. Two ways, chosen per call on the device:
     still wait whenever two gathers in a row use the same buffer.
 Epochs live on the device, so CUDA-graph replays stay in step. All of this is ordered on the calling
 stream: readers of a result (or writers of the reduce buffer) on other streams must be joined into it
-before the next call on the transport is enqueued (README, "Streams").
+before the next call on the transport is enqueued (docs/streams_and_graphs.md).
 
 Faults. Every wait has a timeout (NSA_CP_P2P_TIMEOUT_MS). A kernel that times out records which call
 and which peer into host-mapped memory and gives up; the next call on the transport (or
