@@ -181,7 +181,8 @@ def gather_runner(
         slots = [b.narrow(0, rank * m, m) for b in bufs]
         if pack is not None and device_counts is None:  # the plain copy: one bound native launch
             wire = streams[0][2]
-            pack(_rows(_wire(x, wire), row_len), _wire(slots[0], wire).view(m, row_len))
+            slot = _wire(slots[0], wire)
+            pack(_rows(_wire(x, wire), row_len), slot if slot.dim() == 2 else slot.view(m, row_len))
         else:
             source.fill(slots, x, n, counts_of(x, device_counts), norm_args, host_n=device_counts is None)
         for (_, _, wire), buf, slot in zip(streams, bufs, slots):
