@@ -196,9 +196,12 @@ def gather_runner(
         gather_compact = None  # the padded result is the output itself
     elif algo == "coalesced":
         def gather_compact(x, bufs, device_counts, norm_args):
-            local = [x.new_empty((n, *shape), dtype=dtype) for shape, dtype, _ in streams]
-            if n:
-                source.fill(local, x, n, counts_of(x, device_counts), norm_args, host_n=True)
+            if source.mode == "copy":  # the rows themselves move: no staging copy
+                local = [x if x.is_contiguous() else x.contiguous()]
+            else:
+                local = [x.new_empty((n, *shape), dtype=dtype) for shape, dtype, _ in streams]
+                if n:
+                    source.fill(local, x, n, counts_of(x, device_counts), norm_args, host_n=True)
             for (_, _, wire), buf, mine in zip(streams, bufs, local):
                 views = [_wire(buf, wire)[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(size))]
                 coll.all_gather_uneven(views, _wire(mine, wire))
