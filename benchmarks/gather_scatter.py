@@ -44,7 +44,7 @@ references (``even_ag@symm``, ``even_rs@symm``) for ``x even``. Skipped, saying 
 the NCCL backend or the rendezvous fails.
 
 Last, a host table: host microseconds per call of the plain collectives, ``F.pad`` + all-gather and
-nsa_cp's NCCL and P2P paths, with the ratio to the plain collective and issue 12's targets (P2P <=
+nsa_cp's NCCL and P2P paths, with the ratio to the plain collective and the project's goals (P2P <=
 0.35x, NCCL path <= 1.0x).
 
 Every method writes into preallocated outputs where its API allows (``out=``); ``F.pad`` and
@@ -1020,7 +1020,7 @@ def format_table(result, cpu: bool) -> str:
     return "\n".join(lines)
 
 
-# issue-12 host targets, per call, against the plain collective of the same direction
+# host-time goals per call, against the plain collective of the same direction
 HOST_ROWS = {
     "ag": [("even_ag", "plain all_gather_into_tensor", None), ("fpad_ag", "F.pad + all-gather", None),
            ("nsa_ag_padded", "nsa NCCL padded", 1.0), ("nsa_ag_compact", "nsa NCCL compact", 1.0),
@@ -1032,7 +1032,7 @@ HOST_ROWS = {
 
 
 def format_host_summary(result) -> str:
-    """Host microseconds per call (median over rounds, max over ranks) of the calls issue 12 sets
+    """Host microseconds per call (median over rounds, max over ranks) of the calls the project sets
     targets for, with the ratio to the plain collective of the same direction and the verdict."""
     by_cfg: Dict[int, Dict[str, dict]] = {}
     for r in result["rows"]:

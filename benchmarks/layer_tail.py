@@ -13,14 +13,14 @@ One tail, on every rank, from the attention output ``x [n_r, H]`` and the residu
     reduce-scatter back to [n_r, H] -> add + RMSNorm (the next layer's input norm)
 
 ``--part boundary`` times the two halves of that boundary on their own instead (padded layout), with
-issue 13's targets printed last as ratios per M: ``ag_sglang`` (baseline norm + F.pad + all-gather),
+the boundary's goals printed last as ratios per M: ``ag_sglang`` (baseline norm + F.pad + all-gather),
 ``ag_nsa_p2p`` (``cp_all_gather`` alone, P2P), ``normag_fused_{p2p,nccl}`` (``fused_add_rmsnorm_all_gather``),
 ``ag_fp8_p2p`` (``cp_all_gather(quant="fp8_e4m3_g128")`` alone), ``ag_dpfp8_sglang`` (baseline norm +
 SGLang's FP8 DP-gather recipe: quantize the local rows, gather payload and scales, dequantize),
 ``normag_fp8_fused_p2p``; ``rs_sglang`` (``reduce_scatter_tensor`` + slice + baseline norm),
 ``rs_nsa_p2p`` (``cp_reduce_scatter`` alone from the P2P reduce buffer), ``rsnorm_fused_{p2p,nccl}``
 (``reduce_scatter_fused_add_rmsnorm``). Each is checked once against its float32 reference (the plain
-gather bitwise). The tail part prints issue 12's layer-tail targets last.
+gather bitwise). The tail part prints the layer-tail goals last.
 
 Rows of the tail part (``--methods`` selects by name or glob; ``sglang`` and ``sglang_fp8`` are always kept):
 
@@ -422,8 +422,8 @@ BASELINE = {"bf16": "sglang", "fp8": "sglang_fp8"}
 
 
 # ============================================================================ boundary part
-# The two halves of the layer boundary on their own (``--part boundary``), padded layout: what issue 13's
-# targets compare. Gather side: from x, residual -> every rank's normed rows. Reduce side: from this
+# The two halves of the layer boundary on their own (``--part boundary``), padded layout: what the fused boundary's
+# goals compare. Gather side: from x, residual -> every rank's normed rows. Reduce side: from this
 # rank's partials (staged once into the buffer the reduce-scatter reads) -> the next layer's normed rows.
 def _gather_ref_rows(c: TailCtx, seed: int, norm: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(padded [M*P, H] rows of every rank: normed (bf16) or x itself, this rank's new residual)."""
@@ -864,7 +864,7 @@ def format_table(result, cpu: bool) -> str:
     return "\n".join(lines)
 
 
-# issue 13 (boundary part): (label, numerator row, denominator row, limit, smallest M it applies at), device ms
+# the fused boundary's goals (boundary part): (label, numerator row, denominator row, limit, smallest M it applies at), device ms
 TARGETS_13 = [
     ("fused norm+AG P2P / cp_all_gather P2P", "normag_fused_p2p", "ag_nsa_p2p", 1.1, 2048),
     ("fused norm+AG P2P / flashinfer-or-baseline norm + F.pad + AG", "normag_fused_p2p", "ag_sglang", 0.6, 0),
@@ -875,14 +875,14 @@ TARGETS_13 = [
 
 
 def format_targets(rows: List[dict]) -> List[str]:
-    """The issues' targets as ratios per M, with verdicts: issue 12's for the tail part (host per layer
-    <= 0.5x sglang at every M, eager <= 0.6x at M = 256), issue 13's for the boundary part (device ms)."""
+    """The project's goals as ratios per M, with verdicts: for the tail part (host per layer
+    <= 0.5x sglang at every M, eager <= 0.6x at M = 256), for the boundary part (device ms)."""
     by = {(r["max_rank_len"], r["row"]): r for r in rows}
     Ms = sorted({r["max_rank_len"] for r in rows})
     parts = {r.get("part", "tail") for r in rows}
     lines = []
     if "tail" in parts:
-        lines += ["", "issue 12 targets (host us per layer <= 0.50x sglang at every M; eager ms <= 0.60x sglang at "
+        lines += ["", "layer-tail goals (host us per layer <= 0.50x sglang at every M; eager ms <= 0.60x sglang at "
                   "M = 256), per M " + " ".join(map(str, Ms)) + ":"]
         names = list(dict.fromkeys(r["row"] for r in rows if r["wire"] == "bf16" and r["row"] != "sglang"))
         for name in names:
@@ -898,7 +898,7 @@ def format_targets(rows: List[dict]) -> List[str]:
             eager = "" if e is None else f" | eager @256 {e['x_base_eager']:.2f} {'ok' if e['x_base_eager'] <= 0.6 else 'MISS'}"
             lines.append(f"  {name:<22} host x {' '.join(cells)} {'ok' if ok else 'MISS'}{eager}")
     if "boundary" in parts:
-        lines += ["", "issue 13 targets (device ms ratios), per M " + " ".join(map(str, Ms)) + ":"]
+        lines += ["", "boundary goals (device ms ratios), per M " + " ".join(map(str, Ms)) + ":"]
         for label, num, den, limit, min_m in TARGETS_13:
             cells, verdict = [], "ok"
             for M in Ms:
@@ -948,7 +948,7 @@ def parse_args(argv=None):
     p.add_argument("--norm", choices=("auto", "flashinfer", "nsa"), default="auto")
     p.add_argument("--part", choices=("tail", "boundary"), default="tail",
                    help="tail: whole MoE tails; boundary: the two halves (norm+gather, reduce-scatter+norm) on their "
-                        "own, with issue 13's targets")
+                        "own, with the boundary's goals")
     p.add_argument("--methods", help="comma-separated row names or globs (the baselines are always kept)")
     p.add_argument("--gpus", type=int)
     p.add_argument("--cpu-ranks", type=int)

@@ -1,6 +1,6 @@
 """Plot bus bandwidth against size per method from a gather_scatter.py CSV; writes a PNG beside it.
 
-    python benchmarks/plot_busbw.py benchmarks/results/2xH200_2026-11-29_run9.csv [--imbalance 0.2]
+    python benchmarks/plot_busbw.py benchmarks/results/2xH200.csv [--imbalance 0.2]
 
 One panel per direction (all-gather, reduce-scatter), x = bytes of one rank slot (M rows), y = busbw
 (GB/s, nccl-tests convention, see gather_scatter.py), one line per method, for the layouts whose

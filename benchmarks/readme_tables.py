@@ -1,6 +1,6 @@
 """The README's three "Measured" tables, printed as Markdown from one run's CSV (gather_scatter.py --csv).
 
-    python benchmarks/readme_tables.py benchmarks/results/2xH200_2026-11-29_run29.csv
+    python benchmarks/readme_tables.py benchmarks/results/2xH200.csv
 
 Every figure comes from the uneven configuration of each size (counts [M, 0.8M], the benchmark's
 --imbalance 0.2): milliseconds (median over rounds, max over ranks) and the ratios to NCCL's even

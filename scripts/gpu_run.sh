@@ -225,18 +225,18 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
   if [ -f "$LOGS/layer_tail.log" ]; then
     echo "layer tail (device ms: host enqueuing ahead; eager ms: host-inclusive; x base: over sglang / sglang_fp8):"
     grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/layer_tail.log" | head -3
-    sed -n '/^baseline norm: .*stand-in/,/^issue 12 targets/p' "$LOGS/layer_tail.log" | grep -v -E "skipped:|^$|^issue 12"
+    sed -n '/^baseline norm: .*stand-in/,/^layer-tail goals/p' "$LOGS/layer_tail.log" | grep -v -E "skipped:|^$|^layer-tail goals"
     grep -E "skipped:" "$LOGS/layer_tail.log" | sort -u -k1,1 | head -13
   fi
   if [ -f "$LOGS/bench.log" ]; then
     grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/bench.log" | head -3
     sed -n '/^host us per call/,$p' "$LOGS/bench.log"
   fi
-  [ -f "$LOGS/layer_tail.log" ] && sed -n '/^issue 12 targets/,$p' "$LOGS/layer_tail.log"
+  [ -f "$LOGS/layer_tail.log" ] && sed -n '/^layer-tail goals/,$p' "$LOGS/layer_tail.log"
   if [ -f "$LOGS/boundary.log" ]; then
     grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/boundary.log" | head -3
     grep -E "skipped:" "$LOGS/boundary.log" | sort -u -k1,1 | head -11
-    sed -n '/^issue 13 targets/,$p' "$LOGS/boundary.log"
+    sed -n '/^boundary goals/,$p' "$LOGS/boundary.log"
   fi
   for log in pytest_p2p pytest; do
     grep -E "^(FAILED|ERROR) " "$LOGS/$log.log" 2>/dev/null | head -8
