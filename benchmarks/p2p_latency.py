@@ -8,8 +8,7 @@ interleaved; median over rounds, max over ranks), for bf16 rows of 7168:
   * one one-block barrier (one signal round trip), and a pair of them (entry + done);
   * the gather kernel with zero rows (device counts 0): launch + geometry + the barriers at full grid,
     on a single-buffered transport (entry wait every call) and a double-buffered one (no entry wait);
-  * the gather of M rows per rank, single- and double-buffered, at the transport's grid size and at
-    half and twice of it;
+  * the gather of M rows per rank, single- and double-buffered, at the native state's grid size;
   * the double-buffered gather of counts [M, 0.8M] (the benchmark's), padded and compact;
   * NCCL's even all-gather of M rows, for scale.
 ``--cold K`` gives every data call the next of K source tensors (NCCL also the next of K outputs), so
@@ -61,38 +60,30 @@ def measure(rank, world, m, args):
 
     zeros = (torch.zeros(world, dtype=torch.int32, device="cuda"),  # compact counts and offsets: all 0
              torch.zeros(world, dtype=torch.int32, device="cuda"))
-    chosen = double._blocks(m * double._row_bytes * world)
 
-    def barriers(phases):
-        def call():
-            pads, channel, seq, arrive, timeout, err = double._signal_args(0)
-            stream = torch.cuda.current_stream().cuda_stream
-            for phase in phases:
-                double._C.barrier(pads, rank, world, channel, phase, seq, phase == phases[-1], timeout, err, stream)
+    def barriers(count):
+        def call():  # the transport's one-block barrier: one signal round trip each
+            for _ in range(count):
+                double.barrier()
         return call
 
-    def gather_with(transport, blocks=None, device_counts=None, on=layout, compact=True):
-        def call():
-            default = type(transport)._blocks.__get__(transport)
-            transport._blocks = (lambda total: blocks) if blocks else default
+    def gather_with(transport, device_counts=None, on=layout, compact=True):
+        def call():  # the grid size is the native state's choice (every SM from 4 MB up)
             transport.all_gather(x()[: on.count(rank)], on, compact=compact, engine="sm", device_counts=device_counts)
-            transport._blocks = default
         return call
 
     methods = {
         "empty kernel": lambda: torch.cuda._sleep(0),
-        "one barrier, 1 block": barriers((1,)),
-        "barrier pair, 1 block": barriers((0, 1)),
-        "gather 0 rows, single buffer": gather_with(single, None, zeros),
-        "gather 0 rows, double buffer": gather_with(double, None, zeros),
+        "one barrier, 1 block": barriers(1),
+        "barrier pair, 1 block": barriers(2),
+        "gather 0 rows, single buffer": gather_with(single, zeros),
+        "gather 0 rows, double buffer": gather_with(double, zeros),
+        f"gather {m} rows, single": gather_with(single),
+        f"gather {m} rows, double": gather_with(double),
     }
-    for blocks in sorted({max(1, chosen // 2), chosen, 2 * chosen}):
-        mark = " (chosen)" if blocks == chosen else ""
-        methods[f"gather {m} rows, {blocks} blocks, single{mark}"] = gather_with(single, blocks)
-        methods[f"gather {m} rows, {blocks} blocks, double{mark}"] = gather_with(double, blocks)
     uneven = nsa_cp.ShardLayout([m] + [round(0.8 * m)] * (world - 1))  # the benchmark's counts [M, 0.8M]
-    methods[f"gather [{m}, {round(0.8 * m)}] padded, double"] = gather_with(double, None, None, uneven, False)
-    methods[f"gather [{m}, {round(0.8 * m)}] compact, double"] = gather_with(double, None, None, uneven, True)
+    methods[f"gather [{m}, {round(0.8 * m)}] padded, double"] = gather_with(double, None, uneven, False)
+    methods[f"gather [{m}, {round(0.8 * m)}] compact, double"] = gather_with(double, None, uneven, True)
     methods[f"NCCL even all-gather, {m} rows"] = nccl_gather
 
     names = list(methods)
