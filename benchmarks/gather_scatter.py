@@ -31,6 +31,9 @@ reduce-scatter, global rows -> local ``[n_r, H]`` summed over ranks:
                       input)``. Gloo happens to accept uneven lists here, so it also runs on CPU.
 * ``nsa_rs_padded``   ``nsa_cp.cp_reduce_scatter(compact=False)``.
 * ``nsa_rs_compact``  ``compact=True``, ``algo="auto"``; ``_padded`` / ``_coalesced`` force each algorithm.
+* ``nsa_*_torch``     the NCCL rows through torch's process group: on GPUs the run calls
+                      ``nsa_cp.init_nccl`` first (``--native-nccl off`` does not), so the plain ``nsa_*``
+                      NCCL rows use nsa_cp's own NCCL communicator and these show what it saves.
 * ``nsa_rs_*_auto``   ``backend="auto"`` after ``init_p2p`` (P2P), on the buffer the communicator hands the
                       MoE (``NSACPLayerCommunicator.mlp_output_buffer``, looked up once per configuration).
 
@@ -350,6 +353,31 @@ def nsa_rs(compact: bool, **kw):
     return fn
 
 
+def nsa_torch_nccl(fn):
+    """``fn`` with ``NSA_CP_NCCL_CALL=direct``: the NCCL path through torch's process group even where
+    ``init_nccl`` made nsa_cp's own communicator (the before/after of that communicator, in one run;
+    setting and restoring the variable adds ~1 us of host time per call)."""
+
+    def wrapped(c: Ctx, b: Bufs):
+        saved = os.environ.get("NSA_CP_NCCL_CALL")
+        os.environ["NSA_CP_NCCL_CALL"] = "direct"
+        try:
+            return fn(c, b)
+        finally:
+            if saved is None:
+                del os.environ["NSA_CP_NCCL_CALL"]
+            else:
+                os.environ["NSA_CP_NCCL_CALL"] = saved
+
+    return wrapped
+
+
+def _native_nccl_needs(c: Ctx) -> Optional[str]:
+    if c.backend != "nccl":
+        return "nsa_cp's own NCCL communicator needs NCCL on CUDA GPUs"
+    return None if c.nsa.get_nccl(c.group) is not None else "no native NCCL communicator (--native-nccl off or refused)"
+
+
 def _p2p_prepare(c: Ctx):
     """(Re)create the group's P2P transport when this configuration outgrows it (collective)."""
     t = c.nsa.get_p2p(c.group)
@@ -523,6 +551,8 @@ METHODS: List[Method] = [
     Method("nsa_ag_compact", "ag", "compact", nsa_ag(True, backend="nccl")),
     Method("nsa_ag_compact_padded", "ag", "compact", nsa_ag(True, algo="padded", backend="nccl")),
     Method("nsa_ag_compact_coalesced", "ag", "compact", nsa_ag(True, algo="coalesced", backend="nccl")),
+    Method("nsa_ag_padded_torch", "ag", "padded", nsa_torch_nccl(nsa_ag(False, backend="nccl")), _native_nccl_needs),
+    Method("nsa_ag_compact_torch", "ag", "compact", nsa_torch_nccl(nsa_ag(True, backend="nccl")), _native_nccl_needs),
     Method("nsa_ag_padded_validated", "ag", "padded", nsa_ag(False, backend="nccl", validate=True), syncs_host=True),
     Method("nsa_ag_padded_auto", "ag", "padded", p2p_auto_ag(False), _p2p_needs, _p2p_prepare),
     Method("nsa_ag_compact_auto", "ag", "compact", p2p_auto_ag(True), _p2p_needs, _p2p_prepare),
@@ -540,6 +570,8 @@ METHODS: List[Method] = [
     Method("nsa_rs_compact", "rs", "compact", nsa_rs(True, backend="nccl")),
     Method("nsa_rs_compact_padded", "rs", "compact", nsa_rs(True, algo="padded", backend="nccl")),
     Method("nsa_rs_compact_coalesced", "rs", "compact", nsa_rs(True, algo="coalesced", backend="nccl")),
+    Method("nsa_rs_padded_torch", "rs", "padded", nsa_torch_nccl(nsa_rs(False, backend="nccl")), _native_nccl_needs),
+    Method("nsa_rs_compact_torch", "rs", "compact", nsa_torch_nccl(nsa_rs(True, backend="nccl")), _native_nccl_needs),
     Method("nsa_rs_padded_validated", "rs", "padded", nsa_rs(False, backend="nccl", validate=True), syncs_host=True),
     Method("nsa_rs_padded_auto", "rs", "padded", p2p_rs(False), _p2p_needs, _p2p_prepare, p2p_stage(False),
            bind=p2p_bind(False)),
@@ -948,6 +980,12 @@ def worker(rank, world, use_cuda, port, args, configs, result_path, process="mai
         symm_setup()  # before anything allocates symmetric memory in this process
     nsa = _import_nsa_cp()
     methods = select_methods(args.methods, process)
+    if use_cuda and process == "main" and args.native_nccl == "auto" and hasattr(nsa, "init_nccl"):
+        reason = nsa.nccl_unavailable_reason(None)
+        if reason:
+            print(f"rank {rank}: no native NCCL communicator: {reason}", flush=True)
+        else:
+            nsa.init_nccl(None, device)  # the NCCL path's uneven calls take it (nsa_*_torch: without it)
 
     def log(msg):
         if rank == 0:
@@ -1024,9 +1062,12 @@ def format_table(result, cpu: bool) -> str:
 HOST_ROWS = {
     "ag": [("even_ag", "plain all_gather_into_tensor", None), ("fpad_ag", "F.pad + all-gather", None),
            ("nsa_ag_padded", "nsa NCCL padded", 1.0), ("nsa_ag_compact", "nsa NCCL compact", 1.0),
+           ("nsa_ag_padded_torch", "nsa NCCL padded, torch's comm", None),
+           ("nsa_ag_compact_torch", "nsa NCCL compact, torch's comm", None),
            ("nsa_ag_padded_auto", "nsa P2P padded (auto)", 0.35), ("nsa_ag_compact_auto", "nsa P2P compact (auto)", 0.35)],
     "rs": [("even_rs", "plain reduce_scatter_tensor", None), ("nsa_rs_padded", "nsa NCCL padded", 1.0),
-           ("nsa_rs_compact", "nsa NCCL compact", 1.0), ("nsa_rs_padded_auto", "nsa P2P padded (auto)", 0.35),
+           ("nsa_rs_compact", "nsa NCCL compact", 1.0), ("nsa_rs_padded_torch", "nsa NCCL padded, torch's comm", None),
+           ("nsa_rs_compact_torch", "nsa NCCL compact, torch's comm", None), ("nsa_rs_padded_auto", "nsa P2P padded (auto)", 0.35),
            ("nsa_rs_compact_auto", "nsa P2P compact (auto)", 0.35)],
 }
 
@@ -1128,6 +1169,9 @@ def parse_args(argv=None):
                    help="auto: also time NCCL on symmetric buffers (symm_ag/symm_rs, separate processes); off: don't")
     p.add_argument("--symm-timeout", type=float, default=120.0,
                    help="seconds the symmetric-buffer processes may take before they are terminated")
+    p.add_argument("--native-nccl", choices=("auto", "off"), default="auto",
+                   help="auto: nsa_cp.init_nccl before the sweep, so the nsa_* NCCL rows use nsa_cp's own NCCL "
+                        "communicator (the nsa_*_torch rows go through torch's); off: torch's everywhere")
     p.add_argument("--csv", help="write one row per (configuration, method)")
     p.add_argument("--json", help="same rows as JSON")
     args = p.parse_args(argv)

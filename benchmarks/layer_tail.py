@@ -797,6 +797,12 @@ def worker(rank, world, use_cuda, port, args, configs, result_path):
     nsa = gs._import_nsa_cp()
     dtype = gs.DTYPES[args.dtype]
     rows = select_rows(args.methods, args.part)
+    if use_cuda and args.native_nccl == "auto" and hasattr(nsa, "init_nccl"):
+        reason = nsa.nccl_unavailable_reason(None)
+        if reason:
+            print(f"rank {rank}: no native NCCL communicator: {reason}", flush=True)
+        else:
+            nsa.init_nccl(None, device)  # the nsa_nccl_* tails' uneven calls take it
 
     def log(msg):
         if rank == 0:
@@ -939,6 +945,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=7168, help="a multiple of 128 (the FP8 groups)")
     p.add_argument("--dtype", choices=["bf16"], default="bf16")
     p.add_argument("--align", type=int, default=1)
+    p.add_argument("--native-nccl", choices=("auto", "off"), default="auto",
+                   help="auto: nsa_cp.init_nccl first, so the NCCL tails use nsa_cp's own NCCL communicator")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=8, help="tails back to back per eager sample")

@@ -283,6 +283,57 @@ weight: device [hidden] of weight_dtype (DTYPE_*). The rest as in reduce_scatter
       .def_property_readonly("max_rows_per_rank", &nsa_cp::P2PState::max_rows_per_rank)
       .def_property_readonly("double_buffer_rows", &nsa_cp::P2PState::double_buffer_rows);
 
+  // ---- the NCCL communicator owned by the module --------------------------------------------------
+  m.attr("NCCL_UNIQUE_ID_BYTES") = nsa_cp::kNcclUniqueIdBytes;
+  m.def("nccl_library", &nsa_cp::nccl_library, py::arg("library") = "",
+        "Open libnccl (once per process) and return what was opened. library: a path, or '' for the copy\n"
+        "already loaded in the process (torch's), else the loader's libnccl.so.2. RuntimeError when it\n"
+        "cannot be opened or lacks a symbol; ValueError for a path other than the one already opened.");
+  m.def("nccl_version", &nsa_cp::nccl_version, py::arg("library") = "", "ncclGetVersion (e.g. 22809 for 2.28.9).");
+  m.def(
+      "nccl_unique_id", [](const std::string& library) { return py::bytes(nsa_cp::nccl_unique_id(library)); },
+      py::arg("library") = "", "ncclGetUniqueId: NCCL_UNIQUE_ID_BYTES bytes, made on one rank and sent to all.");
+  py::class_<nsa_cp::NcclComm>(m, "NcclComm", R"doc(An NCCL communicator owned by nsa_cp._C (the pynccl pattern).
+
+NcclComm(unique_id, world, rank, device, library=''): ncclCommInitRank on CUDA device `device`;
+blocks (GIL released) until all `world` ranks have joined with the same unique_id (nccl_unique_id()
+of one rank). Collectives take device addresses as ints, element counts of the ncclDataType_t
+`dtype` (ncclInt8 0, ncclUint8 1, ncclInt32 2, ncclUint32 3, ncclInt64 4, ncclUint64 5,
+ncclFloat16 6, ncclFloat32 7, ncclFloat64 8, ncclBfloat16 9) and a cudaStream_t of `device`; they
+enqueue and return (GIL released), and are captured by CUDA graphs like any NCCL call. The caller
+makes `device` current. Bad arguments: ValueError before any NCCL call. NCCL failures: RuntimeError.
+close() is collective; close(abort=True) is not, for error paths.)doc")
+      .def(py::init<const std::string&, int, int, int, const std::string&>(), py::arg("unique_id"), py::arg("world"),
+           py::arg("rank"), py::arg("device"), py::arg("library") = "", py::call_guard<py::gil_scoped_release>())
+      .def("all_gather", &nsa_cp::NcclComm::all_gather, py::arg("send"), py::arg("recv"), py::arg("count"),
+           py::arg("dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+           "ncclAllGather of `count` elements per rank into recv [world * count] (send may be our slot of recv).")
+      .def("pack_all_gather", &nsa_cp::NcclComm::pack_all_gather, py::arg("src"), py::arg("src_row_stride_bytes"),
+           py::arg("src_rows"), py::arg("recv"), py::arg("rows_per_rank"), py::arg("row_bytes"), py::arg("count"),
+           py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+           "pack_rows of src into our slot of the dense recv [world * rows_per_rank rows of row_bytes] (count:\n"
+           "device int32, rows past it zeroed), then the in-place ncclAllGather: the padded gather in one call.")
+      .def("reduce_scatter", &nsa_cp::NcclComm::reduce_scatter, py::arg("send"), py::arg("recv"), py::arg("count"),
+           py::arg("dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+           "ncclReduceScatter (sum) of send [world * count] into recv [count]; dtype a floating type.")
+      .def("all_gather_v", &nsa_cp::NcclComm::all_gather_v, py::arg("send"), py::arg("recv"), py::arg("counts"),
+           py::arg("offsets"), py::arg("dtype"), py::arg("elem_bytes"), py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Uneven all-gather: rank q's counts[q] elements land at recv + offsets[q]*elem_bytes (grouped\n"
+           "ncclBroadcast rooted at each rank with elements; send holds our counts[rank]).")
+      .def("reduce_scatter_v", &nsa_cp::NcclComm::reduce_scatter_v, py::arg("send"), py::arg("recv"),
+           py::arg("counts"), py::arg("offsets"), py::arg("dtype"), py::arg("elem_bytes"), py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Uneven reduce-scatter: recv [counts[rank]] = the sum over ranks of their send + offsets[rank]*elem_bytes\n"
+           "(grouped ncclReduce rooted at each rank with elements).")
+      .def("async_error", &nsa_cp::NcclComm::async_error, "'' while healthy, else NCCL's asynchronous error.")
+      .def("close", &nsa_cp::NcclComm::close, py::arg("abort") = false, py::call_guard<py::gil_scoped_release>(),
+           "Destroy the communicator (collective), or abort it (abort=True, local); later calls raise.")
+      .def_property_readonly("closed", &nsa_cp::NcclComm::closed)
+      .def_property_readonly("rank", &nsa_cp::NcclComm::rank)
+      .def_property_readonly("world", &nsa_cp::NcclComm::world)
+      .def_property_readonly("device", &nsa_cp::NcclComm::device);
+
   m.def("pack_rows", &nsa_cp::pack_rows, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("src_rows"),
         py::arg("dst"), py::arg("dst_row_stride_bytes"), py::arg("dst_rows"), py::arg("row_bytes"), py::arg("count"),
         py::arg("stream"), py::call_guard<py::gil_scoped_release>(),

@@ -141,6 +141,49 @@ void padded_compact(uint64_t padded, int64_t padded_row_stride_bytes, uint64_t c
                     int64_t compact_row_stride_bytes, int64_t compact_rows, int64_t row_bytes, uint64_t counts,
                     uint64_t offsets, int64_t max_rank_len, int world, bool to_compact, uint64_t stream);
 
+// ---- nccl_comm.cu: an NCCL communicator owned by the module (libnccl opened at run time) ---------
+constexpr int kNcclUniqueIdBytes = 128;  // sizeof(ncclUniqueId)
+// library: a path to libnccl, or "" for the copy already loaded in the process (torch's), else the
+// loader's libnccl.so.2. The first call opens it for the life of the process.
+std::string nccl_library(const std::string& library);  // the library opened (its path or soname)
+int nccl_version(const std::string& library);          // ncclGetVersion, e.g. 22809
+std::string nccl_unique_id(const std::string& library);  // kNcclUniqueIdBytes bytes
+
+// One rank's communicator. Collectives enqueue on `stream` and return; counts are elements of the
+// ncclDataType_t `dtype`. Bad arguments: std::invalid_argument before any NCCL call; NCCL failures:
+// std::runtime_error with NCCL's error string.
+class NcclComm {
+ public:
+  NcclComm(const std::string& unique_id, int world, int rank, int device, const std::string& library);
+  ~NcclComm();
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  void all_gather(uint64_t send, uint64_t recv, int64_t count, int dtype, uint64_t stream);
+  // pack_rows into our slot (rows [rank*rows_per_rank, ...) of the dense recv), then the in-place
+  // all-gather of rows_per_rank rows per rank: the padded gather in one host call.
+  void pack_all_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t src_rows, uint64_t recv,
+                       int64_t rows_per_rank, int64_t row_bytes, uint64_t count, uint64_t stream);
+  void reduce_scatter(uint64_t send, uint64_t recv, int64_t count, int dtype, uint64_t stream);
+  // Uneven: rank q's counts[q] elements at recv + offsets[q] (elements of elem_bytes) - grouped
+  // broadcasts (all_gather_v) / grouped reduces rooted at each rank (reduce_scatter_v).
+  void all_gather_v(uint64_t send, uint64_t recv, const std::vector<int64_t>& counts,
+                    const std::vector<int64_t>& offsets, int dtype, int64_t elem_bytes, uint64_t stream);
+  void reduce_scatter_v(uint64_t send, uint64_t recv, const std::vector<int64_t>& counts,
+                        const std::vector<int64_t>& offsets, int dtype, int64_t elem_bytes, uint64_t stream);
+  std::string async_error() const;  // "" while healthy
+  void close(bool abort);           // collective (destroy) unless abort; idempotent
+  bool closed() const { return comm_ == nullptr; }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int device() const { return device_; }
+
+ private:
+  void* live(const char* fn) const;
+  void* comm_ = nullptr;
+  int world_, rank_, device_;
+};
+
 // ---- runtime.cu: queries and host-mapped memory -----------------------------------------------
 int device_count();                 // 0 when there is no driver or no device; throws on other errors
 std::string device_status();        // "ok", or why device_count() is 0 / failed ("cudaErrorNoDevice: ...")

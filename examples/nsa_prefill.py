@@ -561,6 +561,8 @@ def _run(args, device) -> dict:
     comms = {}
     for method in methods:
         if method == "nsa_cp":
+            if device.type == "cuda" and not nsa_cp.nccl_unavailable_reason(group):
+                nsa_cp.init_nccl(group, device)  # NCCL-path calls skip torch's c10d op (once per group)
             p2p_args = {}
             if device.type == "cuda" and args.backend != "nccl":
                 p2p_args = dict(p2p_max_tokens_per_rank=max(layout.max_rank_len, 1), hidden_size=s.hidden, dtype=dtype)

@@ -12,6 +12,8 @@ Public API (README.md; docs/design.md for how it works):
 * ``NSACPLayerCommunicator`` and ``RMSNorm``: the per-layer glue for a FULL-mode MoE;
   ``mask_padding_topk_ids`` for MoEs that route padding rows; ``nsa_cp.integrations.sglang``: SGLang.
 * ``init_p2p``: the intranode P2P transport (symmetric memory + nsa_cp._C) for a group.
+* ``init_nccl``: an NCCL communicator owned by nsa_cp._C, for the NCCL path's uneven calls (less host
+  time per call than torch's c10d op).
 """
 
 __version__ = "0.2.0"
@@ -33,6 +35,7 @@ from .norm import RMSNorm
 from .quant import dequant_fp8_g128, quant_fp8_g128
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
 from .support import Support
+from .transport.nccl_native import destroy_nccl, get_nccl, init_nccl, nccl_unavailable_reason
 from .transport.p2p import P2PError, P2PTimeoutError, destroy_p2p, get_p2p, init_p2p, p2p_unavailable_reason
 from .validation import LayoutMismatchError
 from .workspace import workspace_bytes
@@ -59,6 +62,10 @@ __all__ = [
     "get_p2p",
     "destroy_p2p",
     "p2p_unavailable_reason",
+    "init_nccl",
+    "get_nccl",
+    "destroy_nccl",
+    "nccl_unavailable_reason",
     "P2PError",
     "P2PTimeoutError",
     "LayoutMismatchError",

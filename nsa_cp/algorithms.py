@@ -155,13 +155,17 @@ def gather_runner(
     result_len = total if (compact or ordered) else padded_len
     # this rank's count on the device (read by the kernels, so CUDA graphs replay with new counts): once
     count0 = layout.device_tensors(device)[0][rank] if device.type == "cuda" else None
-    pack = None
+    pack = pack_gather = None
     if source.mode == "copy" and count0 is not None:
-        from .kernels import pack as kernels
-
         shape, _, wire = streams[0]
         row_len = math.prod(shape)
-        pack = kernels.launcher(device, row_len, torch.empty((), dtype=wire).element_size(), count0)
+        element_size = torch.empty((), dtype=wire).element_size()
+        if coll.native is not None:  # pack + all-gather in one native host call
+            pack_gather = coll.native.pack_gather_launcher(m, row_len * element_size, count0)
+        else:
+            from .kernels import pack as kernels
+
+            pack = kernels.launcher(device, row_len, element_size, count0)
 
     def new_outputs(x, outs):
         if outs is not None:
@@ -178,6 +182,10 @@ def gather_runner(
 
     def padded_into(x, bufs, device_counts, norm_args):
         """The source stage into this rank's slot of each ``[P*M, ...]`` buffer, then in-place gathers."""
+        if pack_gather is not None and device_counts is None:
+            wire = streams[0][2]
+            pack_gather(_rows(_wire(x, wire), row_len), _wire(bufs[0], wire))
+            return
         slots = [b.narrow(0, rank * m, m) for b in bufs]
         if pack is not None and device_counts is None:  # the plain copy: one bound native launch
             wire = streams[0][2]
@@ -195,6 +203,8 @@ def gather_runner(
     elif algo in ("even", "padded") and not compact and not ordered:
         gather_compact = None  # the padded result is the output itself
     elif algo == "coalesced":
+        compact_rows = [layout.rows(q, compact=True) for q in range(size)]
+
         def gather_compact(x, bufs, device_counts, norm_args):
             if source.mode == "copy":  # the rows themselves move: no staging copy
                 local = [x if x.is_contiguous() else x.contiguous()]
@@ -203,8 +213,7 @@ def gather_runner(
                 if n:
                     source.fill(local, x, n, counts_of(x, device_counts), norm_args, host_n=True)
             for (_, _, wire), buf, mine in zip(streams, bufs, local):
-                views = [_wire(buf, wire)[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(size))]
-                coll.all_gather_uneven(views, _wire(mine, wire))
+                coll.all_gather_rows(_wire(buf, wire), _wire(mine, wire), compact_rows)
     elif algo == "even":
         gather_compact = padded_into  # padded == compact
     else:  # padded movement into a workspace, then compact
@@ -259,10 +268,11 @@ def scatter_runner(
             coll.reduce_scatter_equal(out, y if y.is_contiguous() else y.contiguous())
             return out
     elif algo == "coalesced":
+        compact_rows = [layout.rows(q, compact=True) for q in range(layout.cp_size)]
+
         def reduce(y, out):
             out = new_out(y, out)
-            y = y if y.is_contiguous() else y.contiguous()
-            coll.reduce_scatter_uneven(out, [y[start:stop] for start, stop in (layout.rows(q, compact=True) for q in range(layout.cp_size))])
+            coll.reduce_scatter_rows(out, y if y.is_contiguous() else y.contiguous(), compact_rows)
             return out
     else:
         def reduce(y, out):

@@ -121,10 +121,16 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "native when nsa_cp._C has kernels for the tensors' GPU, else Triton",
     ),
     "NSA_CP_NCCL_CALL": (
-        _choice("NSA_CP_NCCL_CALL", "direct", ("direct", "public")),
-        "how the NCCL/gloo path calls its equal-shard collectives: 'direct' (the process group's own "
-        "method, bound once per plan: the same collective without the Python around the public function) "
-        "or 'public' (torch.distributed's functions)",
+        _choice("NSA_CP_NCCL_CALL", "auto", ("auto", "direct", "public")),
+        "how the NCCL/gloo path calls its collectives: 'auto' (the uneven movements of a group with "
+        "nsa_cp.init_nccl take its native NCCL communicator, everything else as 'direct'), 'direct' "
+        "(the process group's own method, bound once per plan: the same collective without the Python "
+        "around the public function) or 'public' (torch.distributed's functions)",
+    ),
+    "NSA_CP_NCCL_LIBRARY": (
+        _Reader("NSA_CP_NCCL_LIBRARY", lambda raw: (raw or "").strip()),
+        "nsa_cp.init_nccl: the libnccl to open (a path); unset: the copy torch loaded, else the "
+        "loader's libnccl.so.2",
     ),
     "NSA_CP_P2P_ENGINE": (
         _choice("NSA_CP_P2P_ENGINE", "auto", ("auto", "sm", "ce")),

@@ -7,8 +7,8 @@ The plan of a call is looked up by its *key*: the operation, the layout (by valu
 anew finds the same plan), the trailing row shape, dtype and device of the input, compact, whether
 ``out`` / ``device_counts`` / ``positions`` are given, the algorithm and backend requests, the
 quantization, the process group, and the raw values of the environment variables that steer choices
-(``envs.PLAN_VARIABLES``). ``init_p2p`` / ``destroy_p2p`` empty the cache (the registry's generation
-changes), so no plan outlives the transport it holds.
+(``envs.PLAN_VARIABLES``). ``init_p2p`` / ``destroy_p2p`` and ``init_nccl`` / ``destroy_nccl`` empty the cache (a registry's
+generation changes), so no plan outlives the transport or communicator it holds.
 
 Building a plan runs the *plan checks* (nsa_cp/checks.py) and every choice: backend (P2P or
 NCCL/gloo, one ``Support`` verdict with its reason), algorithm (even / padded / padded+compact /
@@ -33,7 +33,7 @@ import torch
 from . import algorithms, checks, envs, reference
 from .layout import ShardLayout
 from .support import Support
-from .transport import nccl
+from .transport import nccl, nccl_native
 from .transport import p2p
 
 __all__ = ["GatherPlan", "ScatterPlan", "gather_plan", "scatter_plan", "clear_cache", "cache_size"]
@@ -55,12 +55,12 @@ def cache_size() -> int:
     return len(_CACHE)
 
 
-def _p2p_generation():
-    return p2p.generation()
+def _transport_generation():
+    return p2p.generation(), nccl_native.generation()
 
 
 def _lookup(key) -> Optional[Any]:
-    generation = _p2p_generation()
+    generation = _transport_generation()
     if generation != _state["generation"]:
         _CACHE.clear()  # a transport came or went: drop every plan (and the references they hold)
         _state["generation"] = generation
@@ -105,6 +105,15 @@ def _transport(backend: str, group, layout: ShardLayout, row_shape, dtype, devic
     if layout.is_even or not verdict:
         return None, False
     return transport, fused
+
+
+def _collectives(pg, device: torch.device, algo: str) -> nccl.Collectives:
+    """The plan's collectives: with the group's native NCCL communicator (``init_nccl``) for an uneven
+    movement on its device; the even movement always keeps torch's collective."""
+    native = nccl_native.get_nccl(pg) if device.type == "cuda" and algo != "even" else None
+    if native is not None and (native.device != device or native.closed):
+        native = None
+    return nccl.Collectives(pg, native)
 
 
 def _algo(algo: str, layout: ShardLayout, compact: bool, on_cuda: bool, slot_bytes: int, min_bytes: int,
@@ -227,7 +236,9 @@ def _build_gather(op, mode, x, layout, pg, group, compact, algo, backend, has_dc
         chosen = _algo(algo, layout, compact or ordered, x.is_cuda, layout.max_rank_len * row_bytes,
                        envs.NSA_CP_COALESCED_GATHER_MIN_BYTES, has_dc)
         plan.backend, plan.algo = ("nccl" if x.is_cuda else "gloo"), chosen
-        plan._run = algorithms.gather_runner(nccl.Collectives(pg), layout, rank, source, compact, chosen, ordered,
+        coll = _collectives(pg, x.device, chosen)
+        plan.backend = "nccl+native" if coll.native is not None else plan.backend
+        plan._run = algorithms.gather_runner(coll, layout, rank, source, compact, chosen, ordered,
                                              has_dc, x.device)
     plan.signature = (f"{op}|{mode}|compact={compact}|dtype={x.dtype}|row={row_shape}|backend={plan.backend}|"
                       f"algo={plan.algo}|device_counts={has_dc}|ordered={ordered}|quant={quant}")
@@ -362,7 +373,9 @@ def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ord
         chosen = _algo(algo, layout, compact or ordered, y.is_cuda, layout.max_rank_len * row_bytes,
                        envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES, has_dc)
         plan.backend, plan.algo = ("nccl" if y.is_cuda else "gloo"), chosen
-        plan._run = algorithms.scatter_runner(nccl.Collectives(pg), layout, rank, compact, chosen, ordered)
+        coll = _collectives(pg, y.device, chosen)
+        plan.backend = "nccl+native" if coll.native is not None else plan.backend
+        plan._run = algorithms.scatter_runner(coll, layout, rank, compact, chosen, ordered)
     plan.signature = (f"{op}|compact={compact}|dtype={y.dtype}|row={row_shape}|backend={plan.backend}|"
                       f"algo={plan.algo}|device_counts={has_dc}|ordered={ordered}")
     logger.debug("nsa_cp plan: %s on %r", plan.signature, layout)

@@ -212,7 +212,7 @@ def _run_even_direct(case, rank, world, group, device, nsa_cp) -> Optional[str]:
 
     saved = {name: getattr(algorithms, name) for name in ("_fill_cuda", "_fill_reference", "_padded_to_compact",
                                                           "_compact_to_padded")}
-    for name in ("all_gather_equal", "reduce_scatter_equal", "all_gather_uneven", "reduce_scatter_uneven"):
+    for name in ("all_gather_equal", "reduce_scatter_equal", "all_gather_rows", "reduce_scatter_rows"):
         spy(name)
     for name in saved:
         setattr(algorithms, name, forbidden)
@@ -512,6 +512,9 @@ def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
     device = torch.device("cuda", rank) if payload["device"] == "cuda" else torch.device("cpu")
     group = dist.group.WORLD
     results: Dict[str, Optional[str]] = {}
+    if payload.get("native_nccl"):  # the same cases through nsa_cp's own NCCL communicator
+        nsa_cp.init_nccl(group, device)
+        results["native_plans"] = _native_plans(rank, world, group, device, nsa_cp)
     for case in payload["cases"]:
         try:
             results[case["id"]] = _RUNNERS[case["op"]](case, rank, world, group, device, nsa_cp)
@@ -519,4 +522,32 @@ def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
             results[case["id"]] = traceback.format_exc()
         # a failing rank must not leave the others waiting in a collective: agree before the next case
         dist.barrier()
+    if payload.get("native_nccl"):
+        nsa_cp.destroy_nccl(group)
     return results
+
+
+def _native_plans(rank, world, group, device, nsa_cp) -> Optional[str]:
+    """After init_nccl: every uneven movement's plan holds the native communicator, the even one never."""
+    from nsa_cp import plan
+
+    even = nsa_cp.ShardLayout([4] * world)
+    uneven = nsa_cp.ShardLayout([5 + q for q in range(world)]) if world > 1 else None
+    x = torch.randn(4, 8, device=device)
+    got = {"even gather": plan.gather_plan("g", "copy", x, even, group, False, None, "auto", "nccl", None, None,
+                                           None).backend}
+    want = {"even gather": "nccl"}
+    if uneven is not None:
+        x = torch.randn(uneven.count(rank), 8, device=device)
+        for compact in (False, True):
+            for algo in ("padded", "coalesced"):
+                name = f"uneven gather compact={compact} algo={algo}"
+                got[name] = plan.gather_plan("g", "copy", x, uneven, group, compact, None, algo, "nccl", None, None,
+                                             None).backend
+                want[name] = "nccl+native"
+                y = torch.randn(uneven.global_len(compact), 8, device=device)
+                name = f"uneven scatter compact={compact} algo={algo}"
+                got[name] = plan.scatter_plan("s", y, uneven, group, compact, None, algo, "nccl", None, None).backend
+                want[name] = "nccl+native"
+    wrong = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+    return f"plan backends (got, want): {wrong}" if wrong else None

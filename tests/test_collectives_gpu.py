@@ -40,3 +40,26 @@ PARAMS = [pytest.param(world, case["id"], id=f"w{world}-{case['id']}")
 def test_case(world, case_id):
     failures = case_failures(_world_results(world), case_id)
     assert not failures, "\n".join(failures)
+
+
+# ---- the same cases through nsa_cp's own NCCL communicator (nsa_cp.init_nccl) ------------------------
+@functools.lru_cache(maxsize=None)
+def _native_results(world):
+    return run_world(world, "nccl", dist_cases.run_cases,
+                     {"device": "cuda", "cases": _cases(world), "native_nccl": True})
+
+
+NATIVE_PARAMS = [pytest.param(world, case_id, id=f"native-w{world}-{case_id}")
+                 for world in (WORLD_SIZES or [2])
+                 for case_id in ["native_plans"] + [case["id"] for case in _cases(world)]]
+
+
+@pytest.mark.parametrize("world,case_id", NATIVE_PARAMS)
+def test_case_native_nccl(world, case_id):
+    from nsa_cp import _native
+
+    C = _native.load()
+    if C is None or not hasattr(C, "NcclComm"):
+        pytest.skip(f"nsa_cp._C without NcclComm: {_native.unavailable_reason() or 'built before it existed'}")
+    failures = case_failures(_native_results(world), case_id)
+    assert not failures, "\n".join(failures)

@@ -8,6 +8,10 @@ the default-group lookup, torch-function dispatch and two decorators. Inside a c
 (``torch.distributed._coalescing_manager``) it defers to the public function, which records the call
 instead. ``NSA_CP_NCCL_CALL=public`` makes every call take the public functions.
 
+A plan of an uneven movement passes ``native``: the group's ``NativeNccl`` (nsa_cp/transport/
+nccl_native.py, made by ``nsa_cp.init_nccl``). Its calls then go to NCCL from C++, without c10d's op
+around them; the even layout never gets one (torch's collective is its contract).
+
 The uneven-list collectives (``all_gather`` / ``reduce_scatter`` with one view per rank: grouped
 broadcasts / reduces on NCCL) stay on the public functions: they are the bandwidth path, where host
 time does not show.
@@ -46,10 +50,11 @@ def group_rank_and_size(group: Optional[dist.ProcessGroup]):
 
 
 class Collectives:
-    """The equal-shard and uneven-list collectives of one process group, bound once."""
+    """The equal-shard and uneven collectives of one process group, bound once (per plan)."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, native=None):
         self.group = group
+        self.native = native if envs.NSA_CP_NCCL_CALL == "auto" else None
         self._gather_opts = _c10d.AllgatherOptions()
         self._scatter_opts = _c10d.ReduceScatterOptions()
         self._scatter_opts.reduceOp = dist.ReduceOp.SUM
@@ -60,7 +65,7 @@ class Collectives:
                 opts.asyncOp = False
         self._direct = (
             hasattr(group, "_allgather_base") and hasattr(group, "_reduce_scatter_base")
-            and envs.NSA_CP_NCCL_CALL == "direct"
+            and envs.NSA_CP_NCCL_CALL != "public"
         )
 
     def _coalescing(self) -> bool:
@@ -69,6 +74,9 @@ class Collectives:
     def all_gather_equal(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """Equal-shard all-gather of ``shard [m, ...]`` into ``out [P*m, ...]``; ``shard`` may be ``out``'s
         own slot (in place)."""
+        if self.native is not None and not self._coalescing():
+            self.native.all_gather(out, shard)
+            return
         if self._direct and not self._coalescing():
             work = self.group._allgather_base(out, shard, self._gather_opts)
             if work is not None:
@@ -78,6 +86,9 @@ class Collectives:
 
     def reduce_scatter_equal(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """Sum ``full [P*m, ...]`` over ranks; this rank's ``[m, ...]`` chunk lands in ``out``."""
+        if self.native is not None and not self._coalescing():
+            self.native.reduce_scatter(out, full)
+            return
         if self._direct and not self._coalescing():
             work = self.group._reduce_scatter_base(out, full, self._scatter_opts)
             if work is not None:
@@ -85,10 +96,25 @@ class Collectives:
             return
         _reduce_scatter_single(out, full, group=self.group)
 
-    def all_gather_uneven(self, outs: List[torch.Tensor], shard: torch.Tensor) -> None:
-        """torch's uneven-list all-gather: on NCCL, grouped broadcasts straight into ``outs`` (views)."""
-        dist.all_gather(outs, shard, group=self.group)
+    def all_gather_rows(self, out: torch.Tensor, shard: torch.Tensor, rows) -> None:
+        """Uneven all-gather into ``out [T, ...]`` (contiguous): rank q's rows land at rows
+        ``rows[q] = (start, stop)``; ``shard [n_r, ...]`` (contiguous) holds this rank's. Native: grouped
+        broadcasts in one host call; else torch's uneven-list all-gather (grouped broadcasts on NCCL)
+        into views of ``out``."""
+        if self.native is not None and not self._coalescing():
+            row_bytes = out.numel() // out.shape[0] * out.element_size() if out.shape[0] else 0
+            counts = [(stop - start) * row_bytes for start, stop in rows]
+            self.native.all_gather_rows(out, shard, counts, [start * row_bytes for start, _ in rows], row_bytes)
+            return
+        dist.all_gather([out[start:stop] for start, stop in rows], shard, group=self.group)
 
-    def reduce_scatter_uneven(self, out: torch.Tensor, inputs: List[torch.Tensor]) -> None:
-        """torch's uneven-list reduce-scatter: on NCCL, grouped reduces with rank q as root of ``inputs[q]``."""
-        dist.reduce_scatter(out, inputs, group=self.group)
+    def reduce_scatter_rows(self, out: torch.Tensor, full: torch.Tensor, rows) -> None:
+        """Uneven reduce-scatter: ``out [n_r, ...]`` <- the sum over ranks of rows ``rows[rank]`` of their
+        ``full [T, ...]`` (contiguous). Native: grouped reduces in one host call; else torch's
+        uneven-list reduce-scatter (grouped reduces, rank q the root of its rows)."""
+        if self.native is not None and not self._coalescing():
+            row_len = full.numel() // full.shape[0] if full.shape[0] else 0
+            counts = [(stop - start) * row_len for start, stop in rows]
+            self.native.reduce_scatter_rows(out, full, counts, [start * row_len for start, _ in rows])
+            return
+        dist.reduce_scatter(out, [full[start:stop] for start, stop in rows], group=self.group)
