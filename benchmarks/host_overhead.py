@@ -10,7 +10,9 @@ the machine reaches every row alike; the GPU is synced every 5 rounds, outside t
 * the plain collectives (``all_gather_into_tensor`` of a full ``[M, H]``, ``F.pad`` + all-gather,
   ``reduce_scatter_tensor``);
 * nsa_cp on NCCL (``backend="nccl"``): ``cp_all_gather`` / ``cp_reduce_scatter`` padded and compact,
-  ``fused_add_rmsnorm_all_gather`` / ``reduce_scatter_fused_add_rmsnorm`` padded;
+  ``fused_add_rmsnorm_all_gather`` / ``reduce_scatter_fused_add_rmsnorm`` padded; after ``init_nccl``
+  (where it works) through nsa_cp's own NCCL communicator ("NCCL native") and through torch's process
+  group ("NCCL torch", ``NSA_CP_NCCL_CALL=direct`` set around each call);
 * with 2+ GPUs and a P2P transport (``init_p2p``): the same with ``backend="auto"``, the reduce-scatters
   on the buffer ``cp_reduce_scatter_buffer`` hands out.
 
@@ -49,6 +51,23 @@ def interleaved_medians_us(rows, calls):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _with_env(fn, key, value):
+    import os
+
+    def call():
+        saved = os.environ.get(key)
+        os.environ[key] = value
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = saved
+
+    return call
 
 
 def profile(fn, calls, top):
@@ -124,7 +143,18 @@ def worker(rank, world, args):
         "floor: x.new_empty([P*M, H])": lambda: x.new_empty((layout.padded_len, h)),
         "floor: one torch.mul launch": lambda: torch.mul(x, 2.0),
     })
-    rows.update(rows_for("nccl", "NCCL"))
+    native_note = None
+    if hasattr(nsa_cp, "init_nccl") and not nsa_cp.nccl_unavailable_reason(None):
+        nsa_cp.init_nccl(None, dev)
+        rows.update(rows_for("nccl", "NCCL native"))  # nsa_cp's own NCCL communicator (the default after it)
+        # the same calls through torch's process group: NSA_CP_NCCL_CALL=direct, set around each call
+        # (~1 us of the row's time)
+        for name, fn in rows_for("nccl", "NCCL torch").items():
+            rows[name] = _with_env(fn, "NSA_CP_NCCL_CALL", "direct")
+    else:
+        native_note = "no native NCCL rows: " + (nsa_cp.nccl_unavailable_reason(None)
+                                                 if hasattr(nsa_cp, "init_nccl") else "no nsa_cp.init_nccl")
+        rows.update(rows_for("nccl", "NCCL"))
     p2p_note = None
     if world >= 2:
         try:
@@ -152,8 +182,9 @@ def worker(rank, world, args):
         for name, v in vals.items():
             base = base_rs if "reduce_scatter" in name else base_ag if "gather" in name else None
             print(f"  {name:<48}{v:9.1f}" + (f"   {v / base:5.2f}x the plain collective" if base else ""))
-        if p2p_note:
-            print(f"  ({p2p_note})")
+        for note in (native_note, p2p_note):
+            if note:
+                print(f"  ({note})")
         print("\ncProfile, cp_all_gather padded uneven, backend nccl:")
         print(prof_nccl)
         if prof_p2p:

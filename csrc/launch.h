@@ -36,6 +36,27 @@ inline void check_cuda(cudaError_t e, const char* fn, const char* what) {
 // After a <<<>>> launch: a bad configuration or a missing kernel image surfaces here, not later.
 inline void check_launch(const char* fn) { check_cuda(cudaGetLastError(), fn, "kernel launch"); }
 
+// Makes `device` current for the launches of one call; restores the previous device after.
+class DeviceGuard {
+ public:
+  DeviceGuard(int device, const char* fn) {
+    check_cuda(cudaGetDevice(&previous_), fn, "cudaGetDevice");
+    if (previous_ == device) {
+      previous_ = -1;
+    } else {
+      check_cuda(cudaSetDevice(device), fn, "cudaSetDevice");
+    }
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 inline cudaStream_t as_stream(uint64_t stream) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream)); }
 
 template <typename T>

@@ -160,12 +160,12 @@ NcclComm::NcclComm(const std::string& unique_id, int world, int rank, int device
   const NcclApi& a = api(library);
   ncclUniqueId id;
   std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
-  int previous = 0;
-  check_cuda(cudaGetDevice(&previous), fn, "cudaGetDevice");
-  check_cuda(cudaSetDevice(device), fn, "cudaSetDevice");
   ncclComm_t comm = nullptr;
-  ncclResult_t r = a.CommInitRank(&comm, world, id, rank);  // blocks until every rank has joined
-  cudaSetDevice(previous);
+  ncclResult_t r;
+  {
+    DeviceGuard guard(device, fn);
+    r = a.CommInitRank(&comm, world, id, rank);  // blocks until every rank has joined
+  }
   check_nccl(a, r, nullptr, fn, "ncclCommInitRank");
   comm_ = comm;
 }
@@ -203,6 +203,7 @@ void NcclComm::pack_all_gather(uint64_t src, int64_t src_row_stride_bytes, int64
   if (rows_per_rank == 0) return;
   require_ptr(recv, fn, "recv");
   const uint64_t slot = recv + static_cast<uint64_t>(rank_ * rows_per_rank * row_bytes);
+  DeviceGuard guard(device_, fn);  // the pack launches on the current device
   pack_rows(src, src_row_stride_bytes, src_rows, slot, row_bytes, rows_per_rank, row_bytes, count, stream);
   // in place: NCCL reads our slot of recv and fills the others
   const NcclApi& a = g_api;
@@ -299,11 +300,11 @@ void NcclComm::close(bool abort) {
   ncclComm_t comm = comm_;
   comm_ = nullptr;  // refused from now on, whatever destroy says
   const NcclApi& a = g_api;
-  int previous = 0;
-  check_cuda(cudaGetDevice(&previous), "NcclComm.close", "cudaGetDevice");
-  check_cuda(cudaSetDevice(device_), "NcclComm.close", "cudaSetDevice");
-  ncclResult_t r = abort ? a.CommAbort(comm) : a.CommDestroy(comm);
-  cudaSetDevice(previous);
+  ncclResult_t r;
+  {
+    DeviceGuard guard(device_, "NcclComm.close");
+    r = abort ? a.CommAbort(comm) : a.CommDestroy(comm);
+  }
   check_nccl(a, r, nullptr, "NcclComm.close", abort ? "ncclCommAbort" : "ncclCommDestroy");
 }
 

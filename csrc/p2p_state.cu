@@ -25,27 +25,6 @@ constexpr int64_t kBytesPerBlock = 32 << 10;  // data kernels: one block per 32 
 constexpr int kNormBlocksPerSm = 2;           // norm stage: one row per block, two 512-thread blocks per SM
 constexpr int64_t kFp8Group = 128;
 
-// Makes `device` current for the launches of one call; restores the previous device after.
-class DeviceGuard {
- public:
-  DeviceGuard(int device, const char* fn) {
-    check_cuda(cudaGetDevice(&previous_), fn, "cudaGetDevice");
-    if (previous_ == device) {
-      previous_ = -1;
-    } else {
-      check_cuda(cudaSetDevice(device), fn, "cudaSetDevice");
-    }
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
-
 int64_t element_bytes(int dtype) { return dtype == kFP32 ? 4 : 2; }
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }

@@ -21,9 +21,11 @@ Every gather is one *source stage* then one *movement*:
     a permutation).
 
 Reduce-scatters: "even" (one ``reduce_scatter_tensor`` on the caller's tensor), "padded" (into an
-``[M, ...]`` buffer, the result is a view of its first ``n_r`` rows), "padded+compact" (expand, then
-padded), "coalesced" (grouped reduces straight from views of the compact input), ordered (one
-``index_select`` into rank-major order first); then optionally the fused add + RMSNorm on the result.
+``[M, ...]`` buffer, the result is a view of its first ``n_r`` rows; with nsa_cp's own NCCL
+communicator, grouped reduces of each rank's real rows straight into the result), "padded+compact"
+(expand, then padded), "coalesced" (grouped reduces straight from views of the compact input), ordered
+(one ``index_select`` into rank-major order first); then optionally the fused add + RMSNorm on the
+result.
 """
 
 from __future__ import annotations
@@ -273,6 +275,15 @@ def scatter_runner(
         def reduce(y, out):
             out = new_out(y, out)
             coll.reduce_scatter_rows(out, y if y.is_contiguous() else y.contiguous(), compact_rows)
+            return out
+    elif coll.native is not None and not (compact or ordered):
+        # grouped reduces straight from each rank's real rows of the padded input into the result:
+        # no [M, ...] slot, no copy out of it, no padding rows summed
+        padded_rows = [(q * m, q * m + layout.count(q)) for q in range(layout.cp_size)]
+
+        def reduce(y, out):
+            out = new_out(y, out)
+            coll.reduce_scatter_rows(out, y if y.is_contiguous() else y.contiguous(), padded_rows)
             return out
     else:
         def reduce(y, out):

@@ -111,6 +111,27 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
                     return f"native entries called {emulated.calls}, expected {want_calls}"
         return None
 
+    def padded_scatter_by_rows():
+        # with a native communicator the padded reduce-scatter sums each rank's real rows straight into
+        # the result (grouped reduces at offsets q * M): against the fp64 sum, NaN-poisoned output
+        from nsa_cp import algorithms
+
+        for counts in ([3, 0, 5, 1, 2, 7, 0, 4][:world], [0] * world, [2] * world, [4] + [0] * (world - 1)):
+            layout = nsa_cp.ShardLayout(counts)
+            emulated = EmulatedNative(group)
+            run = algorithms.scatter_runner(Collectives(group, emulated), layout, rank, False, "padded", False)
+            full = [torch.randn((layout.padded_len, 6), generator=torch.Generator().manual_seed(50 + q))
+                    for q in range(world)]
+            out = torch.full((counts[rank], 6), float("nan"))
+            got = run(full[rank], out, None)
+            start = rank * layout.max_rank_len
+            exact = sum(f[start:start + counts[rank]].double() for f in full)
+            if got is not out or not torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5):
+                return f"padded reduce-scatter by rows {counts}: not this rank's summed rows"
+            if layout.total_len and not layout.is_even and emulated.calls != ["reduce_scatter_rows"]:
+                return f"padded reduce-scatter {counts}: native entries called {emulated.calls}"
+        return None
+
     def env_turns_it_off():
         import os
 
@@ -134,6 +155,7 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
 
     check("refused", refused)
     check("rows_arithmetic", rows_arithmetic)
+    check("padded_scatter", padded_scatter_by_rows)
     check("env", env_turns_it_off)
     check("cpu_plans", cpu_plans_never_native)
     return results

@@ -59,7 +59,7 @@ def _gloo(world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("name", ["refused", "rows_arithmetic", "env", "cpu_plans"])
+@pytest.mark.parametrize("name", ["refused", "rows_arithmetic", "padded_scatter", "env", "cpu_plans"])
 def test_gloo(world, name):
     failures = case_failures(_gloo(world), name)
     assert not failures, "\n".join(failures)
