@@ -37,6 +37,9 @@ def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     """``group``, or the default group for None (raises when torch.distributed is not initialized)."""
     if group is not None:
         return group
+    world = _c10d.GroupMember.WORLD  # the default group once initialized: an attribute read, not a call
+    if world is not None:
+        return world
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("nsa_cp collectives need torch.distributed to be initialized")
     return _c10d._get_default_group()
