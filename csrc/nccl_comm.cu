@@ -180,14 +180,22 @@ void* NcclComm::live(const char* fn) const {
   return comm_;
 }
 
-void NcclComm::all_gather(uint64_t send, uint64_t recv, int64_t count, int dtype, uint64_t stream) {
-  const char* fn = "NcclComm.all_gather";
-  check_dtype(fn, dtype, false);
+namespace {
+// Arguments of the equal-count calls, checked before any NCCL call. Returns whether there is data.
+bool check_equal(const char* fn, uint64_t send, uint64_t recv, int64_t count, int dtype, bool sum) {
+  check_dtype(fn, dtype, sum);
   require(count >= 0, fn, "count must be >= 0, got " + std::to_string(count));
-  ncclComm_t comm = live(fn);
-  if (count == 0) return;
+  if (count == 0) return false;
   require_ptr(send, fn, "send");
   require_ptr(recv, fn, "recv");
+  return true;
+}
+}  // namespace
+
+void NcclComm::all_gather(uint64_t send, uint64_t recv, int64_t count, int dtype, uint64_t stream) {
+  const char* fn = "NcclComm.all_gather";
+  ncclComm_t comm = live(fn);
+  if (!check_equal(fn, send, recv, count, dtype, false)) return;
   const NcclApi& a = g_api;
   check_nccl(a, a.AllGather(as_ptr<void>(send), as_ptr<void>(recv), static_cast<size_t>(count), dtype, comm,
                             as_ptr<void>(stream)),
@@ -214,12 +222,8 @@ void NcclComm::pack_all_gather(uint64_t src, int64_t src_row_stride_bytes, int64
 
 void NcclComm::reduce_scatter(uint64_t send, uint64_t recv, int64_t count, int dtype, uint64_t stream) {
   const char* fn = "NcclComm.reduce_scatter";
-  check_dtype(fn, dtype, true);
-  require(count >= 0, fn, "count must be >= 0, got " + std::to_string(count));
   ncclComm_t comm = live(fn);
-  if (count == 0) return;
-  require_ptr(send, fn, "send");
-  require_ptr(recv, fn, "recv");
+  if (!check_equal(fn, send, recv, count, dtype, true)) return;
   const NcclApi& a = g_api;
   check_nccl(a, a.ReduceScatter(as_ptr<void>(send), as_ptr<void>(recv), static_cast<size_t>(count), dtype, kNcclSum,
                                 comm, as_ptr<void>(stream)),
@@ -227,63 +231,68 @@ void NcclComm::reduce_scatter(uint64_t send, uint64_t recv, int64_t count, int d
 }
 
 namespace {
-void check_v(const char* fn, const std::vector<int64_t>& counts, const std::vector<int64_t>& offsets, int world) {
+// Arguments of the uneven calls, checked before any NCCL call. Returns whether any rank has elements.
+bool check_v(const char* fn, uint64_t send, uint64_t recv, const std::vector<int64_t>& counts,
+             const std::vector<int64_t>& offsets, int world, int rank, int64_t elem_bytes, bool gather) {
   require(static_cast<int>(counts.size()) == world, fn,
           "counts must have world=" + std::to_string(world) + " entries, got " + std::to_string(counts.size()));
   require(static_cast<int>(offsets.size()) == world, fn,
           "offsets must have world=" + std::to_string(world) + " entries, got " + std::to_string(offsets.size()));
+  require(elem_bytes > 0, fn, "elem_bytes must be > 0, got " + std::to_string(elem_bytes));
+  bool any = false;
   for (int q = 0; q < world; ++q) {
     require(counts[q] >= 0 && offsets[q] >= 0, fn,
             "counts and offsets must be >= 0, got counts[" + std::to_string(q) + "]=" + std::to_string(counts[q]) +
                 ", offsets[" + std::to_string(q) + "]=" + std::to_string(offsets[q]));
+    any = any || counts[q] > 0;
   }
+  // gather: every rank's rows land in recv, ours come from send; reduce-scatter: every rank's rows are
+  // read from send, ours land in recv
+  if (any) require_ptr(gather ? recv : send, fn, gather ? "recv" : "send");
+  if (counts[rank] > 0) require_ptr(gather ? send : recv, fn, gather ? "send" : "recv");
+  return any;
+}
+
+// One NCCL call per rank q with elements, rooted at q, grouped into one launch (what torch does for an
+// uneven list collective on NCCL). The group is always closed, even after a failed call inside it.
+template <typename Call>
+void per_root_grouped(const NcclApi& a, ncclComm_t comm, const std::vector<int64_t>& counts, const char* fn,
+                      const char* what, Call call) {
+  check_nccl(a, a.GroupStart(), comm, fn, "ncclGroupStart");
+  ncclResult_t r = kNcclSuccess;
+  for (int q = 0; q < static_cast<int>(counts.size()) && r == kNcclSuccess; ++q) {
+    if (counts[q] > 0) r = call(q);
+  }
+  ncclResult_t end = a.GroupEnd();
+  check_nccl(a, r, comm, fn, what);
+  check_nccl(a, end, comm, fn, "ncclGroupEnd");
 }
 }  // namespace
 
 void NcclComm::all_gather_v(uint64_t send, uint64_t recv, const std::vector<int64_t>& counts,
                             const std::vector<int64_t>& offsets, int dtype, int64_t elem_bytes, uint64_t stream) {
   const char* fn = "NcclComm.all_gather_v";
-  check_dtype(fn, dtype, false);
-  check_v(fn, counts, offsets, world_);
-  require(elem_bytes > 0, fn, "elem_bytes must be > 0, got " + std::to_string(elem_bytes));
   ncclComm_t comm = live(fn);
-  if (counts[rank_] > 0) require_ptr(send, fn, "send");
+  check_dtype(fn, dtype, false);
+  if (!check_v(fn, send, recv, counts, offsets, world_, rank_, elem_bytes, true)) return;
   const NcclApi& a = g_api;
-  // one broadcast per rank with rows, rooted there, grouped into one launch (what torch does for an
-  // uneven all_gather list on NCCL); ranks with no rows take no part
-  check_nccl(a, a.GroupStart(), comm, fn, "ncclGroupStart");
-  ncclResult_t r = kNcclSuccess;
-  for (int q = 0; q < world_ && r == kNcclSuccess; ++q) {
-    if (counts[q] == 0) continue;
-    require_ptr(recv, fn, "recv");
-    r = a.Broadcast(as_ptr<void>(send), as_ptr<void>(recv + static_cast<uint64_t>(offsets[q] * elem_bytes)),
-                    static_cast<size_t>(counts[q]), dtype, q, comm, as_ptr<void>(stream));
-  }
-  ncclResult_t end = a.GroupEnd();  // always closes the group, even after a failed call inside it
-  check_nccl(a, r, comm, fn, "ncclBroadcast");
-  check_nccl(a, end, comm, fn, "ncclGroupEnd");
+  per_root_grouped(a, comm, counts, fn, "ncclBroadcast", [&](int q) {
+    return a.Broadcast(as_ptr<void>(send), as_ptr<void>(recv + static_cast<uint64_t>(offsets[q] * elem_bytes)),
+                       static_cast<size_t>(counts[q]), dtype, q, comm, as_ptr<void>(stream));
+  });
 }
 
 void NcclComm::reduce_scatter_v(uint64_t send, uint64_t recv, const std::vector<int64_t>& counts,
                                 const std::vector<int64_t>& offsets, int dtype, int64_t elem_bytes, uint64_t stream) {
   const char* fn = "NcclComm.reduce_scatter_v";
-  check_dtype(fn, dtype, true);
-  check_v(fn, counts, offsets, world_);
-  require(elem_bytes > 0, fn, "elem_bytes must be > 0, got " + std::to_string(elem_bytes));
   ncclComm_t comm = live(fn);
-  if (counts[rank_] > 0) require_ptr(recv, fn, "recv");
+  check_dtype(fn, dtype, true);
+  if (!check_v(fn, send, recv, counts, offsets, world_, rank_, elem_bytes, false)) return;
   const NcclApi& a = g_api;
-  check_nccl(a, a.GroupStart(), comm, fn, "ncclGroupStart");
-  ncclResult_t r = kNcclSuccess;
-  for (int q = 0; q < world_ && r == kNcclSuccess; ++q) {
-    if (counts[q] == 0) continue;
-    require_ptr(send, fn, "send");
-    r = a.Reduce(as_ptr<void>(send + static_cast<uint64_t>(offsets[q] * elem_bytes)), as_ptr<void>(recv),
-                 static_cast<size_t>(counts[q]), dtype, kNcclSum, q, comm, as_ptr<void>(stream));
-  }
-  ncclResult_t end = a.GroupEnd();
-  check_nccl(a, r, comm, fn, "ncclReduce");
-  check_nccl(a, end, comm, fn, "ncclGroupEnd");
+  per_root_grouped(a, comm, counts, fn, "ncclReduce", [&](int q) {
+    return a.Reduce(as_ptr<void>(send + static_cast<uint64_t>(offsets[q] * elem_bytes)), as_ptr<void>(recv),
+                    static_cast<size_t>(counts[q]), dtype, kNcclSum, q, comm, as_ptr<void>(stream));
+  });
 }
 
 std::string NcclComm::async_error() const {

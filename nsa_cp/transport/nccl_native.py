@@ -21,7 +21,6 @@ of MB per GPU, set by NCCL_BUFFSIZE and the channel count), released by ``destro
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import Optional
 
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, envs
+from .registry import GroupRegistry
 
 __all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_unavailable_reason", "generation",
            "NCCL_DTYPES"]
@@ -42,23 +42,12 @@ NCCL_DTYPES = {
 }
 _NCCL_UINT8 = 1
 
-_REGISTRY: dict = {}
-_counter = itertools.count(1)
-_generation = 0
+_REGISTRY = GroupRegistry()
 
 
 def generation() -> int:
     """A new value after every ``init_nccl`` / ``destroy_nccl`` (the plan cache keys on it)."""
-    return _generation
-
-
-def _bump() -> None:
-    global _generation
-    _generation = next(_counter)
-
-
-def _group_key(group):
-    return dist.group.WORLD if group is None else group
+    return _REGISTRY.generation()
 
 
 def nccl_unavailable_reason(group: Optional[dist.ProcessGroup] = None) -> str:
@@ -180,22 +169,19 @@ def init_nccl(group: Optional[dist.ProcessGroup] = None, device=None) -> NativeN
     where it cannot work (no ``nsa_cp._C``, no GPU, a non-NCCL group, no libnccl).
     """
     comm = NativeNccl(group, device)
-    old = _REGISTRY.pop(_group_key(group), None)
+    old = _REGISTRY.put(group, comm)
     if old is not None:
         old.close()
-    _REGISTRY[_group_key(group)] = comm
-    _bump()
     return comm
 
 
 def get_nccl(group: Optional[dist.ProcessGroup]) -> Optional[NativeNccl]:
     """The registered communicator of ``group``, or None."""
-    return _REGISTRY.get(_group_key(group)) if _REGISTRY else None
+    return _REGISTRY.get(group)
 
 
 def destroy_nccl(group: Optional[dist.ProcessGroup] = None) -> None:
     """Unregister and destroy (collectively) the communicator of ``group``; a no-op when there is none."""
-    comm = _REGISTRY.pop(_group_key(group), None)
-    _bump()
+    comm = _REGISTRY.pop(group)
     if comm is not None:
         comm.close()

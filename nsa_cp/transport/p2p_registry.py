@@ -8,33 +8,22 @@ replaced or destroyed never leaves a stale decision behind.
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .p2p_transport import P2PTransport
+from .registry import GroupRegistry
 
 __all__ = ["init_p2p", "get_p2p", "destroy_p2p", "any_registered", "generation"]
 
-_REGISTRY = {}
-_counter = itertools.count(1)
-_generation = 0
+_REGISTRY = GroupRegistry()
 
 
 def generation() -> int:
     """The registry's generation: a new value after every ``init_p2p`` / ``destroy_p2p`` (never reused)."""
-    return _generation
-
-
-def _bump() -> None:
-    global _generation
-    _generation = next(_counter)
-
-
-def _group_key(group):
-    return dist.group.WORLD if group is None else group
+    return _REGISTRY.generation()
 
 
 def init_p2p(
@@ -57,11 +46,9 @@ def init_p2p(
         group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms,
         workspace_bytes=workspace_bytes, double_buffer_tokens=double_buffer_tokens,
     )
-    old = _REGISTRY.pop(_group_key(group), None)
+    old = _REGISTRY.put(group, transport)
     if old is not None:
         old.close()
-    _REGISTRY[_group_key(group)] = transport
-    _bump()
     return transport
 
 
@@ -71,13 +58,12 @@ def any_registered() -> bool:
 
 def get_p2p(group: Optional[dist.ProcessGroup]) -> Optional[P2PTransport]:
     """The registered transport of ``group``, or None."""
-    return _REGISTRY.get(_group_key(group))
+    return _REGISTRY.get(group)
 
 
 def destroy_p2p(group: Optional[dist.ProcessGroup] = None) -> None:
     """Unregister and release the transport of ``group`` (no-op when there is none; the generation
     changes either way)."""
-    transport = _REGISTRY.pop(_group_key(group), None)
-    _bump()
+    transport = _REGISTRY.pop(group)
     if transport is not None:
         transport.close()
