@@ -71,12 +71,13 @@ Protocol (QuACK style)
        A method that raises ``NotImplementedError`` on every rank is reported as skipped.
     3. Warm-up: ``--warmup`` calls of every method.
     4. ``--rounds`` rounds. Each round: one ``dist.barrier()``, then every method once, in an order
-       rotated by one per round, each timed with CUDA events on the current stream (``perf_counter``
+       permuted anew per round (seeded by the round: the same on every rank), each timed with CUDA events on the current stream (``perf_counter``
        on CPU). Before a round the GPU sleeps (``torch.cuda._sleep``) long enough for the host to
        enqueue the whole round, so the events time the device work alone, as in a model whose CPU runs
        ahead or a CUDA graph; ``--cold`` drops the sleep (then launch-bound methods are timed at their
        host cost). Methods are enqueued back to back without host syncs, as real code runs them; the
-       rotation spreads the first-after-barrier skew over all methods. Before each method's start
+       permutation spreads the first-after-barrier skew over all methods, and no method always
+       follows the same one (a fixed predecessor could bias its host time). Before each method's start
        event an untimed aligner releases the ranks together (the P2P transport's one-block barrier,
        else a one-element all-reduce), so no method inherits the skew of the one before it. Input and
        output buffers rotate among several sets (about 4x L2 in all) so L2 does not serve repeated
@@ -120,6 +121,7 @@ import json
 import math
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -717,7 +719,7 @@ AHEAD_CYCLES_PER_METHOD = 2_000_000  # ~1 ms of GPU sleep per method: covers any
 
 def _aligner(ctx: Ctx):
     """What runs, untimed, before each method's start event, so that every method starts with the ranks
-    released together. Without it a method inherits the skew its predecessor in the rotation leaves
+    released together. Without it a method inherits the skew its predecessor in the round leaves
     (the ranks leave NCCL's grouped calls several microseconds apart, a P2P kernel within one signal
     latency), and its time depends on its neighbour: 3 us of 24 at M = 256 on 2x H200. With a P2P
     transport: its one-block barrier (ranks within one signal latency); else a one-element NCCL
@@ -776,7 +778,7 @@ def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup, ahead: bool = True)
     host: Dict[str, List[float]] = {m.name: [] for m in methods}
     align = _aligner(ctx)
     for r in range(rounds):
-        order = [(r + i) % nm for i in range(nm)]
+        order = random.Random(r).sample(range(nm), nm)  # every rank draws the same order
         for name, (t, h) in time_round(ctx, methods, bufsets, order, r * nm, ahead, align).items():
             samples[name].append(t)
             host[name].append(h)
