@@ -121,8 +121,8 @@ def test_readme_lists_every_environment_variable_with_its_default(monkeypatch):
 
 def test_readme_has_the_two_one_line_commands():
     readme = README.read_text()
-    assert "pip install -e . && python benchmarks/gather_scatter.py\n" in readme
-    assert 'pip install -e ".[test]" && python -m pytest tests\n' in readme
+    assert "python -m pip install -e . && python benchmarks/gather_scatter.py\n" in readme
+    assert 'python -m pip install -e ".[test]" && python -m pytest tests\n' in readme
     assert len(readme.splitlines()) <= 160, "the README is for users: at most 160 lines"
 
 
