@@ -8,7 +8,8 @@ viewed as rows: ``[rows, row_len]`` after flattening the trailing dims. Shapes u
 Norm and FP8 (``fused_add_rmsnorm``, ``quant_fp8_g128``, ``dequant_fp8_g128`` and their ``*_into_slot``
 forms) follow DESIGN.md's conventions, written so that every step is one IEEE fp32 operation whose
 order a kernel can reproduce: the mean is ``sum(s^2) / H`` (a sum, then one division; torch's CPU
-``mean`` does the same, CUDA's multiplies by 1/H), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
+``mean`` does the same, CUDA's multiplies by 1/H, and so does CUDA's division by a Python scalar, so
+the divisors here are tensors), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
 rounded steps), ``y = (s * rstd) * w``. The kernels in ``nsa_cp.kernels.norm`` follow that order, so
 they differ from this oracle only by the order of the sum of squares (see tests/test_norm_kernels.py).
 """
@@ -74,7 +75,10 @@ def compact_to_padded(compact: torch.Tensor, layout: ShardLayout, padded: torch.
 def rmsnorm_fp32(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``s [rows, H]`` (fp32) -> ``s * rstd * weight`` in fp32, ``rstd = 1 / sqrt(sum(s^2) / H + eps)``."""
     h = s.shape[-1]
-    variance = s.square().sum(dim=-1, keepdim=True) / h
+    total = s.square().sum(dim=-1, keepdim=True)
+    # a tensor divisor: on CUDA, torch divides by a Python scalar as a product with its reciprocal, which
+    # is not the correctly rounded quotient the kernels compute (div_rn); a tensor gets a true division
+    variance = total / torch.full_like(total, h)
     # sqrt in fp64, rounded to fp32: the correctly rounded fp32 square root (torch's vectorised fp32 sqrt on
     # CPU is not always; the kernels use sqrt_rn)
     rstd = 1.0 / torch.sqrt((variance + eps).double()).float()
@@ -130,7 +134,7 @@ def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         groups = x.detach().to(torch.float32).reshape(rows, h // FP8_GROUP, FP8_GROUP)
         amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-        scale = amax / FP8_MAX
+        scale = amax / torch.full_like(amax, FP8_MAX)  # a true division on CUDA too (see rmsnorm_fp32)
         q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(rows, h), scale.reshape(rows, h // FP8_GROUP)
 
