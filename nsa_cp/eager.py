@@ -19,6 +19,9 @@ __all__ = ["all_gather", "reduce_scatter", "fused_add_rmsnorm_all_gather", "redu
            "reduce_scatter_buffer"]
 
 
+_VALIDATE = envs.reader("NSA_CP_VALIDATE")
+
+
 def _values(t):
     """The collectives are not differentiable: they work on values and return tensors without history."""
     return t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
@@ -39,7 +42,7 @@ def _prepared(call: str, validate: Optional[bool], layout, group, t, positions, 
     (nsa_cp/validation.py). Positions are then also checked to be a permutation.
     """
     if validate is None:
-        validate = envs.NSA_CP_VALIDATE
+        validate = _VALIDATE()
     if not validate:
         return prepare()
     rank, size = nccl.group_rank_and_size(group)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
-__all__ = ["ENVIRONMENT_VARIABLES", "PLAN_VARIABLES", "describe", "plan_state"]
+__all__ = ["ENVIRONMENT_VARIABLES", "PLAN_VARIABLES", "describe", "plan_state", "reader"]
 
 _UNSET = object()
 # CPython keeps os.environ's values in a dict (``_data``, encoded keys and values) that every write
@@ -183,8 +183,7 @@ _PLAN_KEYS = tuple(os.environ.encodekey(n) for n in PLAN_VARIABLES) if _ENVIRON_
 def plan_state() -> Tuple[Any, ...]:
     """The raw values of PLAN_VARIABLES (None where unset): cheap, one dict lookup each."""
     if _PLAN_KEYS is not None:
-        get = _ENVIRON_DATA.get
-        return tuple([get(k) for k in _PLAN_KEYS])
+        return tuple(map(_ENVIRON_DATA.get, _PLAN_KEYS))
     return tuple([os.environ.get(n) for n in PLAN_VARIABLES])
 
 
@@ -197,6 +196,12 @@ def describe() -> Dict[str, Any]:
         except ValueError as err:
             values[name] = f"<invalid: {err}>"
     return values
+
+
+def reader(name: str) -> Callable[[], Any]:
+    """The reader of one variable, for hot paths that bind it once (``envs.NAME`` goes through the
+    module's ``__getattr__`` on every read)."""
+    return ENVIRONMENT_VARIABLES[name][0]
 
 
 def __getattr__(name: str) -> Any:

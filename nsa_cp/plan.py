@@ -33,7 +33,7 @@ import torch
 from . import algorithms, checks, envs, reference
 from .layout import ShardLayout
 from .support import Support
-from .transport import nccl, nccl_native
+from .transport import nccl, nccl_native, registry
 from .transport import p2p
 
 __all__ = ["GatherPlan", "ScatterPlan", "gather_plan", "scatter_plan", "clear_cache", "cache_size"]
@@ -56,7 +56,7 @@ def cache_size() -> int:
 
 
 def _transport_generation():
-    return p2p.generation(), nccl_native.generation()
+    return registry.latest_generation()  # P2P transports and native NCCL communicators alike
 
 
 def _lookup(key) -> Optional[Any]:

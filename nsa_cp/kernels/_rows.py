@@ -31,6 +31,9 @@ def as_rows(t: torch.Tensor, name: str, writable: bool) -> torch.Tensor:
     return rows
 
 
+_ROW_KERNELS = envs.reader("NSA_CP_ROW_KERNELS")
+
+
 def native_module(t: torch.Tensor, impl: Optional[str]) -> Optional[ModuleType]:
     """``nsa_cp._C`` when this call on ``t`` takes the native kernel, None for the Triton one.
 
@@ -39,7 +42,7 @@ def native_module(t: torch.Tensor, impl: Optional[str]) -> Optional[ModuleType]:
     None reads NSA_CP_ROW_KERNELS. "native" where it cannot run raises ValueError saying why.
     """
     if impl is None:
-        impl = envs.NSA_CP_ROW_KERNELS
+        impl = _ROW_KERNELS()
     if impl == "triton":
         return None
     if impl not in _IMPLS:

@@ -12,9 +12,22 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["GroupRegistry"]
+__all__ = ["GroupRegistry", "latest_generation"]
 
 _counter = itertools.count(1)  # shared by every registry: generations never repeat across them
+_latest = 0
+
+
+def latest_generation() -> int:
+    """The newest generation of any registry: it changes whenever any registry's does (one int for a
+    cache that depends on all of them)."""
+    return _latest
+
+
+def _next() -> int:
+    global _latest
+    _latest = next(_counter)
+    return _latest
 
 
 class GroupRegistry:
@@ -33,14 +46,14 @@ class GroupRegistry:
         """Register ``obj`` for ``group``; returns the object it replaces (the caller releases it), or None."""
         old = self._items.pop(self._key(group), None)
         self._items[self._key(group)] = obj
-        self._generation = next(_counter)
+        self._generation = _next()
         return old
 
     def pop(self, group) -> Optional[Any]:
         """Unregister and return the object of ``group`` (None when there is none; the generation changes
         either way)."""
         obj = self._items.pop(self._key(group), None)
-        self._generation = next(_counter)
+        self._generation = _next()
         return obj
 
     def get(self, group) -> Optional[Any]:
