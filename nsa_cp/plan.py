@@ -7,8 +7,9 @@ The plan of a call is looked up by its *key*: the operation, the layout (by valu
 anew finds the same plan), the trailing row shape, dtype and device of the input, compact, whether
 ``out`` / ``device_counts`` / ``positions`` are given, the algorithm and backend requests, the
 quantization, the process group, and the raw values of the environment variables that steer choices
-(``envs.PLAN_VARIABLES``). ``init_p2p`` / ``destroy_p2p`` and ``init_nccl`` / ``destroy_nccl`` empty the cache (a registry's
-generation changes), so no plan outlives the transport or communicator it holds.
+(``envs.PLAN_VARIABLES``). ``init_p2p`` / ``destroy_p2p`` and ``init_nccl`` / ``destroy_nccl`` empty
+the cache (the registries' generation changes), so no plan outlives the transport or communicator it
+holds.
 
 Building a plan runs the *plan checks* (nsa_cp/checks.py) and every choice: backend (P2P or
 NCCL/gloo, one ``Support`` verdict with its reason), algorithm (even / padded / padded+compact /

@@ -12,14 +12,13 @@ A plan of an uneven movement passes ``native``: the group's ``NativeNccl`` (nsa_
 nccl_native.py, made by ``nsa_cp.init_nccl``). Its calls then go to NCCL from C++, without c10d's op
 around them; the even layout never gets one (torch's collective is its contract).
 
-The uneven-list collectives (``all_gather`` / ``reduce_scatter`` with one view per rank: grouped
-broadcasts / reduces on NCCL) stay on the public functions: they are the bandwidth path, where host
-time does not show.
+The uneven collectives (``all_gather_rows`` / ``reduce_scatter_rows``: grouped broadcasts / reduces
+on NCCL) go through the public list functions without a native communicator.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
