@@ -1,7 +1,7 @@
 """An NCCL communicator owned by ``nsa_cp._C`` for a process group: ``init_nccl``, ``get_nccl``, ``destroy_nccl``.
 
 Why: torch's c10d op around an NCCL collective (work object, stream bookkeeping, dispatch) costs the
-host 50-100 us per call on 2x H200's CPU, several times the ``ncclAllGather`` call itself. An uneven
+host 50-110 us per call on 2x H200's CPU (the plain all-gather, bf16, H = 7168), several times the ``ncclAllGather`` call itself. An uneven
 call of the NCCL path adds a pack and a slice to it, so it costs more host time than the plain
 collective however lean the Python around it is. This communicator calls NCCL directly from C++
 (vLLM's and SGLang's pynccl pattern): libnccl is the copy torch loaded (``NSA_CP_NCCL_LIBRARY`` names
@@ -15,8 +15,8 @@ bitwise contract of the old even path), and so does a call inside torch's coales
 Ordering: its collectives run on the calling stream, in program order with everything else on it,
 like the P2P transport. Across communicators NCCL needs every rank to issue collectives in the same
 order; the library issues them in program order, so a model that calls nsa_cp and torch.distributed in
-the same order on every rank (as SPMD code does) is safe. It holds NCCL's own buffers (tens to hundreds
-of MB per GPU, set by NCCL_BUFFSIZE and the channel count), released by ``destroy_nccl``.
+the same order on every rank (as SPMD code does) is safe. It holds NCCL's own buffers (their size set by
+NCCL_BUFFSIZE and the channel count), released by ``destroy_nccl``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, envs
+from .nccl import resolve_group
 from .registry import GroupRegistry
 
 __all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_unavailable_reason", "generation",
@@ -52,8 +53,6 @@ def generation() -> int:
 
 def nccl_unavailable_reason(group: Optional[dist.ProcessGroup] = None) -> str:
     """"" when ``init_nccl(group)`` can work here, else why not (a sentence)."""
-    from .nccl import resolve_group
-
     mod = _native.load()
     if mod is None or not hasattr(mod, "NcclComm"):
         return _native.unavailable_reason() or "nsa_cp._C has no NcclComm (built before it existed)"
@@ -77,8 +76,6 @@ class NativeNccl:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, device=None):
-        from .nccl import resolve_group
-
         reason = nccl_unavailable_reason(group)
         if reason:
             raise RuntimeError(f"nsa_cp.init_nccl: {reason}")
