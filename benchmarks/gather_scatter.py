@@ -355,23 +355,28 @@ def nsa_rs(compact: bool, **kw):
     return fn
 
 
-def nsa_torch_nccl(fn):
-    """``fn`` with ``NSA_CP_NCCL_CALL=direct``: the NCCL path through torch's process group even where
-    ``init_nccl`` made nsa_cp's own communicator (the before/after of that communicator, in one run;
-    setting and restoring the variable adds ~1 us of host time per call)."""
+def with_env(fn, key: str, value: str):
+    """``fn`` called with the environment variable ``key`` set to ``value`` (restored after each call;
+    setting and restoring it adds ~1 us of host time per call)."""
 
-    def wrapped(c: Ctx, b: Bufs):
-        saved = os.environ.get("NSA_CP_NCCL_CALL")
-        os.environ["NSA_CP_NCCL_CALL"] = "direct"
+    def wrapped(*args):
+        saved = os.environ.get(key)
+        os.environ[key] = value
         try:
-            return fn(c, b)
+            return fn(*args)
         finally:
             if saved is None:
-                del os.environ["NSA_CP_NCCL_CALL"]
+                del os.environ[key]
             else:
-                os.environ["NSA_CP_NCCL_CALL"] = saved
+                os.environ[key] = saved
 
     return wrapped
+
+
+def nsa_torch_nccl(fn):
+    """``fn`` with ``NSA_CP_NCCL_CALL=direct``: the NCCL path through torch's process group even where
+    ``init_nccl`` made nsa_cp's own communicator (the before/after of that communicator, in one run)."""
+    return with_env(fn, "NSA_CP_NCCL_CALL", "direct")
 
 
 def _native_nccl_needs(c: Ctx) -> Optional[str]:

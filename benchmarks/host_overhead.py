@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from _ranks import init_nccl_rank, spawn_ranks
+from gather_scatter import with_env
 
 _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -51,23 +52,6 @@ def interleaved_medians_us(rows, calls):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def _with_env(fn, key, value):
-    import os
-
-    def call():
-        saved = os.environ.get(key)
-        os.environ[key] = value
-        try:
-            return fn()
-        finally:
-            if saved is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = saved
-
-    return call
 
 
 def profile(fn, calls, top):
@@ -150,7 +134,7 @@ def worker(rank, world, args):
         # the same calls through torch's process group: NSA_CP_NCCL_CALL=direct, set around each call
         # (~1 us of the row's time)
         for name, fn in rows_for("nccl", "NCCL torch").items():
-            rows[name] = _with_env(fn, "NSA_CP_NCCL_CALL", "direct")
+            rows[name] = with_env(fn, "NSA_CP_NCCL_CALL", "direct")
     else:
         native_note = "no native NCCL rows: " + (nsa_cp.nccl_unavailable_reason(None)
                                                  if hasattr(nsa_cp, "init_nccl") else "no nsa_cp.init_nccl")

@@ -10,8 +10,8 @@ Data flow of one layer (names as in SGLang's LayerCommunicator)::
     postprocess_layer  "full" mode: reduce-scatter -> own tokens        local [n_r, H]
 
 The residual always stays local ``[n_r, H]`` and is updated in place by every add + norm (SGLang's and
-flashinfer's convention): the tensor passed as ``residual`` holds ``x + residual`` afterwards. ``layout=None`` means CP is off for this batch: norms
-only, no communication. In "scattered" mode the MLP runs on local tokens and nothing is communicated.
+flashinfer's convention): the tensor passed as ``residual`` holds ``x + residual`` afterwards.
+``layout=None`` means CP is off for this batch: norms only, no communication. In "scattered" mode the MLP runs on local tokens and nothing is communicated.
 
 Fused paths (the default where the norms allow it, ``fuse=True``): a norm that exposes its ``weight`` and
 epsilon (``nsa_cp.RMSNorm``; SGLang's and vLLM's ``RMSNorm``, with ``variance_epsilon``) is applied

@@ -31,8 +31,7 @@ from .. import _native, envs
 from .nccl import resolve_group
 from .registry import GroupRegistry
 
-__all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_unavailable_reason", "generation",
-           "NCCL_DTYPES"]
+__all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_unavailable_reason", "NCCL_DTYPES"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -44,11 +43,6 @@ NCCL_DTYPES = {
 _NCCL_UINT8 = 1
 
 _REGISTRY = GroupRegistry()
-
-
-def generation() -> int:
-    """A new value after every ``init_nccl`` / ``destroy_nccl`` (the plan cache keys on it)."""
-    return _REGISTRY.generation()
 
 
 def nccl_unavailable_reason(group: Optional[dist.ProcessGroup] = None) -> str:
@@ -95,7 +89,7 @@ class NativeNccl:
         self.library = mod.nccl_library(library)
         self.version = mod.nccl_version(library)
         with torch.cuda.device(self.device):
-            torch.cuda.synchronize()  # the broadcast is done everywhere before NCCL blocks in init
+            torch.cuda.synchronize()  # nothing of ours still queued on the device NCCL initialises on
             self._comm = mod.NcclComm(uid, self.world, self.rank, self.device.index, library)
         self._stream = _native.stream_getter()
         self._index = self.device.index
