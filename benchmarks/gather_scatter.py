@@ -3,6 +3,8 @@
 Usage::
 
     python benchmarks/gather_scatter.py                          # every visible GPU, default sweep
+                                                                 # (one GPU: the stages, benchmarks/stages.py)
+    python benchmarks/gather_scatter.py --shared-gpu 4           # 4 ranks sharing cuda:0 (P2P rows; total work)
     python benchmarks/gather_scatter.py --M 8192 --imbalance 0.2 --rounds 50 --csv out.csv
     python benchmarks/gather_scatter.py --counts 4096,4096,7936,8192 --hidden 7168
     python benchmarks/gather_scatter.py --seq-lens '700*64' --seq-lens '32768,4096*6' --page-size 64
@@ -55,9 +57,17 @@ Every method writes into preallocated outputs where its API allows (``out=``); `
 
 Protocol (QuACK style)
 ----------------------
-* One process per visible GPU (``torch.multiprocessing.spawn``, NCCL, ``torch.cuda.set_device(rank)``),
-  or, with no GPU or with ``--cpu-ranks N``, N gloo processes on the CPU. A CPU run is a smoke test of
-  the harness and the library's CPU path: its numbers say nothing about GPUs, and it says so.
+* One process per visible GPU (``harness.spawn``, NCCL, ``torch.cuda.set_device(rank)``), or, with no
+  GPU or with ``--cpu-ranks N``, N gloo processes on the CPU. A CPU run is a smoke test of the harness
+  and the library's CPU path: its numbers say nothing about GPUs, it says so, and it prints no verdicts.
+  The first rank that fails ends the run at once with its traceback (the others are stopped).
+* One visible GPU: no link between ranks to time, so the run times the collectives' stages on that GPU
+  instead (``benchmarks/stages.py``: pack / pad, add + RMSNorm, FP8 quantization, compaction, fp32
+  accumulation, against torch, flashinfer where installed, and the HBM floor). ``--shared-gpu N`` runs
+  N ranks on that one GPU instead: a gloo group for control, the P2P transport over CUDA IPC for the
+  data, and only the P2P rows (``backend="p2p"``; even layouts, which take the plain NCCL collective by
+  contract, are dropped). The "link" is then the GPU's own memory and the GPU time-slices the ranks'
+  kernels: every time is the total work of all ranks, not the latency of a real cp run.
 * ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` are set when unset (never
   overridden): NVLink multicast is off on the target machines and nothing may depend on it.
 * Per configuration (one list of per-rank counts):
@@ -106,8 +116,10 @@ Metrics (nccl-tests convention, GB = 1e9 bytes)
 * ``x even`` = ``t / t(even collective of the same direction)``: below 1.0 is faster than NCCL's even
   collective on the padded size.
 
-``--csv`` / ``--json`` write one row per (configuration, method) tagged with the GPU name, torch, NCCL,
-triton and nsa_cp versions, the nsa_cp path and the date.
+``--csv`` / ``--json`` write one row per (configuration, method) tagged with the device, the ranks and
+how they run, the torch, CUDA, NCCL, Triton, flashinfer and nsa_cp versions, the git revision and the
+date (``harness.env_tags``: versions and devices, never a local path). Their directories are checked
+before anything is measured; the tables are printed before the files are written.
 """
 
 from __future__ import annotations
@@ -115,16 +127,13 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import datetime
 import fnmatch
 import json
 import math
 import os
-import platform
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -133,10 +142,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402  spawn with first-failure abort, output-path checks, env tags
+
+REPO_ROOT = harness.REPO_ROOT
 
 # torch 2.13 deprecates the old names; torch 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -174,6 +185,22 @@ class Ctx:
     @property
     def n(self) -> int:
         return self.counts[self.rank]
+
+    @property
+    def shared_gpu(self) -> bool:
+        """Ranks sharing one GPU: a gloo group for control, CUDA tensors, P2P over CUDA IPC for data."""
+        return self.backend == "gloo" and self.device.type == "cuda"
+
+    @property
+    def control(self) -> torch.device:
+        """Where the harness's own small collectives (verdicts, statistics) run: gloo's are on the CPU."""
+        return torch.device("cpu") if self.backend == "gloo" else self.device
+
+    @property
+    def p2p_backend(self) -> str:
+        """The backend the P2P rows ask for: "auto" (what a user gets) on one GPU per rank; "p2p" when the
+        ranks share a GPU, so a call P2P cannot serve raises instead of timing gloo's host copies."""
+        return "p2p" if self.shared_gpu else "auto"
 
 
 @dataclasses.dataclass
@@ -311,11 +338,13 @@ def fpad_ag_index_select(c: Ctx, b: Bufs):
     return fpad_ag(c, b).index_select(0, _order(c)[1])
 
 
-def nsa_ag_ordered(**kw):
-    """cp_all_gather(positions=...): every rank's rows straight to their batch rows."""
+def nsa_ag_ordered(p2p: bool):
+    """cp_all_gather(positions=...): every rank's rows straight to their batch rows (backend "nccl", or
+    the P2P rows' ``Ctx.p2p_backend``)."""
 
     def fn(c: Ctx, b: Bufs):
-        return c.nsa.cp_all_gather(b.x, c.layout, c.group, positions=_order(c)[0], **kw)
+        backend = c.p2p_backend if p2p else "nccl"
+        return c.nsa.cp_all_gather(b.x, c.layout, c.group, positions=_order(c)[0], backend=backend)
 
     return fn
 
@@ -394,7 +423,7 @@ def _p2p_prepare(c: Ctx):
 
 
 def _p2p_needs(c: Ctx) -> Optional[str]:
-    if c.backend != "nccl":
+    if c.device.type != "cuda":
         return "P2P needs CUDA GPUs"
     try:
         from nsa_cp import _native
@@ -419,7 +448,7 @@ def p2p_auto_ag(compact: bool):
     """cp_all_gather with backend='auto' after init_p2p: what a user gets (P2P for uneven layouts)."""
 
     def fn(c: Ctx, b: Bufs):
-        return c.nsa.cp_all_gather(b.x, c.layout, c.group, compact=compact, backend="auto")
+        return c.nsa.cp_all_gather(b.x, c.layout, c.group, compact=compact, backend=c.p2p_backend)
 
     return fn
 
@@ -432,7 +461,8 @@ def p2p_rs(compact: bool):
     key = f"mlp_out_{int(compact)}"
 
     def fn(c: Ctx, b: Bufs):
-        return c.nsa.cp_reduce_scatter(b.extra[key], c.layout, c.group, compact=compact, out=b.rs_out, backend="auto")
+        return c.nsa.cp_reduce_scatter(b.extra[key], c.layout, c.group, compact=compact, out=b.rs_out,
+                                       backend=c.p2p_backend)
 
     return fn
 
@@ -441,7 +471,8 @@ def p2p_bind(compact: bool):
     key = f"mlp_out_{int(compact)}"
 
     def bind(c: Ctx, bufsets: List[Bufs]):
-        comm = c.nsa.NSACPLayerCommunicator(c.group, _identity_norm, _identity_norm, compact=compact, backend="auto")
+        comm = c.nsa.NSACPLayerCommunicator(c.group, _identity_norm, _identity_norm, compact=compact,
+                                            backend=c.p2p_backend)
         buf = comm.mlp_output_buffer(c.layout, bufsets[0].x)
         for b in bufsets:
             b.extra[key] = buf
@@ -540,6 +571,9 @@ def symm_rs(c: Ctx, b: Bufs):
     return b.extra["symm_rs_out"][: c.n]
 
 
+SHARED_GPU_SKIP = "ranks share one GPU over gloo: only the P2P rows run (no NCCL; gloo would time host copies)"
+
+
 def _nccl_only(what):
     return lambda c: None if c.backend == "nccl" else f"{c.backend} does not support {what}"
 
@@ -563,8 +597,8 @@ METHODS: List[Method] = [
     Method("nsa_ag_padded_validated", "ag", "padded", nsa_ag(False, backend="nccl", validate=True), syncs_host=True),
     Method("nsa_ag_padded_auto", "ag", "padded", p2p_auto_ag(False), _p2p_needs, _p2p_prepare),
     Method("nsa_ag_compact_auto", "ag", "compact", p2p_auto_ag(True), _p2p_needs, _p2p_prepare),
-    Method("nsa_ag_ordered", "ag", "ordered", nsa_ag_ordered(backend="nccl")),
-    Method("nsa_ag_ordered_auto", "ag", "ordered", nsa_ag_ordered(backend="auto"), _p2p_needs, _p2p_prepare),
+    Method("nsa_ag_ordered", "ag", "ordered", nsa_ag_ordered(p2p=False)),
+    Method("nsa_ag_ordered_auto", "ag", "ordered", nsa_ag_ordered(p2p=True), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_padded_sm", "ag", "padded", p2p_ag(False, "sm"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_padded_ce", "ag", "padded", p2p_ag(False, "ce"), _p2p_needs, _p2p_prepare),
     Method("p2p_ag_compact_sm", "ag", "compact", p2p_ag(True, "sm"), _p2p_needs, _p2p_prepare),
@@ -650,7 +684,7 @@ def check_methods(ctx: Ctx, methods: Sequence[Method], bufs: Bufs, hidden, dtype
     that raised NotImplementedError on some rank. Aborts (on every rank) on any mismatch."""
     ag_ref, rs_ref = _expected_outputs(ctx, hidden, dtype, seed)
     rtol, atol = RS_TOL[dtype], RS_TOL[dtype] * ctx.world
-    status = torch.zeros(len(methods), dtype=torch.int64, device=ctx.device)
+    status = torch.zeros(len(methods), dtype=torch.int64, device=ctx.control)
     notes: Dict[str, str] = {}
     even_rs_out = None
     pristine = [t.clone() for t in (bufs.x_full, bufs.y_cmp, bufs.y_pad)]
@@ -734,6 +768,8 @@ def _aligner(ctx: Ctx):
     transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
     if transport is not None and callable(getattr(transport, "barrier", None)):
         return transport.barrier
+    if ctx.shared_gpu:  # no device collective between ranks sharing a GPU without a transport
+        return None
     flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
     return lambda: dist.all_reduce(flag, group=ctx.group)
 
@@ -794,7 +830,7 @@ def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup, ahead: bool = True)
         med = statistics.median(ts)
         q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
         local.append([med, ts[0], (q[2] - q[0]) / med if med > 0 else 0.0, statistics.median(host[m.name])])
-    stats = torch.tensor(local, dtype=torch.float64, device=ctx.device)
+    stats = torch.tensor(local, dtype=torch.float64, device=ctx.control)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=ctx.group)
     keys = ("ms", "min_ms", "spread", "host_ms")
     return {m.name: dict(zip(keys, row)) for m, row in zip(methods, stats.tolist())}
@@ -859,41 +895,10 @@ def make_configs(args, world) -> List[Tuple[int, ...]]:
 
 
 def env_tags(ctx: Ctx) -> Dict[str, str]:
-    try:
-        import triton
-
-        triton_v = triton.__version__
-    except Exception:  # noqa: BLE001 - triton is optional on CPU
-        triton_v = "n/a"
-    if ctx.device.type == "cuda":
-        gpu = torch.cuda.get_device_name(ctx.device)
-        v = torch.cuda.nccl.version()  # a tuple (2, 28, 9) in recent torch, an int in old ones
-        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    else:
-        gpu, nccl = f"CPU ({platform.processor() or platform.machine()}, gloo)", "n/a"
-    try:
-        rev = subprocess.run(
-            ["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        rev = ""
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(),
-        "gpu": gpu,
-        "backend": ctx.backend,
-        "world": str(ctx.world),
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "nccl": nccl,
-        "triton": triton_v,
-        "nsa_cp": getattr(ctx.nsa, "__version__", "?"),
-        "nsa_cp_path": os.path.dirname(getattr(ctx.nsa, "__file__", "?")),
-        "git_rev": rev or "n/a",
-        "nsa_cp_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("NSA_CP_")),
-        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", ""),
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", ""),
-    }
+    """The tags of this run's rows (harness.env_tags: versions and devices, never a local path)."""
+    mode = ("ranks sharing one GPU (gloo + P2P over CUDA IPC): total work, not latency" if ctx.shared_gpu
+            else None)
+    return harness.env_tags(ctx.device, ctx.backend, ctx.world, ctx.nsa, mode)
 
 
 # ============================================================================ worker
@@ -913,6 +918,8 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
     active, skipped = [], {}
     for m in methods:
         reason = m.needs(ctx) if m.needs else None
+        if reason is None and ctx.shared_gpu and m.needs is not _p2p_needs:
+            reason = SHARED_GPU_SKIP
         if reason:
             skipped[m.name] = reason
         else:
@@ -971,18 +978,31 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
     return rows, skipped
 
 
-def worker(rank, world, use_cuda, port, args, configs, result_path, process="main"):
+MODES = ("nccl", "cpu", "shared-gpu")  # one GPU per rank | gloo ranks on the CPU | gloo ranks sharing cuda:0
+
+
+def init_rank(rank: int, world: int, mode: str, port: int) -> torch.device:
+    """This rank's device and default process group for ``mode`` (see MODES)."""
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*")
-    if use_cuda:
+    init = f"tcp://127.0.0.1:{port}"
+    if mode == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=device
-        )
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
+        return device
+    if mode == "shared-gpu":  # the data moves through P2P over CUDA IPC; gloo carries control only
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    return device
+
+
+def worker(rank, world, mode, port, args, configs, result_path, process="main"):
+    device = init_rank(rank, world, mode, port)
+    use_cuda = mode == "nccl"
     if process == "symm":
         symm_setup()  # before anything allocates symmetric memory in this process
     nsa = _import_nsa_cp()
@@ -999,23 +1019,25 @@ def worker(rank, world, use_cuda, port, args, configs, result_path, process="mai
             print(msg, flush=True)  # stdout, so that the table printed last stays last in one stream
 
     result = {"tags": None, "rows": [], "skipped": {}}
-    try:
-        for i, counts in enumerate(configs):
-            layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
-            ctx = Ctx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden, DTYPES[args.dtype])
-            if result["tags"] is None:
-                result["tags"] = env_tags(ctx)
-            rows, skipped = run_config(ctx, methods, args, i, log)
-            for r in rows:
-                r["process"] = process
-            result["rows"] += rows
-            result["skipped"][str(i)] = skipped
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # no try/finally around this: a rank that raises exits at once (harness.spawn) and the parent stops
+    # the others; tearing the group down here could wait on a peer stuck in a collective
+    for i, counts in enumerate(configs):
+        layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
+        ctx = Ctx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden, DTYPES[args.dtype])
+        if result["tags"] is None:
+            result["tags"] = env_tags(ctx)
+        rows, skipped = run_config(ctx, methods, args, i, log)
+        for r in rows:
+            r["process"] = process
+        result["rows"] += rows
+        result["skipped"][str(i)] = skipped
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # ============================================================================ report
@@ -1023,12 +1045,11 @@ def format_table(result, cpu: bool) -> str:
     tags, rows = result["tags"], result["rows"]
     lines = []
     if cpu:
-        lines.append("*** CPU/gloo run: a smoke test of the harness; these numbers say NOTHING about GPUs ***")
+        lines.append(f"*** {harness.SMOKE} ***")
     if tags:
-        lines.append(
-            f"{tags['gpu']} x{tags['world']} | torch {tags['torch']} | NCCL {tags['nccl']} | triton {tags['triton']}"
-            f" | nsa_cp {tags['nsa_cp']} ({tags['nsa_cp_path']}, git {tags['git_rev']}) | {tags['date']}"
-        )
+        lines.append(header_line(tags))
+        if "sharing one GPU" in tags.get("mode", ""):
+            lines.append(f"*** {SHARED_GPU_NOTE} ***")
     hdr = f"{'method':<26}{'ms':>9}{'spread':>8}{'host ms':>9}{'algbw':>9}{'busbw':>9}{'link':>9}{'x even':>8}"
     by_cfg: Dict[int, List[dict]] = {}
     for r in rows:
@@ -1065,6 +1086,17 @@ def format_table(result, cpu: bool) -> str:
     return "\n".join(lines)
 
 
+SHARED_GPU_NOTE = ("ranks SHARE ONE GPU (gloo for control, P2P over CUDA IPC for data): the link is the GPU's own "
+                   "memory, not NVLink, and the GPU time-slices the ranks' kernels, so each time is the total work "
+                   "of every rank, not the latency of a real cp run")
+
+
+def header_line(tags: dict) -> str:
+    """One line naming the run: device x ranks, versions, revision, date."""
+    return (f"{tags['gpu']} x{tags['world']} ({tags.get('mode', '')}) | torch {tags['torch']} | NCCL {tags['nccl']}"
+            f" | triton {tags['triton']} | nsa_cp {tags['nsa_cp']} (git {tags['git_rev']}) | {tags['date']}")
+
+
 # host-time goals per call, against the plain collective of the same direction
 HOST_ROWS = {
     "ag": [("even_ag", "plain all_gather_into_tensor", None), ("fpad_ag", "F.pad + all-gather", None),
@@ -1086,10 +1118,13 @@ def format_host_summary(result) -> str:
     for r in result["rows"]:
         if r["config"] < SYMM_CONFIG_BASE:
             by_cfg.setdefault(r["config"], {})[r["method"]] = r
-    lines = ["", "host us per call (median over rounds, max over ranks; targets: P2P <= 0.35x, NCCL path <= 1.0x "
-             "of the plain collective's host time)"]
-    if (result.get("tags") or {}).get("backend") == "gloo":
-        lines.append("*** CPU/gloo run: host times of the CPU path, not of a GPU launch ***")
+    smoke = harness.smoke_note(result.get("tags"))
+    if smoke:
+        lines = ["", "host us per call (median over rounds, max over ranks), the CPU path's, not a GPU launch's",
+                 smoke]
+    else:
+        lines = ["", "host us per call (median over rounds, max over ranks; targets: P2P <= 0.35x, NCCL path <= 1.0x "
+                 "of the plain collective's host time)"]
     for cfg, rows in sorted(by_cfg.items()):
         r0 = next(iter(rows.values()))
         if r0["padding_frac"] == 0:  # even layouts take the plain collective: the targets are for uneven calls
@@ -1103,7 +1138,8 @@ def format_host_summary(result) -> str:
                     continue
                 us = r["host_ms"] * 1e3
                 ratio = r["host_ms"] / base["host_ms"] if base and base["host_ms"] > 0 else float("nan")
-                verdict = "" if target is None else f"  target <= {target:.2f}x: {'ok' if ratio <= target else 'MISS'}"
+                verdict = "" if target is None or smoke else (
+                    f"  target <= {target:.2f}x: {'ok' if ratio <= target else 'MISS'}")
                 lines.append(f"  {direction}  {label:<30}{us:9.1f} us  {ratio:6.2f}x{verdict}")
     lines += format_symm_summary(result)
     return "\n".join(lines)
@@ -1170,6 +1206,9 @@ def parse_args(argv=None):
     p.add_argument("--methods", help="comma-separated names or globs (even_ag/even_rs always kept)")
     p.add_argument("--gpus", type=int, help="ranks on GPU (default: every visible GPU)")
     p.add_argument("--cpu-ranks", type=int, help="run N gloo ranks on the CPU (default 2 when no GPU)")
+    p.add_argument("--shared-gpu", type=int, metavar="N",
+                   help="N ranks (2-8) sharing cuda:0: gloo for control, P2P over CUDA IPC for data; only the P2P "
+                        "rows run, and their times are the total work of every rank, not latency")
     p.add_argument("--max-bufs", type=int, default=8, help="most rotating buffer sets per configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--symm", choices=("auto", "off"), default="auto",
@@ -1193,64 +1232,107 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def choose_mode(args) -> Tuple[str, int]:
+    """``(mode, world)``: "nccl" with one process per GPU (2+ GPUs), "shared-gpu" (``--shared-gpu N``),
+    "cpu" (``--cpu-ranks N``, or no GPU: 2 ranks), or ("stages", 1) on a machine with one GPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.cpu_ranks is not None:
+        return "cpu", args.cpu_ranks
+    if args.shared_gpu is not None:
+        if gpus < 1:
+            raise SystemExit(f"--shared-gpu {args.shared_gpu}: needs a CUDA GPU, found none")
+        if not 2 <= args.shared_gpu <= 8:
+            raise SystemExit(f"--shared-gpu {args.shared_gpu}: expected 2 to 8 ranks (the P2P kernels serve up to 8)")
+        return "shared-gpu", args.shared_gpu
+    if gpus == 0:
+        return "cpu", 2
+    world = args.gpus or gpus
+    if world > gpus:
+        raise SystemExit(f"--gpus {world}: only {gpus} visible")
+    return ("nccl", world) if world >= 2 else ("stages", 1)
+
+
+def stage_argv(args) -> List[str]:
+    """The stage benchmark's arguments (stages.py) from this script's: sizes, rounds and outputs."""
+    argv = ["--hidden", str(args.hidden), "--dtype", args.dtype, "--rounds", str(args.rounds),
+            "--warmup", str(args.warmup), "--max-bufs", str(args.max_bufs), "--seed", str(args.seed)]
+    if args.M:
+        argv += ["--M", *map(str, args.M)]
+    for flag, value in (("--csv", args.csv), ("--json", args.json)):
+        if value:
+            argv += [flag, value]
+    return argv
+
+
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    use_cuda = torch.cuda.is_available() and args.cpu_ranks is None
-    if use_cuda:
-        world = args.gpus or torch.cuda.device_count()
-        if world > torch.cuda.device_count():
-            raise SystemExit(f"--gpus {world}: only {torch.cuda.device_count()} visible")
+    harness.check_output_paths([("--csv", args.csv), ("--json", args.json)])  # before anything is measured
+    harness.keep_multicast_off()
+    mode, world = choose_mode(args)
+    if mode == "stages":
+        import stages  # benchmarks/stages.py
+
+        print("one CUDA GPU: no link to time between ranks here (ranks sharing this GPU would move rows through "
+              "its own memory, not NVLink), so this run times the stages of the collectives on this GPU against "
+              "torch (and flashinfer where installed) and the HBM floor. The collective rows with ranks sharing "
+              "the GPU: --shared-gpu N (total work, not latency).", flush=True)
+        stages.main(stage_argv(args))
+        return
+    if mode == "nccl":
         args.M = args.M or [256, 2048, 8192, 32768]
+    elif mode == "shared-gpu":
+        args.M = args.M or [256, 2048, 8192]
+        print(f"*** {SHARED_GPU_NOTE} ***", flush=True)
     else:
-        world = args.cpu_ranks or 2
         args.M = args.M or [64, 256]
-        print("*** CPU/gloo run: a smoke test of the harness and the CPU path; the numbers say NOTHING "
-              "about GPUs ***", flush=True)
+        print(f"*** {harness.SMOKE} ***", flush=True)
     if world < 2:
         raise SystemExit(f"need at least 2 ranks, have {world} (use --cpu-ranks N for a CPU run)")
     configs = make_configs(args, world)
-    result = _spawn(world, use_cuda, args, configs, "main") if select_methods(args.methods, "main") else None
-    if result is not None:
-        write_outputs(merge_results(result, None), args.csv, args.json)  # kept if the symmetric run fails
+    if mode == "shared-gpu":
+        even = [c for c in configs if len(set(c)) == 1]
+        configs = [c for c in configs if len(set(c)) > 1]
+        if even:  # the contract keeps the plain collective for even layouts: NCCL, which cannot run here
+            print(f"ranks sharing one GPU: even layouts {[list(c) for c in even]} dropped (they take the plain "
+                  f"NCCL collective, which needs a GPU per rank)", flush=True)
+        if not configs:
+            raise SystemExit("ranks sharing one GPU: no uneven layout left to time (use --imbalance > 0 or --counts)")
+    result = _spawn(world, mode, args, configs, "main") if select_methods(args.methods, "main") else None
     symm = None
     if select_methods(args.methods, "symm") and args.symm != "off":
         # the even layout of every M swept (the symmetric rows are plain collectives on even shards)
         even = list(dict.fromkeys(tuple([max(c)] * world) for c in configs))
-        if use_cuda:
+        if mode == "nccl":
             print(f"NCCL on symmetric buffers: separate processes, even layouts M = {[c[0] for c in even]}", flush=True)
             try:
-                symm = _spawn(world, use_cuda, args, even, "symm", timeout_s=args.symm_timeout)
+                symm = _spawn(world, mode, args, even, "symm", timeout_s=args.symm_timeout)
             except Exception as e:  # noqa: BLE001 - the main run's rows stand; say why these are missing
                 why = f"the symmetric-buffer run failed: {type(e).__name__}: {str(e).strip()[-300:]}"
                 print(why, flush=True)
                 symm = {"tags": None, "rows": [], "configs": [list(c) for c in even],
                         "skipped": {str(i): {"symm_ag": why, "symm_rs": why} for i in range(len(even))}}
         else:
-            why = "symmetric memory needs NCCL on CUDA GPUs (this is a CPU/gloo run)"
+            why = "symmetric memory needs NCCL with a GPU per rank (this is a run on gloo)"
             symm = {"tags": None, "rows": [], "skipped": {str(i): {"symm_ag": why, "symm_rs": why} for i in range(len(even))},
                     "configs": [list(c) for c in even]}
     result = merge_results(result, symm)
-    write_outputs(result, args.csv, args.json)
-    print(format_table(result, cpu=not use_cuda), flush=True)
+    # tables first, files after: a file that cannot be written loses no printed result
+    print(format_table(result, cpu=mode == "cpu"), flush=True)
     print(format_host_summary(result), flush=True)
+    write_outputs(result, args.csv, args.json)
+    for path in (args.csv, args.json):
+        if path:
+            print(f"wrote {path}", flush=True)
 
 
-def _spawn(world, use_cuda, args, configs, process, timeout_s: Optional[float] = None) -> dict:
-    """Run ``worker`` on ``world`` processes; with ``timeout_s``, terminate them past it (TimeoutError)."""
+def _spawn(world, mode, args, configs, process, timeout_s: Optional[float] = None) -> dict:
+    """Run ``worker`` on ``world`` processes (harness.spawn: the first failing rank ends the run with its
+    traceback); with ``timeout_s``, stop them past it. Returns rank 0's result."""
     fd, result_path = tempfile.mkstemp(prefix="gather_scatter_", suffix=".json")
     os.close(fd)
     try:
-        ctx = mp.start_processes(worker, args=(world, use_cuda, _free_port(), args, configs, result_path, process),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not ctx.join(timeout=5):
-            if deadline is not None and time.monotonic() > deadline:
-                for p in ctx.processes:  # the processes this call started
-                    if p.is_alive():
-                        p.terminate()
-                raise TimeoutError(f"{process} run still going after {timeout_s:.0f} s: terminated")
+        harness.spawn(worker, world, (mode, _free_port(), args, configs, result_path, process),
+                      timeout_s=timeout_s, what=f"gather_scatter.py ({process} run)")
         with open(result_path) as f:
             result = json.load(f)
     finally:
@@ -1283,4 +1365,4 @@ def merge_results(main: Optional[dict], symm: Optional[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    harness.run_main(main)
