@@ -17,17 +17,36 @@ calls so the queue never blocks the host); otherwise gloo on CPU with fp32.
 """
 
 import argparse
+import inspect
+import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 
-def worker(rank, world, args, queue):
+def op_arguments(body, x, counts, group, rank):
+    """The custom op's positional arguments, by name from its signature: a parameter this script does not
+    know fails here, naming it, instead of a TypeError deep in the timing loop."""
+    known = {"counts": counts, "align": 1, "group_name": group.group_name, "rank": rank, "compact": False,
+             "algo": "auto", "backend": "auto", "validate": None, "device_counts": None, "device_offsets": None,
+             "positions": None}
+    names = list(inspect.signature(body).parameters)[1:]  # after the tensor
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise SystemExit(f"dispatch_overhead.py: the op takes {missing}, which this script does not set; update "
+                         f"op_arguments")
+    return tuple(known[n] for n in names)
+
+
+def worker(rank, world, args, result_path):
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -49,7 +68,7 @@ def worker(rank, world, args, queue):
         layout = nsa_cp.ShardLayout(counts)
         x = torch.randn(counts[rank], args.H, device=device, dtype=dtype)
         y = torch.randn(layout.padded_len, args.H, device=device, dtype=dtype)
-        a = (counts, 1, group.group_name, rank, False, "auto", "auto", None, None, None)
+        a = op_arguments(gather_body, x, counts, group, rank)
         methods.update({
             (f"cp_all_gather {kind}", "eager"): lambda x=x, layout=layout: nsa_cp.cp_all_gather(x, layout, group),
             (f"cp_all_gather {kind}", "op body"): lambda x=x, a=a: gather_body(x, *a),
@@ -77,21 +96,23 @@ def worker(rank, world, args, queue):
     gathered = [None] * world
     dist.all_gather_object(gathered, medians)
     if rank == 0:
-        queue.put({key: max(g[key] for g in gathered) for key in medians})
+        with open(result_path, "w") as f:  # keys "method|row"
+            json.dump({"|".join(key): max(g[key] for g in gathered) for key in medians}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run(world, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    args.store = os.path.join(tempfile.mkdtemp(), "store")
-    procs = [ctx.Process(target=worker, args=(r, world, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=600)
-    for p in procs:
-        p.join()
+    """One world's medians; harness.spawn ends the run at the first failing rank, with its traceback."""
+    tmp = tempfile.mkdtemp()
+    args.store = os.path.join(tmp, "store")
+    result_path = os.path.join(tmp, "result.json")
+    harness.spawn(worker, world, (args, result_path), what=f"dispatch_overhead.py (world {world})")
+    with open(result_path) as f:
+        result = {tuple(k.split("|")): v for k, v in json.load(f).items()}
+    for name in os.listdir(tmp):
+        os.unlink(os.path.join(tmp, name))
+    os.rmdir(tmp)
     return result
 
 
@@ -105,6 +126,8 @@ def main():
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     args.device = "cuda" if gpus >= 2 else "cpu"
+    if args.device == "cpu":
+        print(f"*** {harness.SMOKE} (host times of the CPU path) ***")
     worlds = args.worlds or ([2] if args.device == "cuda" else [1, 2])
     args.M = args.M or (256 if args.device == "cuda" else 64)
     args.H = args.H or (7168 if args.device == "cuda" else 128)
@@ -123,4 +146,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    harness.run_main(main)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import harness
 from _ranks import init_nccl_rank, spawn_ranks
 from gather_scatter import with_env
 
@@ -187,4 +188,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    harness.run_main(main)

@@ -87,12 +87,10 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -779,17 +777,9 @@ def run_config(c: TailCtx, rows: List[Row], args, cfg_idx: int, log) -> Tuple[Li
     return out, skipped
 
 
-def worker(rank, world, use_cuda, port, args, configs, result_path):
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*")
-    if use_cuda:
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                device_id=device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def worker(rank, world, mode, port, args, configs, result_path):
+    device = gs.init_rank(rank, world, mode, port)
+    use_cuda = mode == "nccl"
     torch.set_grad_enabled(False)  # the collectives are not differentiable; norms' weights are plain tensors
     # a tail takes the host several times one collective's call: sleep longer per call before a round
     # (gather_scatter.time_round reads this; ~2e6 cycles per ms at H200 clocks)
@@ -817,22 +807,23 @@ def worker(rank, world, use_cuda, port, args, configs, result_path):
         backend_kw = False
     w1, w2 = weights(args.hidden, dtype, device, args.seed)
     result = {"tags": None, "rows": [], "skipped": {}, "norm": f"{norm.name} {norm.why}".strip()}
-    try:
-        for i, counts in enumerate(configs):
-            layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
-            c = TailCtx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden, dtype,
-                        norm=norm, w1=w1, w2=w2, coef=coef_of(rank), fused_backend_kw=backend_kw)
-            if result["tags"] is None:
-                result["tags"] = gs.env_tags(c)
-            out, skipped = run_config(c, rows, args, i, log)
-            result["rows"] += out
-            result["skipped"][str(i)] = skipped
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # no try/finally: a rank that raises exits at once (harness.spawn) and the parent stops the others
+    for i, counts in enumerate(configs):
+        layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
+        c = TailCtx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden, dtype,
+                    norm=norm, w1=w1, w2=w2, coef=coef_of(rank), fused_backend_kw=backend_kw)
+        if result["tags"] is None:
+            result["tags"] = gs.env_tags(c)
+        out, skipped = run_config(c, rows, args, i, log)
+        result["rows"] += out
+        result["skipped"][str(i)] = skipped
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # ============================================================================ report
@@ -840,9 +831,8 @@ def format_table(result, cpu: bool) -> str:
     tags, rows = result["tags"], result["rows"]
     lines = []
     if cpu:
-        lines.append("*** CPU/gloo run: a smoke test of the harness; these numbers say NOTHING about GPUs ***")
-    lines.append(f"{tags['gpu']} x{tags['world']} | torch {tags['torch']} | NCCL {tags['nccl']} | triton "
-                 f"{tags['triton']} | nsa_cp {tags['nsa_cp']} (git {tags['git_rev']}) | {tags['date']}")
+        lines.append(f"*** {gs.harness.SMOKE} ***")
+    lines.append(gs.header_line(tags))
     lines.append(f"baseline norm: {result.get('norm', '?')}; MoE stand-in: one kernel (bf16), two (FP8)")
     hdr = (f"{'row':<24}{'device ms':>10}{'x base':>8}{'eager ms':>10}{'x base':>8}{'host us/layer':>15}"
            f"{'x base':>8}")
@@ -866,7 +856,8 @@ def format_table(result, cpu: bool) -> str:
                          f"{r['x_base_eager']:>8.2f}{r['host_us_per_layer']:>15.1f}{r['x_base_host']:>8.2f}{base}")
         for name, why in result["skipped"].get(str(cfg), {}).items():
             lines.append(f"{name:<24}skipped: {why}")
-    lines += format_targets(rows)
+    smoke = gs.harness.smoke_note(tags)
+    lines += [smoke] if smoke else format_targets(rows)
     return "\n".join(lines)
 
 
@@ -973,17 +964,21 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    use_cuda = torch.cuda.is_available() and args.cpu_ranks is None
+    gs.harness.check_output_paths([("--csv", args.csv), ("--json", args.json)])  # before anything is measured
+    gs.harness.keep_multicast_off()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_cuda = gpus > 0 and args.cpu_ranks is None
     if use_cuda:
-        world = args.gpus or torch.cuda.device_count()
+        world = args.gpus or gpus
         args.M = args.M or [256, 2048, 8192, 32768]
+        if world < 2:
+            raise SystemExit(f"layer_tail.py times a tail between ranks on GPUs of their own: found {gpus} GPU(s). "
+                             f"On one GPU, gather_scatter.py times the stages; --cpu-ranks 2 runs this as a CPU "
+                             f"smoke run")
     else:
         world = args.cpu_ranks or 2
         args.M = args.M or [16, 64]
-        print("*** CPU/gloo run: a smoke test of the harness and the CPU path; the numbers say NOTHING "
-              "about GPUs ***", flush=True)
+        print(f"*** {gs.harness.SMOKE} ***", flush=True)
     if world < 2:
         raise SystemExit(f"need at least 2 ranks, have {world} (use --cpu-ranks N for a CPU run)")
     if args.counts:
@@ -996,15 +991,18 @@ def main(argv=None):
     fd, result_path = tempfile.mkstemp(prefix="layer_tail_", suffix=".json")
     os.close(fd)
     try:
-        mp.spawn(worker, args=(world, use_cuda, gs._free_port(), args, configs, result_path), nprocs=world,
-                 join=True)
+        gs.harness.spawn(worker, world, ("nccl" if use_cuda else "cpu", gs._free_port(), args, configs, result_path),
+                         what="layer_tail.py")
         with open(result_path) as f:
             result = json.load(f)
     finally:
         os.unlink(result_path)
+    print(format_table(result, cpu=not use_cuda), flush=True)  # tables first, files after
     write_outputs(result, args.csv, args.json)
-    print(format_table(result, cpu=not use_cuda), flush=True)
+    for path in (args.csv, args.json):
+        if path:
+            print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    gs.harness.run_main(main)

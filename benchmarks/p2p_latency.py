@@ -25,6 +25,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+import harness
 from _ranks import init_nccl_rank, spawn_ranks
 
 
@@ -132,4 +133,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    harness.run_main(main)
