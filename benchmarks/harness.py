@@ -44,10 +44,10 @@ def _entry(worker: Callable, rank: int, world: int, args: tuple, error_path: str
     try:
         worker(rank, world, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent, never swallowed
-        text = traceback.format_exc()
+        when, text = time.time(), traceback.format_exc()
         try:
             with open(error_path, "w") as f:
-                f.write(text)
+                f.write(f"{when!r}\n{text}")
         finally:
             sys.stderr.write(f"[rank {rank}] {text}")
             sys.stderr.flush()
@@ -83,8 +83,8 @@ def spawn(worker: Callable, world: int, args: Sequence = (), *, timeout_s: Optio
     ``worker`` must be importable by the children (a module-level function).
     """
     ctx = multiprocessing.get_context("spawn")
-    errors = tempfile.mkdtemp(prefix="nsa_cp_bench_")
-    paths = [os.path.join(errors, f"rank{r}.err") for r in range(world)]
+    error_dir = tempfile.mkdtemp(prefix="nsa_cp_bench_")
+    paths = [os.path.join(error_dir, f"rank{r}.err") for r in range(world)]
     procs = [ctx.Process(target=_entry, args=(worker, r, world, tuple(args), paths[r]), name=f"{what} rank {r}")
              for r in range(world)]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -95,10 +95,21 @@ def spawn(worker: Callable, world: int, args: Sequence = (), *, timeout_s: Optio
             codes = [p.exitcode for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                r = failed[0]
+                # a peer of the failing rank often fails a moment later in a collective ("connection reset"):
+                # give them a second, then report the rank that failed FIRST, the cause
+                grace = time.monotonic() + 1.0
+                while time.monotonic() < grace and any(p.exitcode is None for p in procs):
+                    time.sleep(poll_s)
+                codes = [p.exitcode for p in procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 _stop(procs)
-                raise RankFailed(f"{what}: rank {r} of {world} failed ({_describe(codes[r])}); the other ranks "
-                                 f"were stopped.\n{_read(paths[r])}")
+                errors = {r: _read(paths[r]) for r in failed}
+                r = min(failed, key=lambda q: errors[q][0])
+                others = [q for q in failed if q != r]
+                also = (f" (then rank(s) {others} failed too: {', '.join(_last_line(errors[q][1]) for q in others)})"
+                        if others else "")
+                raise RankFailed(f"{what}: rank {r} of {world} failed first ({_describe(codes[r])}); the other "
+                                 f"ranks were stopped{also}.\n{errors[r][1]}")
             if all(c == 0 for c in codes):
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -111,19 +122,26 @@ def spawn(worker: Callable, world: int, args: Sequence = (), *, timeout_s: Optio
         for path in paths:
             if os.path.exists(path):
                 os.unlink(path)
-        os.rmdir(errors)
+        os.rmdir(error_dir)
 
 
 def _describe(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
 
-def _read(path: str) -> str:
+def _read(path: str) -> Tuple[float, str]:
+    """(when the rank failed, its traceback) from its error file."""
     try:
         with open(path) as f:
-            return f.read().rstrip()
-    except OSError:
-        return "(no traceback: the process ended without raising a Python exception)"
+            when, _, text = f.read().partition("\n")
+        return float(when), text.rstrip()
+    except (OSError, ValueError):
+        return float("inf"), "(no traceback: the process ended without raising a Python exception, e.g. a signal)"
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "?"
 
 
 def run_main(main: Callable[[], None]) -> None:

@@ -1,0 +1,173 @@
+"""Every script in benchmarks/ runs at a tiny size on the CPU (gloo ranks), so none rots unnoticed.
+
+Scripts are found, not listed: every ``benchmarks/*.py`` with a ``__main__`` guard is a script (the
+helpers, ``harness.py`` and ``_ranks.py``, have none). Each must have tiny-size arguments in ``SMOKE``
+(run, exit status 0, outputs written, a CPU run says it is a smoke run and prints no verdicts) or be
+in ``GPU_ONLY`` (on a machine without GPUs it must refuse within seconds, saying what it needs), so a
+new script cannot be forgotten. Also: a bad output path fails before anything is measured, a failing
+rank ends a spawned run at once with its traceback, and result rows carry no local path.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M))
+TIMEOUT_S = 240
+NO_GPU = not __import__("torch").cuda.is_available()
+
+# script -> list of (id, arguments, outputs under the run's directory); "{out}" is that directory
+GS_ARGS = ["--cpu-ranks", "2", "--M", "8", "16", "--imbalance", "0.2", "--hidden", "128", "--rounds", "2",
+           "--warmup", "1"]
+SMOKE = {
+    "gather_scatter.py": [("cpu", GS_ARGS + ["--csv", "{out}/gs.csv", "--json", "{out}/gs.json"], ["gs.csv", "gs.json"])],
+    "layer_tail.py": [
+        ("tail", ["--cpu-ranks", "2", "--M", "8", "--hidden", "128", "--rounds", "1", "--warmup", "0", "--layers", "1",
+                  "--csv", "{out}/tail.csv", "--json", "{out}/tail.json"], ["tail.csv", "tail.json"]),
+        ("boundary", ["--part", "boundary", "--cpu-ranks", "2", "--M", "8", "--hidden", "128", "--rounds", "1",
+                      "--warmup", "0", "--layers", "1", "--csv", "{out}/boundary.csv"], ["boundary.csv"]),
+    ],
+    "stages.py": [("cpu", ["--M", "16", "--hidden", "256", "--cp", "3", "--rounds", "2", "--warmup", "1",
+                           "--csv", "{out}/stages.csv", "--json", "{out}/stages.json"], ["stages.csv", "stages.json"])],
+    "dispatch_overhead.py": [("cpu", ["--worlds", "2", "--M", "8", "--H", "64", "--calls", "20", "--rounds", "2"], [])],
+    "readme_tables.py": [("committed-csv", ["benchmarks/results/2xH200.csv"], [])],
+    "plot_busbw.py": [("committed-csv", ["benchmarks/results/2xH200.csv", "--out", "{out}/plot.png"], ["plot.png"])],
+}
+GPU_ONLY = {
+    "host_overhead.py": "needs 1 CUDA GPU",
+    "p2p_latency.py": "needs 2 CUDA GPU",
+}
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TRITON_INTERPRET", "1")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(args, cwd=ROOT, timeout=TIMEOUT_S):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def _no_verdicts(text: str) -> None:
+    assert "smoke run" in text, "a CPU run must say it is a smoke run"
+    assert not re.search(r"\b(MISS|target <=)", text), "a CPU run prints no pass/miss verdicts"
+
+
+def test_every_script_has_a_smoke_run():
+    assert SCRIPTS, "no benchmark scripts found"
+    missing = [s for s in SCRIPTS if s not in SMOKE and s not in GPU_ONLY]
+    assert not missing, f"benchmark scripts without a smoke run: {missing}; add tiny-size arguments to SMOKE"
+    stale = [s for s in list(SMOKE) + list(GPU_ONLY) if s not in SCRIPTS]
+    assert not stale, f"SMOKE / GPU_ONLY name scripts that are gone: {stale}"
+
+
+@pytest.mark.skipif(not NO_GPU, reason="CPU smoke runs: this machine has a GPU, where the scripts take it")
+@pytest.mark.parametrize("script,case", [(s, c) for s, cases in SMOKE.items() for c in cases],
+                         ids=[f"{s}-{c[0]}" for s, cases in SMOKE.items() for c in cases])
+def test_script_runs_at_a_tiny_size(script, case, tmp_path):
+    _, args, outputs = case
+    if script == "plot_busbw.py":
+        pytest.importorskip("matplotlib", reason='plot_busbw.py needs matplotlib (pip install -e ".[bench]")')
+    argv = [str(BENCH / script)] + [a.replace("{out}", str(tmp_path)) for a in args]
+    proc, took = _run(argv)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} exited {proc.returncode} after {took:.0f} s:\n{text[-4000:]}"
+    for name in outputs:
+        path = tmp_path / name
+        assert path.is_file() and path.stat().st_size > 0, f"{script} did not write {name}:\n{text[-2000:]}"
+    if script not in ("readme_tables.py", "plot_busbw.py"):  # these read the committed GPU run
+        _no_verdicts(text)
+    for name in outputs:
+        if name.endswith(".csv"):
+            _check_tags(tmp_path / name)
+        if name.endswith(".json"):
+            rows = json.loads((tmp_path / name).read_text())["rows"]
+            assert rows and all(str(ROOT) not in json.dumps(r) for r in rows), "a JSON row records the checkout's path"
+
+
+def _check_tags(path: Path) -> None:
+    """Versions and devices, never a local path."""
+    rows = list(csv.DictReader(path.open(newline="")))
+    assert rows, f"{path.name}: no rows"
+    for key in ("date", "gpu", "torch", "nsa_cp", "git_rev"):
+        assert key in rows[0], f"{path.name}: no {key!r} tag"
+    for key, value in rows[0].items():
+        assert not str(value).startswith(("/", "~")) and str(ROOT) not in str(value), (
+            f"{path.name}: tag {key}={value!r} is a local path")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without GPUs")
+@pytest.mark.parametrize("script", sorted(GPU_ONLY))
+def test_gpu_only_script_refuses_quickly_saying_why(script):
+    proc, took = _run([str(BENCH / script)], timeout=120)
+    assert proc.returncode != 0, f"{script} ran without a GPU: {proc.stdout[-1000:]}"
+    assert GPU_ONLY[script] in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    assert took < 60, f"{script} took {took:.0f} s to refuse"
+    helped, _ = _run([str(BENCH / script), "--help"], timeout=120)
+    assert helped.returncode == 0, helped.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script,flag", [("gather_scatter.py", "--csv"), ("gather_scatter.py", "--json"),
+                                         ("layer_tail.py", "--csv"), ("stages.py", "--json")])
+def test_a_bad_output_path_fails_before_any_measurement(script, flag):
+    bad = "/nonexistent/dir/x.csv"
+    proc, took = _run([str(BENCH / script), "--cpu-ranks", "2", flag, bad] if script != "stages.py"
+                      else [str(BENCH / script), flag, bad], timeout=120)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-2000:]
+    assert bad in text and "does not exist" in text, text[-2000:]
+    assert "check" not in proc.stdout and "counts [" not in proc.stdout, f"it measured first:\n{text[-2000:]}"
+    assert took < 30, f"{took:.0f} s to refuse a bad path"
+
+
+@pytest.mark.parametrize("rank0", ["barrier", "sleep"])
+def test_a_failing_rank_ends_the_run_at_once_with_its_traceback(tmp_path, rank0):
+    """Rank 1 raises while rank 0 waits in a barrier (a gloo timeout of 10 minutes; it fails a moment
+    later, "connection reset") or sleeps for 10 minutes (it never notices): the parent stops rank 0 and
+    exits with rank 1's traceback, the first failure, within seconds."""
+    script = tmp_path / "failing.py"
+    script.write_text(textwrap.dedent(f"""
+        import datetime, socket, sys
+        sys.path.insert(0, {str(BENCH)!r})
+        import harness
+
+        def worker(rank, world, port):
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(minutes=10))
+            if rank == 1:
+                raise ValueError("boom from rank 1")
+            if {rank0!r} == "sleep":
+                import time
+                time.sleep(600)
+            dist.barrier()
+
+        if __name__ == "__main__":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            harness.run_main(lambda: harness.spawn(worker, 2, (port,), what="failing"))
+    """))
+    proc, took = _run([str(script)], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "rank 1 of 2 failed first" in proc.stderr and "ValueError: boom from rank 1" in proc.stderr, proc.stderr
+    assert "During handling of the above exception" not in proc.stderr, proc.stderr
+    assert took < 60, f"{took:.0f} s to end the run"
