@@ -455,9 +455,10 @@ def p2p_auto_ag(compact: bool):
 
 def p2p_rs(compact: bool):
     """cp_reduce_scatter, auto backend, on the buffer the communicator hands the MoE
-    (``mlp_output_buffer``; with P2P the transport's reduce buffer, so no copy before the pull). The
-    buffer is looked up once per configuration (``p2p_bind``), as a layer loop would per batch, so the
-    call's host time is the reduce-scatter's alone."""
+    (``NSACPLayerCommunicator.mlp_output_buffer``, i.e. ``cp_reduce_scatter_buffer``; with P2P the
+    transport's reduce buffer, so no copy before the pull). The buffer is looked up once per
+    configuration (``p2p_bind``), as a layer loop would per batch, so the call's host time is the
+    reduce-scatter's alone."""
     key = f"mlp_out_{int(compact)}"
 
     def fn(c: Ctx, b: Bufs):
@@ -471,17 +472,12 @@ def p2p_bind(compact: bool):
     key = f"mlp_out_{int(compact)}"
 
     def bind(c: Ctx, bufsets: List[Bufs]):
-        comm = c.nsa.NSACPLayerCommunicator(c.group, _identity_norm, _identity_norm, compact=compact,
-                                            backend=c.p2p_backend)
-        buf = comm.mlp_output_buffer(c.layout, bufsets[0].x)
+        # what the communicator's mlp_output_buffer returns in full mode, asked of the public function it calls
+        buf = c.nsa.cp_reduce_scatter_buffer(bufsets[0].x, c.layout, c.group, compact=compact, backend=c.p2p_backend)
         for b in bufsets:
             b.extra[key] = buf
 
     return bind
-
-
-def _identity_norm(x, residual=None):
-    return x if residual is None else (x, residual)
 
 
 def p2p_stage(compact: bool):
@@ -1138,7 +1134,7 @@ def format_host_summary(result) -> str:
                     continue
                 us = r["host_ms"] * 1e3
                 ratio = r["host_ms"] / base["host_ms"] if base and base["host_ms"] > 0 else float("nan")
-                verdict = "" if target is None or smoke else (
+                verdict = "" if target is None or smoke or base is None else (
                     f"  target <= {target:.2f}x: {'ok' if ratio <= target else 'MISS'}")
                 lines.append(f"  {direction}  {label:<30}{us:9.1f} us  {ratio:6.2f}x{verdict}")
     lines += format_symm_summary(result)
@@ -1281,7 +1277,7 @@ def main(argv=None):
     if mode == "nccl":
         args.M = args.M or [256, 2048, 8192, 32768]
     elif mode == "shared-gpu":
-        args.M = args.M or [256, 2048, 8192]
+        args.M = args.M or [256, 2048]  # every rank's buffers live on the one GPU
         print(f"*** {SHARED_GPU_NOTE} ***", flush=True)
     else:
         args.M = args.M or [64, 256]
