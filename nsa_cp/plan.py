@@ -25,6 +25,7 @@ results carry no history.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 from typing import Any, Callable, Optional, Tuple
@@ -54,6 +55,14 @@ def clear_cache() -> None:
 
 def cache_size() -> int:
     return len(_CACHE)
+
+
+# A plan's runner is bound to its process group, so this cache keeps a group alive after
+# dist.destroy_process_group(). Emptied at exit, before the interpreter finalizes, such a gloo group is
+# destroyed while its worker threads can still take the GIL; left to finalization, a worker thread that
+# released the last collective's tensor then aborted the process ("terminate called without an active
+# exception", SIGABRT, after the program's last line).
+atexit.register(clear_cache)
 
 
 def _transport_generation():
