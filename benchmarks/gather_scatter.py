@@ -1075,7 +1075,8 @@ def format_table(result, cpu: bool) -> str:
         for r in rs:
             lines.append(
                 f"{r['method']:<26}{r['time_ms']:>9.3f}{r['spread']:>7.0%} {r['host_ms']:>9.3f}{r['algbw_GBps']:>9.4g}"
-                f"{r['busbw_GBps']:>9.4g}{r['link_GBps']:>9.4g}{r['x_even']:>8.2f}"
+                f"{r['busbw_GBps']:>9.4g}{r['link_GBps']:>9.4g}"
+                + (f"{r['x_even']:>8.2f}" if r["x_even"] == r["x_even"] else f"{'-':>8}")  # no even row beside it
             )
         for name, why in result["skipped"].get(str(cfg), {}).items():
             lines.append(f"{name:<26}skipped: {why}")

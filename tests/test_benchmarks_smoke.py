@@ -174,3 +174,47 @@ def test_a_failing_rank_ends_the_run_at_once_with_its_traceback(tmp_path, rank0)
     assert "rank 1 of 2 failed first" in proc.stderr and "ValueError: boom from rank 1" in proc.stderr, proc.stderr
     assert "During handling of the above exception" not in proc.stderr, proc.stderr
     assert took < 60, f"{took:.0f} s to end the run"
+
+
+def _load_benchmark(name):
+    import importlib
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.parametrize("gpus,argv,want", [
+    (0, [], ("cpu", 2)), (0, ["--cpu-ranks", "3"], ("cpu", 3)),
+    (1, [], ("stages", 1)), (1, ["--shared-gpu", "4"], ("shared-gpu", 4)), (1, ["--cpu-ranks", "2"], ("cpu", 2)),
+    (2, [], ("nccl", 2)), (8, ["--gpus", "1"], ("stages", 1)),
+])
+def test_gather_scatter_picks_its_mode_from_the_gpus(monkeypatch, gpus, argv, want):
+    """The README's line on a one-GPU machine runs the stages (it used to refuse one rank)."""
+    import torch
+
+    gs = _load_benchmark("gather_scatter")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = gs.parse_args(argv)
+    assert gs.choose_mode(args) == want
+    if want[0] == "stages":  # the stage benchmark takes what gather_scatter hands it
+        stages = _load_benchmark("stages")
+        sargs = stages.parse_args(gs.stage_argv(gs.parse_args(["--M", "64", "--csv", "x.csv", "--rounds", "3"])))
+        assert (sargs.M, sargs.csv, sargs.rounds) == ([64], "x.csv", 3)
+
+
+def test_shared_gpu_refuses_without_a_gpu_or_past_8_ranks(monkeypatch):
+    import torch
+
+    gs = _load_benchmark("gather_scatter")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        gs.choose_mode(gs.parse_args(["--shared-gpu", "2"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="2 to 8"):
+        gs.choose_mode(gs.parse_args(["--shared-gpu", "9"]))
