@@ -13,7 +13,8 @@ times what one GPU can time honestly: the local work around the links, per rank,
 ``[M, round(0.8 M), ...]`` over ``--cp`` ranks, on a rank holding ``n = round(0.8 M)`` rows:
 
 * ``pack / pad``: ``x [n, H]`` into its ``[M, H]`` slot of the padded gather buffer, padding rows zeroed
-  (nsa_cp's row kernel, native or Triton) against ``F.pad`` and ``copy_`` + ``zero_``;
+  (nsa_cp's row kernel, native where ``nsa_cp._C`` serves the GPU, then its Triton twin too) against
+  ``F.pad`` and ``copy_`` + ``zero_``;
 * ``add + RMSNorm``: ``s = x + residual`` in fp32, ``residual <- s``, ``y = rmsnorm(s) * weight`` of n
   rows (``nsa_cp.RMSNorm``, its Triton kernel) against the torch formula (SGLang's ``forward_native``)
   and flashinfer's ``fused_add_rmsnorm``;
@@ -23,7 +24,7 @@ times what one GPU can time honestly: the local work around the links, per rank,
 * ``FP8 quantization``: n rows to float8_e4m3fn groups of 128 with fp32 scales (``nsa_cp.quant_fp8_g128``)
   against the torch formula of SGLang's ``per_token_group_quant_fp8``; and the fused add + RMSNorm + FP8
   into the slot (``quant="fp8_e4m3_g128"``) against torch's norm + quantization + pad;
-* ``compaction``: ``[cp*M, H]`` padded rows to ``[T, H]`` compact (nsa_cp's row kernel) against
+* ``compaction``: ``[cp*M, H]`` padded rows to ``[T, H]`` compact (nsa_cp's row kernels) against
   ``torch.cat`` of the slices and ``index_select(out=)``;
 * ``fp32 accumulation``: the reduce-scatter's sum of ``cp`` partials ``[n, H]`` in fp32, rounded once
   (``torch.sum(dtype=float32)`` and a loop of fp32 adds). nsa_cp sums inside its P2P reduce-scatter
@@ -207,10 +208,12 @@ def methods_for(s: Shape, nsa, log) -> List[Method]:
     def ref_pad(b):
         return F.pad(b["x"], (0, 0, 0, M - n))
 
-    def pack_nsa():
-        from nsa_cp.kernels.pack import pack_into_slot
+    def pack_nsa(impl=None):
+        def make():
+            from nsa_cp.kernels.pack import pack_into_slot
 
-        return lambda b: pack_into_slot(b["x"], b["slot"], count)
+            return lambda b: pack_into_slot(b["x"], b["slot"], count, impl=impl)
+        return make
 
     def copy_zero(b):
         b["slot"][:n].copy_(b["x"])
@@ -226,16 +229,20 @@ def methods_for(s: Shape, nsa, log) -> List[Method]:
 
     out.append(Method("pack / pad", "torch F.pad", ref_pad, chk_slot(ref_pad), baseline=True))
     out.append(Method("pack / pad", "torch copy_ + zero_", copy_zero, chk_slot(copy_zero)))
-    try:
-        from nsa_cp import _native
+    try:  # which row kernel nsa_cp takes for these tensors (the label of its rows)
+        from nsa_cp.kernels._rows import native_module
 
-        native = _native.available()
+        native = native_module(torch.empty(1, 1, dtype=s.dtype, device=dev), None) is not None
     except Exception:  # noqa: BLE001 - the row says Triton then
         native = False
-    fn = optional("pack / pad", "nsa_cp pack", pack_nsa)
+    fn = optional("pack / pad", "nsa_cp pack", pack_nsa())
     if fn:
-        out.append(Method("pack / pad", f"nsa_cp pack ({'native' if native and dev.type == 'cuda' else 'Triton'})",
+        out.append(Method("pack / pad", f"nsa_cp pack ({'native' if native else 'Triton'})",
                           fn, chk_slot(fn)))
+    if native:  # the Triton twin the native kernel replaces
+        fn = optional("pack / pad", "nsa_cp pack (Triton)", pack_nsa("triton"))
+        if fn:
+            out.append(Method("pack / pad", "nsa_cp pack (Triton)", fn, chk_slot(fn)))
 
     # ---- add + RMSNorm (local rows)
     def chk_norm(fn, where="y"):
@@ -300,7 +307,7 @@ def methods_for(s: Shape, nsa, log) -> List[Method]:
     if fn:
         out.append(Method("add + RMSNorm into slot", "nsa_cp fused kernel (Triton)", fn, chk_norm_slot(fn)))
     if fi is not None:
-        pack = optional("add + RMSNorm into slot", "flashinfer + nsa_cp pack", pack_nsa)
+        pack = optional("add + RMSNorm into slot", "flashinfer + nsa_cp pack", pack_nsa())
         if pack:
             def fi_pack(b):
                 fi.fused_add_rmsnorm(b["x"], b["res"], w, EPS)
@@ -372,15 +379,21 @@ def methods_for(s: Shape, nsa, log) -> List[Method]:
     out.append(Method("compaction", "torch.cat of slices", ref_compact, chk_compact(ref_compact), baseline=True))
     out.append(Method("compaction", "torch index_select(out=)", index_sel, chk_compact(index_sel)))
 
-    def nsa_compact():
-        from nsa_cp.kernels.compact import padded_to_compact
+    def nsa_compact(impl=None):
+        def make():
+            from nsa_cp.kernels.compact import padded_to_compact
 
-        return lambda b: padded_to_compact(b["padded"], layout, b["compact"])
+            return lambda b: padded_to_compact(b["padded"], layout, b["compact"], impl=impl)
+        return make
 
-    fn = optional("compaction", "nsa_cp compact", nsa_compact)
+    fn = optional("compaction", "nsa_cp compact", nsa_compact())
     if fn:
-        out.append(Method("compaction", f"nsa_cp compact ({'native' if native and dev.type == 'cuda' else 'Triton'})",
+        out.append(Method("compaction", f"nsa_cp compact ({'native' if native else 'Triton'})",
                           fn, chk_compact(fn)))
+    if native:
+        fn = optional("compaction", "nsa_cp compact (Triton)", nsa_compact("triton"))
+        if fn:
+            out.append(Method("compaction", "nsa_cp compact (Triton)", fn, chk_compact(fn)))
 
     # ---- fp32 accumulation (the reduce-scatter's sum)
     def sum_dim(b):
