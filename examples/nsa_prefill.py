@@ -83,15 +83,37 @@ CUDA_DEFAULTS = dict(
 # token whose k-th and (k+1)-th router or indexer scores nearly tie picks differently in the two runs); a
 # bf16 proxy on CPU (H=512, 4 layers, 32 experts top-8, indexer top-256, 2200 tokens) measured 2.7e-2.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+# The FP8 wire (--quant): both runs quantize the MoE input per group of 128 at the same point, but their
+# inputs differ by the rounding above, and an element that close to the midpoint of two e4m3 values rounds
+# the other way in the other run: a step of up to 1/8 of it (3 mantissa bits). Through a router near-tie
+# that moves a few tokens a lot, and attention spreads it to the tokens after them (fp32 on CPU, 1728
+# tokens, 4 layers: 15% of the tokens off by more than 1e-3, the L2 over a rank's tokens 1.3e-2). So with
+# --quant the checked error is the MEDIAN over a rank's tokens of each token's relative error: 1e-6 there,
+# and 5e-2 when the reference leaves the quantization out (--fault ref_without_quant). In bf16 the runs
+# flip many e4m3 roundings (median 2.7e-2, against 5.5e-2 without the quantization in the reference): that
+# check catches wrong rows, not a missing quantization; the fp32 run checks the wire's values.
+TOLERANCE_FP8 = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 1e-1}
+COMM_METHODS = ("nsa_cp", "nsa_cp_compact", "baseline")
+COMM_ALIASES = {"both": "nsa_cp,baseline", "all": "nsa_cp,nsa_cp_compact,baseline"}
 PHASES = ("attention", "kv_gather", "moe_gather", "moe", "reduce_scatter")
 
 
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL (and P2P where it works)")
-    p.add_argument("--comm", choices=("nsa_cp", "baseline", "both"), default=None,
-                   help="which communication to run and check (default: nsa_cp on cpu, both on cuda)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo; cuda: NCCL (and P2P where it works), or with more ranks than GPUs the one-GPU "
+                        "mode: a gloo group, nsa_cp's data over P2P through CUDA IPC")
+    p.add_argument("--comm", default=None,
+                   help=f"what to run and check: a comma list of {', '.join(COMM_METHODS)}, or "
+                        f"{', '.join(f'{k} ({v})' for k, v in COMM_ALIASES.items())} (default: nsa_cp on cpu, both on cuda)")
+    p.add_argument("--quant", choices=("none", "fp8_e4m3_g128"), default="none",
+                   help="the MoE gather's wire: fp8_e4m3_g128 moves per-token-group FP8 rows (checked against the "
+                        "model without CP quantizing the MoE input at the same point)")
+    p.add_argument("--moe-padding", choices=("masked", "routed", "both"), default="masked",
+                   help="a padded MoE gather's padding rows: masked to -1 (nsa_cp.mask_padding_topk_ids, a MoE that "
+                        "honours -1: triton fused_moe), routed like real rows (a MoE routing inside its kernel: "
+                        "flashinfer's trtllm MoE), or both (each padded method twice)")
     p.add_argument("--enable-nsa-prefill-cp-shared-kv", action="store_true",
                    help="page-aligned in-seq split, uneven shards (else: token split padded to even shards)")
     p.add_argument("--seq-lens", default=None, help="request lengths: '700x64' (64 requests of 700) or '37,64,21' or a mix '4000,700x8'")
@@ -113,14 +135,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--backend", choices=("auto", "nccl", "p2p"), default="auto", help="nsa_cp transport (auto: P2P where init_p2p works)")
     p.add_argument("--compact", action="store_true",
-                   help="nsa_cp: the MoE runs on the compact [total_len, H] gather (no padding rows to route)")
+                   help="nsa_cp: the MoE runs on the compact [total_len, H] gather (no padding rows to route); "
+                        "the method nsa_cp_compact does so whatever this says")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=None, help="max_rel_err above this exits 1 (default per dtype)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-check", action="store_true", help="skip the one-process reference (timing only)")
-    # a deliberate bug for the tests, to show the check fails when the KV reaches attention out of order
-    p.add_argument("--fault", choices=("none", "kv_order"), default="none", help=argparse.SUPPRESS)
+    # deliberate bugs for the tests, to show the check bites: the KV reaches attention out of order; the
+    # reference leaves out the FP8 wire's quantization (so the check tells an FP8 run from a bf16/fp32 one)
+    p.add_argument("--fault", choices=("none", "kv_order", "ref_without_quant"), default="none", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for key, value in defaults.items():
@@ -352,11 +376,13 @@ class NsaComm:
 
     name = "nsa_cp"
 
-    def __init__(self, group, layers, layout, kv_layout, positions, rank, backend, p2p_args, compact=False):
+    def __init__(self, group, layers, layout, kv_layout, positions, rank, backend, p2p_args, compact=False,
+                 quant=None, route_padding=False):
         self.layout, self.kv_layout, self.positions, self.group, self.backend = layout, kv_layout, positions, group, backend
+        self.route_padding = route_padding  # the padded gather's padding rows go through the router and experts
         self.comms = [
             nsa_cp.NSACPLayerCommunicator(group, layer.input_norm, layer.post_attention_norm, mlp_mode="full",
-                                          compact=compact, backend=backend, **p2p_args)
+                                          compact=compact, backend=backend, quant=quant, **p2p_args)
             for layer in layers
         ]
         # layer i's reduce-scatter also runs layer i+1's residual add + input norm (one fused pass)
@@ -371,8 +397,11 @@ class NsaComm:
         return nsa_cp.cp_all_gather(kv_local, self.kv_layout, self.group, positions=self.positions, backend=self.backend)
 
     def prepare_mlp(self, i, attn, residual):
-        """-> (gathered [M * cp, H] rank-major, residual, this rank's normed rows [rows, H])."""
+        """-> (gathered [M * cp, H] rank-major, residual, this rank's normed rows [rows, H]); with the FP8
+        wire the gathered rows and this rank's are ``(q, scale)`` pairs."""
         gathered, residual = self.comms[i].prepare_mlp(attn, residual, self.layout)
+        if isinstance(gathered, tuple):
+            return gathered, residual, tuple(t[self.own] for t in gathered)
         return gathered, residual, gathered[self.own]
 
     def mlp_output_buffer(self, i, like):
@@ -383,12 +412,19 @@ class NsaComm:
 
 
 class BaselineComm:
-    """What a user writes by hand: F.pad to the longest shard, equal-shard NCCL collectives, slices."""
+    """What a user writes by hand: F.pad to the longest shard, equal-shard NCCL collectives, slices.
+
+    ``host_staged``: ranks sharing one GPU have no NCCL (it refuses two ranks on one GPU), so the same
+    collectives run over the gloo group on host copies of the CUDA tensors: the check still holds, the
+    time does not mean anything (it is not timed). ``quant``: the FP8 wire by hand, quantize the normed
+    rows (``nsa_cp.quant_fp8_g128``), then gather q and the scales (padding rows: q = 0, scale = 0)."""
 
     name = "baseline"
 
-    def __init__(self, group, layers, layout, kv_layout, positions, rank):
+    def __init__(self, group, layers, layout, kv_layout, positions, rank, host_staged=False, quant=None,
+                 route_padding=False):
         self.group, self.layers, self.layout, self.kv_layout, self.rank = group, layers, layout, kv_layout, rank
+        self.host_staged, self.quant, self.route_padding = host_staged, quant, route_padding
         start = rank * layout.max_rank_len
         self.own = slice(start, start + layout.per_rank_actual_token[rank])
         m = kv_layout.max_rank_len
@@ -399,10 +435,16 @@ class BaselineComm:
 
     def _pad_gather(self, x, layout):
         m = layout.max_rank_len
-        padded = F.pad(x, (0, 0, 0, m - x.shape[0]))
-        out = x.new_empty((m * layout.cp_size, x.shape[1]))
-        dist.all_gather_into_tensor(out, padded, group=self.group)
-        return out
+        wire = x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x  # gloo has no float8 collectives
+        padded = F.pad(wire, (0, 0, 0, m - x.shape[0]))
+        out = wire.new_empty((m * layout.cp_size, x.shape[1]))
+        if self.host_staged:
+            host = out.cpu()
+            dist.all_gather_into_tensor(host, padded.cpu(), group=self.group)
+            out.copy_(host)
+        else:
+            dist.all_gather_into_tensor(out, padded, group=self.group)
+        return out.view(x.dtype)
 
     def prepare_attn(self, i, h, residual):
         norm = self.layers[i].input_norm
@@ -413,7 +455,10 @@ class BaselineComm:
 
     def prepare_mlp(self, i, attn, residual):
         normed, residual = self.layers[i].post_attention_norm(attn, residual)
-        return self._pad_gather(normed, self.layout), residual, normed
+        if self.quant is None:
+            return self._pad_gather(normed, self.layout), residual, normed
+        q, scale = nsa_cp.quant_fp8_g128(normed)
+        return (self._pad_gather(q, self.layout), self._pad_gather(scale, self.layout)), residual, (q, scale)
 
     def mlp_output_buffer(self, i, like):
         return torch.empty_like(like)
@@ -421,7 +466,12 @@ class BaselineComm:
     def postprocess_layer(self, i, partials, residual):
         m = self.layout.max_rank_len
         out = partials.new_empty((m, partials.shape[1]))
-        dist.reduce_scatter_tensor(out, partials, group=self.group)
+        if self.host_staged:
+            host = out.cpu()
+            dist.reduce_scatter_tensor(host, partials.cpu(), group=self.group)
+            out.copy_(host)
+        else:
+            dist.reduce_scatter_tensor(out, partials, group=self.group)
         return out[: self.layout.per_rank_actual_token[self.rank]], residual
 
 
@@ -448,9 +498,18 @@ class Timer:
         return {p: sum(s.elapsed_time(e) for s, e in pairs) for p, pairs in self.events.items()}
 
 
+def moe_input(rows, dtype: torch.dtype) -> torch.Tensor:
+    """The MoE's input rows: as gathered, or with the FP8 wire the dequantized ``(q, scale)`` (this example's
+    MoE is a bf16/fp32 stand-in; an FP8 block-scale MoE would take q and scale as they are)."""
+    return nsa_cp.dequant_fp8_g128(*rows, dtype) if isinstance(rows, tuple) else rows
+
+
 def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch: Batch, comm, logical_layout, rank,
-               timer: Timer):
-    """This rank's prefill: x [rows, H] (its tokens, then padding rows on the old path) -> final hidden."""
+               timer: Timer, stats: Optional[dict] = None):
+    """This rank's prefill: x [rows, H] (its tokens, then padding rows on the old path) -> final hidden.
+
+    ``stats``: filled with the MoE's rows per layer (``moe_rows``: rows gathered, ``routed_rows``: rows with a
+    routed expert; one host sync per layer, so never while timing)."""
     residual = None
     h = x.clone()  # the fused add + norm updates the residual in place (flashinfer's convention); x is reused
     real = logical_layout.per_rank_actual_token[rank]
@@ -464,8 +523,14 @@ def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch
         with timer.phase("moe_gather"):
             gathered, residual, normed = comm.prepare_mlp(i, attn, residual)   # [M * cp, H] (or compact [T, H])
         with timer.phase("moe"):
+            gathered, normed = moe_input(gathered, x.dtype), moe_input(normed, x.dtype)
             weights, ids = route(s, layer, gathered)
-            nsa_cp.mask_padding_topk_ids(ids, logical_layout)            # padding rows route nowhere (compact: none)
+            if not comm.route_padding:
+                # padding rows route nowhere, as a MoE that honours -1 can do (compact: there are none)
+                nsa_cp.mask_padding_topk_ids(ids, logical_layout)
+            if stats is not None:
+                stats.setdefault("moe_rows", []).append(gathered.shape[0])
+                stats.setdefault("routed_rows", []).append(int((ids >= 0).any(-1).sum().item()))
             partials = comm.mlp_output_buffer(i, gathered)
             partials.copy_(routed_experts(layer, gathered, weights, ids))
             # the shared expert on this rank's tokens only, added into its own slot: the reduce-scatter
@@ -477,8 +542,11 @@ def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch
     return final_norm(h, residual)[0] if layers else final_norm(x)
 
 
-def forward_reference(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """The same model on one process: every token, every expert, no communication."""
+def forward_reference(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch: Batch,
+                      quant: Optional[str] = None) -> torch.Tensor:
+    """The same model on one process: every token, every expert, no communication. ``quant``: the MoE's
+    input rows go through the same per-token-group FP8 quantization as the CP run's wire, at the same
+    point (after the post-attention norm, before the router, the routed and the shared experts)."""
     residual = None
     h = x
     for layer in layers:
@@ -486,21 +554,64 @@ def forward_reference(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor
         q, kv, index_q, index_w = project_local(s, layer, normed, batch)
         attn = attention_core(s, layer, q, kv, batch, index_q, index_w) @ layer.w_o
         normed, residual = layer.post_attention_norm(attn, residual)
+        if quant is not None:
+            normed = moe_input(nsa_cp.quant_fp8_g128(normed), normed.dtype)
         weights, ids = route(s, layer, normed)
         h = routed_experts(layer, normed, weights, ids).to(normed.dtype) + swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
     return final_norm(h, residual)[0] if layers else final_norm(x)
 
 
 # ----------------------------------------------------------------------------- driver
+@dataclass
+class Method:
+    """One way to run the CP prefill: ``kind`` nsa_cp or baseline, the MoE gather compact or padded, and
+    whether the padded gather's padding rows go through the router and the experts (``route_padding``)."""
+
+    label: str
+    kind: str
+    compact: bool
+    route_padding: bool
+
+
+def parse_methods(args, has_padding) -> List[Method]:
+    """``--comm`` (a comma list, or an alias) x ``--moe-padding`` -> the methods to run, in order.
+    ``has_padding(compact)``: whether that MoE gather holds padding rows (only those run both ways)."""
+    names: List[str] = []
+    for part in args.comm.split(","):
+        for name in COMM_ALIASES.get(part.strip(), part.strip()).split(","):
+            if name not in COMM_METHODS:
+                raise SystemExit(f"--comm: expected a comma list of {COMM_METHODS} or one of {tuple(COMM_ALIASES)}, got {args.comm!r}")
+            if name not in names:
+                names.append(name)
+    modes = ("masked", "routed") if args.moe_padding == "both" else (args.moe_padding,)
+    methods = []
+    for name in names:
+        compact = name == "nsa_cp_compact" or (name == "nsa_cp" and args.compact)
+        kind = "baseline" if name == "baseline" else "nsa_cp"
+        if len(modes) == 1 or not has_padding(compact and kind == "nsa_cp"):
+            methods.append(Method(name, kind, compact, modes[0] == "routed"))
+        else:
+            methods.extend(Method(f"{name}/{mode}", kind, compact, mode == "routed") for mode in modes)
+    return methods
+
+
 def _setup(args):
+    """Initialize the process group unless the caller did: gloo on CPU; on CUDA, NCCL with a GPU per
+    local rank, gloo where the local ranks outnumber the GPUs (they share them: one-GPU mode)."""
     own_group = not dist.is_initialized()
     if own_group:
-        backend = "nccl" if args.device == "cuda" else "gloo"
+        backend = "gloo"
         if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            gpus = torch.cuda.device_count()
+            if gpus == 0:
+                raise SystemExit("--device cuda: no CUDA device visible")
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank % gpus)
             # NVLink multicast is off on the machines we measure: nothing here may depend on it
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): ranks sharing GPUs take gloo
+            backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus else "gloo"
         dist.init_process_group(backend)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     return own_group, device
@@ -509,10 +620,18 @@ def _setup(args):
 def run(args: argparse.Namespace) -> dict:
     """Run the example on this rank; returns {method: max_rel_err} and the timings (rank 0's view)."""
     own_group, device = _setup(args)
+    ok = False
     try:
-        return _run(args, device)
+        report = _run(args, device)
+        ok = True
+        return report
     finally:
         if own_group:
+            if ok:
+                # collective: only on the way out of a run every rank finished. The plans nsa_cp cached
+                # for the group go at exit (nsa_cp/plan.py).
+                nsa_cp.destroy_p2p(None)
+                nsa_cp.destroy_nccl(None)
             dist.destroy_process_group()
 
 
@@ -520,6 +639,7 @@ def _run(args, device) -> dict:
     group = None
     rank, cp = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
+    quant = None if args.quant == "none" else args.quant
     s = Shape(args.hidden, args.heads, args.head_dim, args.rope_dim, args.kv_lora_rank, args.index_heads, args.index_dim,
               args.experts, args.topk, args.moe_intermediate, args.shared_intermediate, args.nsa_index_topk,
               args.query_chunk)
@@ -527,8 +647,13 @@ def _run(args, device) -> dict:
         raise SystemExit(f"--experts: expected a multiple of the CP size {cp}, got {s.experts}")
     if s.topk > s.experts:
         raise SystemExit(f"--topk: expected <= --experts {s.experts}, got {s.topk}")
+    if quant is not None and s.hidden % 128:
+        raise SystemExit(f"--quant {quant}: expected --hidden a multiple of 128 (groups of 128), got {s.hidden}")
     seq_lens = parse_seq_lens(args.seq_lens)
     total = sum(seq_lens)
+    # ranks sharing one GPU: a gloo group for control, nsa_cp's data over the P2P transport (CUDA IPC)
+    shared_gpu = device.type == "cuda" and "nccl" not in str(dist.get_backend(group)).lower()
+    ctrl = torch.device("cpu") if "gloo" in str(dist.get_backend(group)).lower() else device  # the check's tensors
 
     # the split: shared KV -> page-aligned in-seq split, uneven, no padding; else the token split padded
     # to SGLang's physical length (a multiple of 2 * cp), even collectives, padding rows in every layer
@@ -544,6 +669,16 @@ def _run(args, device) -> dict:
         layout = nsa_cp.ShardLayout([physical] * cp)
         logical = nsa_cp.ShardLayout(counts, align=physical) if physical else logical
     rows = layout.per_rank_actual_token[rank]
+    methods = parse_methods(args, lambda compact: layout.global_len(compact) > total)
+
+    backend = args.backend
+    if shared_gpu and any(m.kind == "nsa_cp" for m in methods):
+        if backend == "nccl":
+            raise SystemExit("--backend nccl: the ranks share a GPU, which NCCL refuses; use auto or p2p")
+        reason = nsa_cp.p2p_unavailable_reason(group, device)  # collective: the same verdict on every rank
+        if reason:
+            raise SystemExit(f"ranks sharing a GPU need nsa_cp's P2P transport (CUDA IPC), unavailable here: {reason}")
+        backend = "p2p"  # never the gloo path with CUDA tensors
 
     # the batch's input hidden states (seeded, same on every rank); this rank's rows, then zero padding
     x_all = _param(args.seed, -1, shape=(total, s.hidden), fan_in=1, device=device, dtype=dtype)
@@ -557,77 +692,100 @@ def _run(args, device) -> dict:
     with torch.no_grad():
         final_norm.weight.copy_(1 + 0.1 * _param(args.seed, -2, shape=(s.hidden,), fan_in=1, device=device, dtype=dtype).float())
 
-    methods = ["nsa_cp", "baseline"] if args.comm == "both" else [args.comm]
     comms = {}
-    for method in methods:
-        if method == "nsa_cp":
-            if device.type == "cuda" and not nsa_cp.nccl_unavailable_reason(group):
+    for m in methods:
+        if m.kind == "nsa_cp":
+            if device.type == "cuda" and not shared_gpu and not nsa_cp.nccl_unavailable_reason(group):
                 nsa_cp.init_nccl(group, device)  # NCCL-path calls skip torch's c10d op (once per group)
             p2p_args = {}
-            if device.type == "cuda" and args.backend != "nccl":
+            if device.type == "cuda" and backend != "nccl":
                 p2p_args = dict(p2p_max_tokens_per_rank=max(layout.max_rank_len, 1), hidden_size=s.hidden, dtype=dtype)
-            comms[method] = NsaComm(group, layers, layout, logical, positions, rank, args.backend, p2p_args,
-                                    compact=args.compact)
+            comm = NsaComm(group, layers, layout, logical, positions, rank, backend, p2p_args, compact=m.compact,
+                           quant=quant, route_padding=m.route_padding)
         else:
-            comms[method] = BaselineComm(group, layers, layout, logical, positions, rank)
-        if args.fault == "kv_order":
-            comms[method] = FaultyKV(comms[method])
+            comm = BaselineComm(group, layers, layout, logical, positions, rank, host_staged=shared_gpu, quant=quant,
+                                route_padding=m.route_padding)
+        comms[m.label] = FaultyKV(comm) if args.fault == "kv_order" else comm
 
-    report = {"rank": rank, "counts": counts, "rows": layout.per_rank_actual_token, "errors": {}, "times": {}}
+    report = {"rank": rank, "counts": counts, "rows": layout.per_rank_actual_token, "errors": {}, "times": {},
+              "moe_rows": {}}
     if rank == 0:
         split = "page-aligned in-seq split (shared KV)" if args.enable_nsa_prefill_cp_shared_kv else "token split padded to even shards"
-        print(f"nsa_prefill: cp={cp} device={device.type} dtype={args.dtype} tokens={total} requests={len(seq_lens)} "
-              f"split={split} page={page} per_rank={counts} rows={list(layout.per_rank_actual_token)} "
+        transport = "p2p" if nsa_cp.get_p2p(group) is not None else "nccl/gloo"
+        print(f"nsa_prefill: cp={cp} device={device.type} dtype={args.dtype} quant={args.quant} tokens={total} "
+              f"requests={len(seq_lens)} split={split} page={page} per_rank={counts} rows={list(layout.per_rank_actual_token)} "
               f"layers={args.layers} H={s.hidden} heads={s.heads}x{s.head_dim}+{s.rope_dim} kv_lora={s.kv_lora_rank} "
-              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk} compact={args.compact} "
-              f"nsa_cp_transport={'p2p' if nsa_cp.get_p2p(group) is not None else 'nccl/gloo'}"
+              f"experts={s.experts} top{s.topk} nsa_index_topk={s.nsa_index_topk} methods={[m.label for m in methods]} "
+              f"nsa_cp_transport={transport}"
               f"{' gpu=' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}", flush=True)
+        if shared_gpu:
+            print(f"one-GPU mode: {cp} ranks share {device} (gloo group for control, nsa_cp's data over P2P/CUDA IPC); "
+                  "baseline: F.pad + gloo collectives on host copies (NCCL refuses two ranks on one GPU), checked, "
+                  "not timed", flush=True)
 
     outputs = {}
     with torch.no_grad():
-        for method, comm in comms.items():
-            outputs[method] = forward_cp(s, layers, final_norm, x_local, batch, comm, logical, rank, Timer(False))[: counts[rank]]
+        for label, comm in comms.items():
+            stats: dict = {}
+            outputs[label] = forward_cp(s, layers, final_norm, x_local, batch, comm, logical, rank, Timer(False),
+                                        stats)[: counts[rank]]
+            report["moe_rows"][label] = stats
+            if rank == 0 and stats:
+                moe_rows, routed = stats["moe_rows"][0], stats["routed_rows"][0]
+                print(f"{label}: MoE rows per layer {moe_rows} gathered, {routed} routed "
+                      f"(padding {1 - total / moe_rows if moe_rows else 0.0:.1%} of the gathered rows; "
+                      f"{'routed' if comm.route_padding else 'masked to -1'})", flush=True)
 
         if not args.no_check:
-            tol = args.tol if args.tol is not None else TOLERANCE[dtype]
+            default_tol = (TOLERANCE_FP8 if quant else TOLERANCE)[dtype]
+            tol = args.tol if args.tol is not None else default_tol
             # every rank's real rows into batch order on rank 0 (plain collectives: the check relies on
-            # nothing under test)
+            # nothing under test; over gloo on host copies)
             m = max(max(counts), 1)
-            place = torch.cat([torch.arange(n) + q * m for q, n in enumerate(counts)]).to(device)
+            place = torch.cat([torch.arange(n) + q * m for q, n in enumerate(counts)])
             reference = None
             if rank == 0:
                 full_layers = [Layer(s, i, range(s.experts), args.seed, device, dtype) for i in range(args.layers)]
                 ref_batch = make_batch(seq_lens, torch.arange(total), total, device)
-                reference = forward_reference(s, full_layers, final_norm, x_all, ref_batch)
+                ref_quant = None if args.fault == "ref_without_quant" else quant
+                reference = forward_reference(s, full_layers, final_norm, x_all, ref_batch, ref_quant).to(ctrl)
                 del full_layers
-            for method, out in outputs.items():
-                padded = F.pad(out, (0, 0, 0, m - out.shape[0]))
-                gathered = out.new_empty((m * cp, s.hidden))
+            for label, out in outputs.items():
+                padded = F.pad(out, (0, 0, 0, m - out.shape[0])).to(ctrl)
+                gathered = padded.new_empty((m * cp, s.hidden))
                 dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
                 if rank == 0:
                     errs = []
                     for q in range(cp):
                         mine = gathered[place[sum(counts[:q]) : sum(counts[: q + 1])]].float()
-                        ref = reference[pos_per_rank[q].to(device)].float()
+                        ref = reference[pos_per_rank[q]].float()
+                        if quant is not None:  # the median token's relative error (TOLERANCE_FP8 says why)
+                            tok = (mine - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+                            errs.append(tok.median().item() if tok.numel() else 0.0)
+                            continue
                         denom = ref.norm().item()
                         errs.append((mine - ref).norm().item() / denom if denom else (mine - ref).norm().item())
                     err = max(errs) if errs else 0.0
                     finite = all(math.isfinite(e) for e in errs)
-                    report["errors"][method] = err
-                    print(f"{method}: max_rel_err={err:.3e} (tol {tol:.0e}, per rank {[f'{e:.2e}' for e in errs]})"
+                    report["errors"][label] = err
+                    what = ", median over tokens" if quant is not None else ""
+                    print(f"{label}: max_rel_err={err:.3e} (tol {tol:.0e}{what}, per rank {[f'{e:.2e}' for e in errs]})"
                           f"{'' if finite and err <= tol else '  FAILED'}", flush=True)
             report["tol"] = tol
 
         if device.type == "cuda" and args.iters > 0:
-            report["times"] = _bench(args, s, layers, final_norm, x_local, batch, comms, logical, rank)
+            timed = {k: v for k, v in comms.items() if not (shared_gpu and isinstance(v, BaselineComm))}
+            if timed:
+                report["times"] = _bench(args, s, layers, final_norm, x_local, batch, timed, logical, rank, ctrl,
+                                         shared_gpu)
     verdict = torch.tensor([int(all(math.isfinite(e) and e <= report.get("tol", math.inf) for e in report["errors"].values()))],
-                           device=device)
+                           device=ctrl)
     dist.broadcast(verdict, 0, group=group)
     report["ok"] = bool(verdict.item())
     return report
 
 
-def _bench(args, s, layers, final_norm, x_local, batch, comms, logical, rank) -> dict:
+def _bench(args, s, layers, final_norm, x_local, batch, comms, logical, rank, ctrl, shared_gpu) -> dict:
     """Interleaved rounds of every method; median per method and phase, then the max over ranks."""
     samples = {m: {p: [] for p in ("e2e",) + PHASES} for m in comms}
     for it in range(args.warmup + args.iters):
@@ -645,17 +803,24 @@ def _bench(args, s, layers, final_norm, x_local, batch, comms, logical, rank) ->
                 for p, v in timer.totals_ms().items():
                     samples[method][p].append(v)
     med = torch.tensor([[statistics.median(samples[m][p]) for p in ("e2e",) + PHASES] for m in comms],
-                       dtype=torch.float64, device=x_local.device)
+                       dtype=torch.float64, device=ctrl)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     times = {m: dict(zip(("e2e",) + PHASES, med[i].tolist())) for i, m in enumerate(comms)}
     if rank == 0:
         print(f"prefill times, ms (median of {args.iters} after {args.warmup} warm-up, max over ranks; kv_gather is inside attention):")
-        print(f"  {'method':<10}" + "".join(f"{p:>16}" for p in ("e2e",) + PHASES))
+        if shared_gpu:
+            print(f"  the {dist.get_world_size()} ranks share one GPU: each time spans the work of every rank (the GPU "
+                  "time-slices between them), so e2e is the total work of one prefill, not the latency of a real "
+                  "run at this cp; the phases overlap other ranks' work")
+        width = max(10, *(len(m) for m in times))
+        print(f"  {'method':<{width}}" + "".join(f"{p:>16}" for p in ("e2e",) + PHASES))
         for m, t in times.items():
-            print(f"  {m:<10}" + "".join(f"{t[p]:>16.3f}" for p in ("e2e",) + PHASES))
-        if "nsa_cp" in times and "baseline" in times:
-            b, n = times["baseline"], times["nsa_cp"]
-            print("  baseline/nsa_cp: " + ", ".join(f"{p} {b[p] / n[p]:.2f}x" for p in ("e2e",) + PHASES if n[p] > 0))
+            print(f"  {m:<{width}}" + "".join(f"{t[p]:>16.3f}" for p in ("e2e",) + PHASES))
+        first = next(iter(times))
+        for m, t in times.items():
+            if m != first and t["e2e"] > 0:
+                print(f"  {m} over {first}: " + ", ".join(f"{p} {t[p] / times[first][p]:.2f}x" for p in ("e2e",) + PHASES
+                                                    if times[first][p] > 0))
     return times
 
 

@@ -139,4 +139,4 @@ def test_example_cuda_small(split):
                            EXAMPLE, *argv], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nsa_cp: max_rel_err=" in proc.stdout and "baseline: max_rel_err=" in proc.stdout, proc.stdout
-    assert "baseline/nsa_cp:" in proc.stdout, proc.stdout
+    assert "baseline over nsa_cp:" in proc.stdout, proc.stdout
