@@ -142,6 +142,9 @@ class NSACPLayerCommunicator:
         self.validate = validate
         self.quant = quant
         self.fuse = fuse
+        # the model's dtype: what the MLP's partials are in. With the FP8 wire, prepare_mlp hands the MLP
+        # (q, scale), which no longer carries it; set by prepare_mlp's input when not given here.
+        self._partials_dtype: Optional[torch.dtype] = dtype
         self._mlp_norm = norm_parameters(post_attention_layernorm) if fuse else None
         self._next: Optional["NSACPLayerCommunicator"] = None
         self._next_norm = None
@@ -196,6 +199,8 @@ class NSACPLayerCommunicator:
         mode with a layout (``(q, scale)`` with the FP8 wire), else local ``[n_r, H]``; residual is local
         ``[n_r, H]``. ``device_counts``: for CUDA graphs captured per bucket, see ``cp_all_gather``.
         """
+        if isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point():
+            self._partials_dtype = hidden_states.dtype
         if self.mlp_mode != "full" or layout is None:
             return self._norm(self.post_attention_layernorm, hidden_states, residual)
         kw = dict(compact=self.compact, algo=self.algo, backend=self.backend, validate=self.validate,
@@ -207,11 +212,41 @@ class NSACPLayerCommunicator:
         hidden_states, residual = self._norm(self.post_attention_layernorm, hidden_states, residual)
         return cp_all_gather(hidden_states, layout, self.group, quant=self.quant, **kw), residual
 
-    def mlp_output_buffer(self, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
-        """Where the MLP should write its partials for ``postprocess_layer``: ``[global_len, H]`` like
-        ``like``'s rows (the P2P transport's reduce buffer where the reduce-scatter will use it)."""
-        if self.mlp_mode != "full":
-            return like.new_empty((layout.global_len(self.compact), *like.shape[1:]))
+    def mlp_output_buffer(self, layout: Optional[ShardLayout], like, dtype: Optional[torch.dtype] = None
+                          ) -> torch.Tensor:
+        """Where the MLP should write its partials for ``postprocess_layer``.
+
+        ``like``: what ``prepare_mlp`` returned as hidden: a tensor ``[rows, H]``, or with the FP8 wire the
+        ``(q, scale)`` pair. The buffer has ``like``'s rows (``[global_len, H]`` in full mode with a
+        layout, else the local rows), on its device, in the model's dtype: the partials are not FP8.
+        ``dtype``: that dtype; default: the communicator's ``dtype=``, else the dtype of the last
+        ``prepare_mlp`` input (a tensor ``like`` gives its own). In full mode it is the P2P transport's
+        reduce buffer where the reduce-scatter will use it (no copy in).
+        """
+        if isinstance(like, (tuple, list)):
+            if len(like) != 2 or not all(isinstance(t, torch.Tensor) for t in like) or like[0].dim() < 2:
+                got = ", ".join(type(t).__name__ if not isinstance(t, torch.Tensor) else
+                                f"{t.dtype} {list(t.shape)}" for t in like)
+                raise ValueError("like: expected a tensor [rows, H] or the (q, scale) pair prepare_mlp returned "
+                                 f"with the FP8 wire, got a {type(like).__name__} of ({got})")
+            q = like[0]
+            dtype = dtype or self._partials_dtype
+            if dtype is None:
+                raise ValueError(f"dtype: like is the FP8 pair (q {q.dtype} {list(q.shape)}, scale) and the model's "
+                                 "dtype is not known yet (no prepare_mlp call, no dtype= given): pass dtype=")
+            like = q.new_empty((0, *q.shape[1:]), dtype=dtype)  # only its row shape, dtype and device count
+            rows = q.shape[0]
+        elif isinstance(like, torch.Tensor):
+            rows = like.shape[0] if like.dim() else 0
+            if dtype is not None and dtype != like.dtype:
+                like = like.new_empty((0, *like.shape[1:]), dtype=dtype)
+        else:
+            raise ValueError(f"like: expected a tensor [rows, H] or the (q, scale) pair prepare_mlp returned, "
+                             f"got {type(like).__name__}")
+        if like.dim() < 2:
+            raise ValueError(f"like: expected a tensor of 2 or more dims [rows, H, ...], got shape {list(like.shape)}")
+        if self.mlp_mode != "full" or layout is None:
+            return like.new_empty((rows, *like.shape[1:]))
         return cp_reduce_scatter_buffer(like, layout, self.group, compact=self.compact, backend=self.backend)
 
     def postprocess_layer(
@@ -228,6 +263,9 @@ class NSACPLayerCommunicator:
         """
         if self.mlp_mode != "full" or layout is None:
             return hidden_states, residual
+        if not isinstance(hidden_states, torch.Tensor):
+            raise ValueError("hidden_states: expected the MLP's partials, a tensor [rows, H] in the model's dtype "
+                             f"(write them into mlp_output_buffer(layout, hidden)), got {type(hidden_states).__name__}")
         kw = dict(compact=self.compact, algo=self.algo, backend=self.backend, validate=self.validate,
                   device_counts=device_counts)
         if self._next_norm is None:
