@@ -17,11 +17,27 @@ def make_cases():
     for counts in ([5, 3], [0, 6], [4, 4]):
         for quant in (None, "fp8_e4m3_g128"):
             cases.append({"id": f"counts{'-'.join(map(str, counts))}-{quant or 'bf16'}", "counts": counts,
-                          "quant": quant})
+                          "quant": quant, "norm": "nsa"})
+    # torch.nn.RMSNorm (eps=None, no residual argument) in the same loop
+    for quant in (None, "fp8_e4m3_g128"):
+        cases.append({"id": f"torch-rmsnorm-counts5-3-{quant or 'bf16'}", "counts": [5, 3], "quant": quant,
+                      "norm": "torch"})
     return cases
 
 
-def _model(world: int, hidden: int, vocab: int, n_layers: int, seed: int):
+def apply_norm(norm, h, residual):
+    """The reference's add + norm, ``(y, residual)``: nsa_cp.RMSNorm's convention; for torch.nn.RMSNorm the
+    sum in fp32 normed by torch itself (its eps=None, its arithmetic), rounded once."""
+    import torch
+
+    if not isinstance(norm, torch.nn.RMSNorm):
+        return (norm(h), h) if residual is None else norm(h, residual)
+    s = h.float() if residual is None else h.float() + residual.float()
+    y = torch.nn.functional.rms_norm(s, norm.normalized_shape, norm.weight.float(), norm.eps).to(h.dtype)
+    return y, (h if residual is None else s.to(h.dtype))
+
+
+def _model(world: int, hidden: int, vocab: int, n_layers: int, seed: int, norm_kind: str = "nsa"):
     import torch
 
     import nsa_cp
@@ -34,10 +50,15 @@ def _model(world: int, hidden: int, vocab: int, n_layers: int, seed: int):
 
     class Layer:
         def __init__(self):
-            self.input_layernorm = nsa_cp.RMSNorm(hidden, eps=1e-6, dtype=dtype)
-            self.post_attention_layernorm = nsa_cp.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+            if norm_kind == "torch":
+                self.input_layernorm = torch.nn.RMSNorm(hidden, dtype=dtype)  # eps=None
+                self.post_attention_layernorm = torch.nn.RMSNorm(hidden, dtype=dtype)
+            else:
+                self.input_layernorm = nsa_cp.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+                self.post_attention_layernorm = nsa_cp.RMSNorm(hidden, eps=1e-6, dtype=dtype)
             for norm in (self.input_layernorm, self.post_attention_layernorm):
                 norm.weight.data.copy_(1 + randn(hidden, scale=0.1))
+                norm.weight.requires_grad_(False)
             self.w_attn = randn(hidden, hidden, scale=hidden ** -0.5)
             self.w_mlp = [randn(hidden, hidden, scale=hidden ** -0.5) for _ in range(world)]
             self.rank = None
@@ -67,9 +88,9 @@ def _reference(layers, emb, tokens, world, quant):
 
     h, residual = emb[tokens], None
     for layer in layers:
-        h, residual = (layer.input_layernorm(h), h) if residual is None else layer.input_layernorm(h, residual)
+        h, residual = apply_norm(layer.input_layernorm, h, residual)
         h = layer.self_attn(h)
-        h, residual = layer.post_attention_layernorm(h, residual)
+        h, residual = apply_norm(layer.post_attention_layernorm, h, residual)
         if quant is not None:
             h = nsa_cp.quant_fp8_g128(h)
         h = sum(layer.mlp_rows(h, r).float() for r in range(world)).to(torch.bfloat16)
@@ -88,7 +109,7 @@ def _case(rank: int, world: int, block: str, case) -> str | None:
     start = layout.offsets[rank]
     mine = tokens_all[start:start + counts[rank]]
 
-    layers, emb = _model(world, hidden, vocab, n_layers, seed=11)
+    layers, emb = _model(world, hidden, vocab, n_layers, seed=11, norm_kind=case["norm"])
     for layer in layers:
         layer.rank = rank
     scope = {"nsa_cp": nsa_cp, "torch": torch, "layers": layers, "embed": lambda t: emb[t], "tokens": mine,
@@ -96,7 +117,7 @@ def _case(rank: int, world: int, block: str, case) -> str | None:
     exec(compile(block, "README.md (decoder loop)", "exec"), scope)  # noqa: S102 - the README's own code
     got_h, got_res = scope["h"], scope["residual"]
 
-    ref_layers, ref_emb = _model(world, hidden, vocab, n_layers, seed=11)
+    ref_layers, ref_emb = _model(world, hidden, vocab, n_layers, seed=11, norm_kind=case["norm"])
     ref_h, ref_res = _reference(ref_layers, ref_emb, tokens_all, world, case["quant"])
     want_h, want_res = ref_h[start:start + counts[rank]], ref_res[start:start + counts[rank]]
     bad_dtypes = [d for layer in layers for d in layer.partials_dtypes if d != torch.bfloat16]
