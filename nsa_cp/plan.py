@@ -165,6 +165,8 @@ class GatherPlan:
 
     def run(self, x, out, device_counts, positions, norm_args=None):
         """The result (``out`` when given): a tensor, or ``(q, scale)``."""
+        if positions is not None:  # always a permutation from here on: every result row written once
+            positions = checks.ordered_rows(positions, self.layout.total_len)
         if self._p2p is not None:
             results = self._p2p(x, device_counts, positions, norm_args)
             if out is not None:
@@ -304,6 +306,8 @@ class ScatterPlan:
             checks.check_positions(positions, self.layout, self.device)
 
     def run(self, y, out, device_counts, positions):
+        if positions is not None:  # the inverse of the ordered gather's rows (checks.ordered_rows)
+            positions = checks.ordered_rows(positions, self.layout.total_len)
         if self._p2p is not None:
             return self._p2p(y, out, device_counts, positions)
         return self._run(y, out, positions)
@@ -311,6 +315,8 @@ class ScatterPlan:
     def run_norm(self, y, residual, weight, eps, device_counts, positions):
         """The reduce-scatter, then the add + RMSNorm on this rank's rows: ``(normed, residual)``."""
         if self._p2p_norm is not None:  # one kernel: the pull's rows are normed before they are stored
+            if positions is not None:
+                positions = checks.ordered_rows(positions, self.layout.total_len)
             if _unaligned(residual):
                 staged = residual.clone()
                 out, _ = self._p2p_norm(y, staged, weight, eps, None, device_counts, positions)
