@@ -27,7 +27,6 @@ def test_help():
     assert proc.stdout.startswith("usage: python -m nsa_cp.envs")
     for word in ("NSA_CP_*", "nsa_cp._C", "P2P transport", "NCCL communicator", "--vars-only"):
         assert word in proc.stdout, word
-    assert _run("-m", "nsa_cp.envs", "--bogus").returncode == 2
 
 
 def test_report_lists_every_variable_and_the_machine():
@@ -50,8 +49,15 @@ def test_report_lists_every_variable_and_the_machine():
         else:
             assert lines["P2P transport"].startswith(("yes", "no"))
         assert lines["native NCCL communicator"].startswith(("yes", "no"))
-    quiet = _run("-m", "nsa_cp.envs", "--vars-only")
-    assert quiet.returncode == 0 and "# this machine" not in quiet.stdout and "NSA_CP_BACKEND=" in quiet.stdout
+
+
+def test_vars_only_and_bad_arguments(capsys):
+    assert envs.main(["--vars-only"]) == 0
+    out = capsys.readouterr().out
+    assert "# this machine" not in out and "NSA_CP_BACKEND=" in out
+    with pytest.raises(SystemExit) as exit_info:
+        envs.main(["--bogus"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def _fake_install(tmp_path, version, url):
@@ -62,10 +68,10 @@ def _fake_install(tmp_path, version, url):
     return str(tmp_path)
 
 
-def _version_with(path):
-    proc = _run("-c", "import nsa_cp; print(nsa_cp.__version__)", pythonpath=[path])
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
+def _source_version():
+    import re
+
+    return re.search(r'^__version__ = "([^"]+)"', (ROOT / "nsa_cp" / "__init__.py").read_text(), re.M).group(1)
 
 
 @pytest.mark.parametrize("installed,url,expected", [
@@ -74,26 +80,27 @@ def _version_with(path):
     ("{base}+cu13", "file:///elsewhere/nsa_cp", "{base}"),  # another checkout's install
     ("0.0.1+cu13", "file://{root}", "{base}"),         # a stale install of another version
 ], ids=["editable-cuda", "editable-pure", "other-checkout", "other-version"])
-def test_version_is_the_installed_distributions(tmp_path, installed, url, expected):
-    import re
-
-    base = re.search(r'^__version__ = "([^"]+)"', (ROOT / "nsa_cp" / "__init__.py").read_text(), re.M).group(1)
-    fill = {"base": base, "root": ROOT}
-    path = _fake_install(tmp_path, installed.format(**fill), url.format(**fill))
-    assert _version_with(path) == expected.format(**fill)
+def test_version_is_the_installed_distributions(tmp_path, monkeypatch, installed, url, expected):
+    """importlib.metadata finds the (fake) dist-info first on sys.path, as it would an installed one."""
+    fill = {"base": _source_version(), "root": ROOT}
+    monkeypatch.syspath_prepend(_fake_install(tmp_path, installed.format(**fill), url.format(**fill)))
+    assert nsa_cp._installed_version(fill["base"]) == expected.format(**fill)
 
 
-def test_version_without_an_install_is_the_source_line():
-    import re
-
-    base = re.search(r'^__version__ = "([^"]+)"', (ROOT / "nsa_cp" / "__init__.py").read_text(), re.M).group(1)
+def test_version_of_a_fresh_import(tmp_path):
+    """What ``import nsa_cp`` sets, in a fresh process with the fake editable install of this checkout."""
+    base = _source_version()
+    path = _fake_install(tmp_path, f"{base}+cu13", f"file://{ROOT}")
+    proc = _run("-c", "import nsa_cp; print(nsa_cp.__version__)", pythonpath=[path])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{base}+cu13"
     from importlib import metadata
 
     try:
         metadata.distribution("nsa_cp")
     except metadata.PackageNotFoundError:
-        assert nsa_cp.__version__ == base
-    else:  # installed here: the distribution's version when it is this checkout's
+        assert nsa_cp.__version__ == base  # not installed here: the source line
+    else:
         assert nsa_cp.__version__.split("+")[0] == base
 
 
