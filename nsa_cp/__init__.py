@@ -71,6 +71,12 @@ from .workspace import workspace_bytes
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
+# `python -m nsa_cp.envs` (the CLI) imports this package first, which imports nsa_cp.envs; runpy then warns
+# that the module is already loaded. Harmless here (the CLI only reads): silence exactly that message.
+import warnings as _warnings
+
+_warnings.filterwarnings("ignore", message=r"'nsa_cp\.envs' found in sys\.modules", category=RuntimeWarning)
+
 __all__ = [
     "ShardLayout",
     "cp_all_gather",

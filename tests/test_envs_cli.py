@@ -25,6 +25,7 @@ def test_help():
     proc = _run("-m", "nsa_cp.envs", "--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m nsa_cp.envs")
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr  # runpy's 'found in sys.modules' is silenced
     for word in ("NSA_CP_*", "nsa_cp._C", "P2P transport", "NCCL communicator", "--vars-only"):
         assert word in proc.stdout, word
 
