@@ -12,7 +12,8 @@ Environment (documented with the others in nsa_cp/envs.py):
     CMAKE_ARGS          extra CMake arguments, e.g. "-DNSA_CP_PTXAS_VERBOSE=ON".
 
 The version is nsa_cp/__init__.py's __version__ (read as text: the package is not imported) plus a
-local tag naming the CUDA major when _C is built, e.g. 0.1.0+cu13.
+local tag naming the CUDA major when _C is built, e.g. 0.2.0+cu13; the installed package's
+nsa_cp.__version__ reports that full version (read back from the distribution's metadata).
 
 The helpers below are plain functions so tests can import this file (importlib) without building.
 """

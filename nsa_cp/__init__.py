@@ -16,7 +16,36 @@ Public API (README.md; docs/design.md for how it works):
   time per call than torch's c10d op).
 """
 
-__version__ = "0.2.0"
+__version__ = "0.2.0"  # the source version: setup.py reads this line and adds +cuXX when it builds nsa_cp._C
+
+
+def _installed_version(source: str) -> str:
+    """The installed distribution's version (``0.2.0+cu13``) when this very package is what it installed,
+    else ``source``: a checkout on PYTHONPATH next to some other install keeps its own version."""
+    import json
+    from importlib import metadata
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+
+    try:
+        dist = metadata.distribution("nsa_cp")
+    except Exception:  # not installed (a checkout on PYTHONPATH), or unreadable metadata
+        return source
+    version = dist.version or ""
+    if version.split("+")[0] != source:
+        return source
+    here = Path(__file__).resolve().parent
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        if direct.get("dir_info", {}).get("editable"):  # pip install -e: the checkout it points at
+            url = urlparse(direct.get("url", ""))
+            return version if url.scheme == "file" and Path(unquote(url.path)).resolve() == here.parent else source
+        return version if Path(dist.locate_file("nsa_cp/__init__.py")).resolve().parent == here else source
+    except Exception:
+        return source
+
+
+__version__ = _installed_version(__version__)
 
 import logging as _logging
 
@@ -41,6 +70,12 @@ from .validation import LayoutMismatchError
 from .workspace import workspace_bytes
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+# `python -m nsa_cp.envs` (the CLI) imports this package first, which imports nsa_cp.envs; runpy then warns
+# that the module is already loaded. Harmless here (the CLI only reads): silence exactly that message.
+import warnings as _warnings
+
+_warnings.filterwarnings("ignore", message=r"'nsa_cp\.envs' found in sys\.modules", category=RuntimeWarning)
 
 __all__ = [
     "ShardLayout",

@@ -16,9 +16,9 @@ Every gather is one *source stage* then one *movement*:
   - "padded+compact": the padded movement into a workspace, then one kernel compacts.
   - "coalesced": the source stage writes a local ``[n_r, ...]`` tensor, then torch's uneven-list
     all-gather (grouped broadcasts on NCCL) writes straight into views of the compact output.
-  - ordered (``positions``): the compact result, then ``index_copy_`` into batch order (positions
-    clamped into range, so a bad value never writes outside the output; ``validate=True`` checks it is
-    a permutation).
+  - ordered (``positions``): the compact result, then ``index_copy_`` into batch order. The plan hands
+    over a permutation (nsa_cp.checks.ordered_rows), so every output row is written exactly once; the
+    clamp below only keeps a direct caller's bad value inside the output.
 
 Reduce-scatters: "even" (one ``reduce_scatter_tensor`` on the caller's tensor), "padded" (into an
 ``[M, ...]`` buffer, the result is a view of its first ``n_r`` rows; with nsa_cp's own NCCL

@@ -12,6 +12,8 @@ Two kinds, kept apart on purpose (nsa_cp/plan.py):
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -20,7 +22,7 @@ from .layout import ShardLayout
 
 __all__ = [
     "shape_str", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
-    "check_device_counts", "check_positions", "check_norm_args", "SUM_DTYPES", "FP8_DTYPES", "GATHER_DTYPES",
+    "check_device_counts", "check_positions", "check_permutation", "ordered_rows", "check_norm_args", "SUM_DTYPES", "FP8_DTYPES", "GATHER_DTYPES",
     "NORM_DTYPES", "QUANTS",
 ]
 
@@ -126,6 +128,70 @@ def check_permutation(positions: torch.Tensor, total: int) -> None:
             f"positions: expected a permutation of range({total}), got "
             + (f"values out of range, e.g. {bad}" if bad else "repeated values")
         )
+
+
+# ordered_rows' results, per positions tensor: id -> (weakref, version, total, rows). A tensor's version
+# counter moves with every in-place write through torch (views share it), so an entry is only reused for
+# the unchanged tensor it was computed from. Small: a batch has one positions tensor, used by every layer.
+_ORDERED_ROWS: dict = {}
+_ORDERED_ROWS_LIMIT = 8
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor tracks no version: never cached
+        return None
+
+
+def ordered_rows(positions: torch.Tensor, total: int) -> torch.Tensor:
+    """The rows an ordered call uses for ``positions``: a permutation of ``range(total)``, on positions'
+    device, computed there (no host sync, no collective).
+
+    A permutation maps to itself. Otherwise the result is still a permutation, the same on every rank
+    and backend: the first entry holding a value in ``[0, total)`` keeps it; every other entry (a repeat,
+    or a value out of range) takes, in entry order, one of the rows no entry holds, in increasing order.
+    So an ordered gather writes every result row exactly once (never returns memory it did not write),
+    and the ordered reduce-scatter stays its inverse. ``validate=True`` raises on such input instead.
+
+    Cached per positions tensor while it is unchanged (by its version counter); inference-mode tensors,
+    which have none, and calls during CUDA-graph capture compute it every time (a few small kernels).
+    """
+    if total == 0:
+        return positions
+    version = _version(positions)
+    key = id(positions)
+    entry = _ORDERED_ROWS.get(key)
+    if entry is not None and version is not None and entry[0]() is positions and entry[1] == version \
+            and entry[2] == total:
+        return entry[3]
+    rows = _permutation_of(positions, total)
+    if version is not None and not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if len(_ORDERED_ROWS) >= _ORDERED_ROWS_LIMIT:
+            del _ORDERED_ROWS[next(iter(_ORDERED_ROWS))]
+        _ORDERED_ROWS[key] = (weakref.ref(positions, functools.partial(_forget, key)), version, total, rows)
+    return rows
+
+
+def _forget(key: int, ref) -> None:
+    entry = _ORDERED_ROWS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _ORDERED_ROWS[key]
+
+
+def _permutation_of(positions: torch.Tensor, total: int) -> torch.Tensor:
+    """``ordered_rows`` computed: int64 ``[total]``, elementwise ops, one scatter-min, one cumsum, one sort."""
+    with torch.no_grad():
+        index = torch.arange(total, device=positions.device)
+        valid = (positions >= 0) & (positions < total)
+        target = torch.where(valid, positions, total)  # out-of-range entries aim at a spare slot
+        first = torch.full((total + 1,), total, dtype=torch.int64, device=positions.device)
+        first.scatter_reduce_(0, target, index, "amin")  # the first entry holding each value
+        keeps = valid & (first.gather(0, target) == index)
+        # the rows no entry holds, in increasing order (a stable sort puts them first)
+        free_rows = torch.argsort((first[:total] < total).to(torch.int8), stable=True)
+        moved = torch.cumsum(~keeps, 0) - 1  # the k-th entry that does not keep its value takes free row k
+        return torch.where(keeps, positions, free_rows[moved.clamp_min(0)])
 
 
 def check_norm_args(shape, dtype: torch.dtype, device: torch.device, residual, weight, eps) -> None:

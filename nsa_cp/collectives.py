@@ -67,9 +67,11 @@ def cp_all_gather(
             rows of ``x`` past the real count are ignored and the padding is zeroed accordingly.
         positions: the ordered gather: an int64 ``[total_len]`` tensor on x's device, the same on every
             rank (``torch.cat(nsa_cp.in_seq_positions(...))``); compact row i (rank-major) lands in batch
-            row ``positions[i]`` and the result is ``[total_len, ...]`` in batch order. Values out of
-            range never write outside the result (clamped; the P2P kernel also reports them as bad
-            device geometry); ``validate=True`` checks for a permutation.
+            row ``positions[i]`` and the result is ``[total_len, ...]`` in batch order. Positions that
+            are not a permutation still give a defined result, the same on every rank and backend, with
+            every row written (no host sync, no collective): the first entry holding a value in range
+            keeps it, the others (repeats, values out of range) take the rows no entry holds, in order
+            (nsa_cp.checks.ordered_rows). ``validate=True`` raises on them instead.
         quant: None, or "fp8_e4m3_g128": every rank's rows quantized before they move (SGLang's
             ``per_token_group_quant_fp8`` convention, nsa_cp.quant_fp8_g128); returns ``(q, scale)``:
             float8_e4m3fn ``[rows, H]`` and float32 ``[rows, H/128]``, padding rows q = 0 and scale =
@@ -115,7 +117,7 @@ def cp_reduce_scatter(
         layout, group, compact, algo, backend, validate, device_counts: as for ``cp_all_gather`` (with
             device_counts, rows of the result past this rank's real count are meaningless).
         positions: ``y`` is in batch order; this rank's rows are ``y[positions[offsets[r] + i]]`` (the
-            inverse of the ordered gather).
+            inverse of the ordered gather; positions that are not a permutation are mapped as there).
         out: optional contiguous ``[n_r, ...]`` output.
 
     Returns:

@@ -13,10 +13,15 @@ The residual always stays local ``[n_r, H]`` and is updated in place by every ad
 flashinfer's convention): the tensor passed as ``residual`` holds ``x + residual`` afterwards.
 ``layout=None`` means CP is off for this batch: norms only, no communication. In "scattered" mode the MLP runs on local tokens and nothing is communicated.
 
-Fused paths (the default where the norms allow it, ``fuse=True``): a norm that exposes its ``weight`` and
-epsilon (``nsa_cp.RMSNorm``; SGLang's and vLLM's ``RMSNorm``, with ``variance_epsilon``) is applied
-inside the collective: ``prepare_mlp`` is one ``fused_add_rmsnorm_all_gather`` (on P2P one kernel
-normalises each row and pushes it to every peer). Other norm objects keep norm-then-gather.
+Norms: an RMSNorm that exposes its ``weight`` and epsilon (``nsa_cp.RMSNorm``; SGLang's and vLLM's
+``RMSNorm``, with ``variance_epsilon``; ``torch.nn.RMSNorm``, whose ``eps=None`` is fp32's machine epsilon,
+as torch adds it; ``norm_parameters``), or any callable with the convention ``norm(x) -> y``,
+``norm(x, residual) -> (y, residual)``. Anything else is refused at construction (ValueError). A norm
+that takes no residual (``torch.nn.RMSNorm``) gets the residual add from the communicator.
+
+Fused paths (the default where the norms allow it, ``fuse=True``): an RMSNorm with ``weight`` and
+epsilon is applied inside the collective: ``prepare_mlp`` is one ``fused_add_rmsnorm_all_gather`` (on P2P
+one kernel normalises each row and pushes it to every peer). Other norm objects keep norm-then-gather.
 
 Reduce-scatter + next norm: ``comm.set_next(next_comm)`` (or ``NSACPLayerCommunicator.chain(comms)``
 for a whole stack) lets ``postprocess_layer`` run ``reduce_scatter_fused_add_rmsnorm`` with the next
@@ -31,6 +36,7 @@ quantized before they move (half the bytes), for an FP8 block-scale MoE (nsa_cp.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -45,6 +51,7 @@ from .collectives import (
     reduce_scatter_fused_add_rmsnorm,
 )
 from .layout import ShardLayout
+from .norm import fused_add_rmsnorm_into
 from .transport.p2p import get_p2p, init_p2p, p2p_unavailable_reason
 
 __all__ = ["NSACPLayerCommunicator", "norm_parameters"]
@@ -54,20 +61,71 @@ logger = logging.getLogger("nsa_cp")
 _MLP_MODES = ("full", "scattered")
 
 
-def norm_parameters(norm) -> Optional[Tuple[torch.Tensor, float]]:
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+
+
+def norm_parameters(norm) -> Optional[Tuple[Optional[torch.Tensor], float]]:
     """``(weight, eps)`` of an RMSNorm the fused kernels can apply in its place, or None.
 
-    Accepted: classes named ``RMSNorm`` (nsa_cp's, SGLang's, vLLM's: ``y = x * rsqrt(mean(x^2) + eps) *
-    weight``) with a ``[H]`` tensor ``weight`` and a float ``variance_epsilon`` or ``eps``, and no partial
-    variance (``variance_size_override``). Other classes (e.g. Gemma's ``1 + weight``) are not fused.
+    Accepted: classes named ``RMSNorm`` or deriving from one (nsa_cp's, SGLang's, vLLM's, ``torch.nn.RMSNorm``:
+    ``y = x * rsqrt(mean(x^2) + eps) * weight``) normalising over one dim, with a ``[H]`` tensor ``weight``
+    (None for ``torch.nn.RMSNorm(elementwise_affine=False)``: a weight of ones) and a float epsilon named
+    ``variance_epsilon``, ``eps`` or ``epsilon``, without a bias or partial variance
+    (``variance_size_override``). ``torch.nn.RMSNorm``'s ``eps=None`` is the epsilon torch then uses:
+    ``torch.finfo`` of its computation type, float32 for bf16 / fp16 / fp32 inputs. Other classes (e.g.
+    Gemma's ``1 + weight``, LayerNorm) are not fused.
     """
-    if type(norm).__name__ != "RMSNorm" or getattr(norm, "variance_size_override", None) is not None:
+    if not any(cls.__name__ == "RMSNorm" for cls in type(norm).__mro__):
+        return None
+    if getattr(norm, "variance_size_override", None) is not None or getattr(norm, "bias", None) is not None:
         return None
     weight = getattr(norm, "weight", None)
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or isinstance(eps, bool) or not isinstance(eps, (float, int)):
+    is_torch_norm = isinstance(norm, getattr(torch.nn, "RMSNorm", ()))
+    if is_torch_norm and len(norm.normalized_shape) != 1:
+        return None  # normalises over several dims: not a row norm
+    if weight is None and not is_torch_norm:
+        return None
+    if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
+        return None
+    eps = next((getattr(norm, n) for n in _EPS_NAMES if hasattr(norm, n)), None)
+    if eps is None and is_torch_norm:
+        eps = torch.finfo(torch.float32).eps  # what torch.rms_norm adds for eps=None (its fp32 opmath)
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
         return None
     return weight, float(eps)
+
+
+def _takes_residual(norm) -> bool:
+    """Whether ``norm(x, residual)`` binds (the SGLang convention); True when the signature cannot be read."""
+    fn = norm.forward if isinstance(norm, torch.nn.Module) else norm
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_norm(name: str, norm) -> Tuple[Optional[Tuple[Optional[torch.Tensor], float]], bool]:
+    """``(norm_parameters(norm), takes_residual)``; a norm the communicator can neither fuse nor call with
+    a residual is refused here, at construction, instead of failing at the first layer."""
+    params = norm_parameters(norm)
+    takes_residual = callable(norm) and _takes_residual(norm)
+    if params is None and not takes_residual:
+        why = "not callable" if not callable(norm) else "its call takes no residual"
+        raise ValueError(
+            f"{name}: expected an RMSNorm exposing `weight` and an epsilon (`eps` or `variance_epsilon`: "
+            "nsa_cp.RMSNorm, torch.nn.RMSNorm, SGLang's or vLLM's RMSNorm), or a callable with the convention "
+            f"norm(x) -> y, norm(x, residual) -> (y, residual); got {type(norm).__name__} ({why})")
+    return params, takes_residual
+
+
+def _weight(weight: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The norm's weight, or ones ``[H]`` (fp32, on like's device) for a norm without one."""
+    return weight if weight is not None else torch.ones(like.shape[-1], dtype=torch.float32, device=like.device)
 
 
 class NSACPLayerCommunicator:
@@ -75,8 +133,9 @@ class NSACPLayerCommunicator:
 
     Args:
         group: the CP process group (None: the default group).
-        input_layernorm, post_attention_layernorm: norms with the convention ``norm(x) -> y``,
-            ``norm(x, residual) -> (y, residual)`` (e.g. ``nsa_cp.RMSNorm``).
+        input_layernorm, post_attention_layernorm: RMSNorms exposing ``weight`` and an epsilon
+            (``nsa_cp.RMSNorm``, ``torch.nn.RMSNorm``, SGLang's / vLLM's), or callables with the convention
+            ``norm(x) -> y``, ``norm(x, residual) -> (y, residual)``; others raise ValueError here.
         mlp_mode: "full" (gather before the MLP, reduce-scatter after) or "scattered" (local MLP).
         compact: gather into / reduce from the compact layout (no padding rows for the MoE).
         algo: compact algorithm on NCCL, see ``cp_all_gather``.
@@ -111,6 +170,8 @@ class NSACPLayerCommunicator:
         dtype: Optional[torch.dtype] = None,
         workspace_bytes: Optional[int] = None,
     ):
+        input_spec = _check_norm("input_layernorm", input_layernorm)
+        mlp_spec = _check_norm("post_attention_layernorm", post_attention_layernorm)
         if mlp_mode not in _MLP_MODES:
             raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
         if quant not in (None, "fp8_e4m3_g128"):
@@ -142,7 +203,11 @@ class NSACPLayerCommunicator:
         self.validate = validate
         self.quant = quant
         self.fuse = fuse
-        self._mlp_norm = norm_parameters(post_attention_layernorm) if fuse else None
+        # the model's dtype: what the MLP's partials are in. With the FP8 wire, prepare_mlp hands the MLP
+        # (q, scale), which no longer carries it; set by prepare_mlp's input when not given here.
+        self._partials_dtype: Optional[torch.dtype] = dtype
+        self._norm_specs = {"input": input_spec, "mlp": mlp_spec}
+        self._mlp_norm = mlp_spec[0] if fuse else None
         self._next: Optional["NSACPLayerCommunicator"] = None
         self._next_norm = None
         self._prenormed = None  # (hidden, residual) handed over by the previous layer's postprocess_layer
@@ -156,7 +221,7 @@ class NSACPLayerCommunicator:
         self._next = next_comm
         self._next_norm = None
         if next_comm is not None and self.fuse and next_comm.fuse:
-            self._next_norm = norm_parameters(next_comm.input_layernorm)
+            self._next_norm = next_comm._norm_specs["input"][0]
 
     @staticmethod
     def chain(comms: Sequence["NSACPLayerCommunicator"]) -> None:
@@ -165,11 +230,23 @@ class NSACPLayerCommunicator:
             this.set_next(following)
 
     # ------------------------------------------------------------------ the layer
-    @staticmethod
-    def _norm(norm: Callable, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
+    def _norm(self, which: str, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
+        """``norm`` with the convention ``(y, residual)``. A norm that takes no residual (``torch.nn.RMSNorm``)
+        gets the add done here: nsa_cp's fused add + RMSNorm with its weight and epsilon when fusing, else
+        ``residual += x`` (in fp32, rounded once) and ``norm(residual)``."""
+        norm = self.input_layernorm if which == "input" else self.post_attention_layernorm
+        params, takes_residual = self._norm_specs[which]
         if residual is None:
             return norm(hidden_states), hidden_states
-        return norm(hidden_states, residual)
+        if takes_residual:
+            return norm(hidden_states, residual)
+        if self.fuse:
+            weight, eps = params
+            return fused_add_rmsnorm_into(hidden_states, residual, _weight(weight, hidden_states), eps,
+                                          out=torch.empty_like(hidden_states))
+        with torch.no_grad():
+            residual.copy_(residual.float() + hidden_states.float())
+        return norm(residual), residual
 
     def prepare_attn(
         self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor], layout: Optional[ShardLayout]
@@ -181,7 +258,7 @@ class NSACPLayerCommunicator:
         handed, self._prenormed = self._prenormed, None
         if handed is not None and handed[0] is hidden_states and handed[1] is residual:
             return hidden_states, residual
-        return self._norm(self.input_layernorm, hidden_states, residual)
+        return self._norm("input", hidden_states, residual)
 
     def prepare_mlp(
         self,
@@ -196,22 +273,55 @@ class NSACPLayerCommunicator:
         mode with a layout (``(q, scale)`` with the FP8 wire), else local ``[n_r, H]``; residual is local
         ``[n_r, H]``. ``device_counts``: for CUDA graphs captured per bucket, see ``cp_all_gather``.
         """
+        if isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point():
+            self._partials_dtype = hidden_states.dtype
         if self.mlp_mode != "full" or layout is None:
-            return self._norm(self.post_attention_layernorm, hidden_states, residual)
+            return self._norm("mlp", hidden_states, residual)
         kw = dict(compact=self.compact, algo=self.algo, backend=self.backend, validate=self.validate,
                   device_counts=device_counts)
         if self._mlp_norm is not None:
             weight, eps = self._mlp_norm
+            weight = _weight(weight, hidden_states)
             return fused_add_rmsnorm_all_gather(hidden_states, residual, weight, eps, layout, self.group,
                                                 quant=self.quant, **kw)
-        hidden_states, residual = self._norm(self.post_attention_layernorm, hidden_states, residual)
+        hidden_states, residual = self._norm("mlp", hidden_states, residual)
         return cp_all_gather(hidden_states, layout, self.group, quant=self.quant, **kw), residual
 
-    def mlp_output_buffer(self, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
-        """Where the MLP should write its partials for ``postprocess_layer``: ``[global_len, H]`` like
-        ``like``'s rows (the P2P transport's reduce buffer where the reduce-scatter will use it)."""
-        if self.mlp_mode != "full":
-            return like.new_empty((layout.global_len(self.compact), *like.shape[1:]))
+    def mlp_output_buffer(self, layout: Optional[ShardLayout], like, dtype: Optional[torch.dtype] = None
+                          ) -> torch.Tensor:
+        """Where the MLP should write its partials for ``postprocess_layer``.
+
+        ``like``: what ``prepare_mlp`` returned as hidden: a tensor ``[rows, H]``, or with the FP8 wire the
+        ``(q, scale)`` pair. The buffer has ``like``'s rows (``[global_len, H]`` in full mode with a
+        layout, else the local rows), on its device, in the model's dtype: the partials are not FP8.
+        ``dtype``: that dtype; default: the communicator's ``dtype=``, else the dtype of the last
+        ``prepare_mlp`` input (a tensor ``like`` gives its own). In full mode it is the P2P transport's
+        reduce buffer where the reduce-scatter will use it (no copy in).
+        """
+        if isinstance(like, (tuple, list)):
+            if len(like) != 2 or not all(isinstance(t, torch.Tensor) for t in like) or like[0].dim() < 2:
+                got = ", ".join(type(t).__name__ if not isinstance(t, torch.Tensor) else
+                                f"{t.dtype} {list(t.shape)}" for t in like)
+                raise ValueError("like: expected a tensor [rows, H] or the (q, scale) pair prepare_mlp returned "
+                                 f"with the FP8 wire, got a {type(like).__name__} of ({got})")
+            q = like[0]
+            dtype = dtype or self._partials_dtype
+            if dtype is None:
+                raise ValueError(f"dtype: like is the FP8 pair (q {q.dtype} {list(q.shape)}, scale) and the model's "
+                                 "dtype is not known yet (no prepare_mlp call, no dtype= given): pass dtype=")
+            like = q.new_empty((0, *q.shape[1:]), dtype=dtype)  # only its row shape, dtype and device count
+            rows = q.shape[0]
+        elif isinstance(like, torch.Tensor):
+            rows = like.shape[0] if like.dim() else 0
+            if dtype is not None and dtype != like.dtype:
+                like = like.new_empty((0, *like.shape[1:]), dtype=dtype)
+        else:
+            raise ValueError(f"like: expected a tensor [rows, H] or the (q, scale) pair prepare_mlp returned, "
+                             f"got {type(like).__name__}")
+        if like.dim() < 2:
+            raise ValueError(f"like: expected a tensor of 2 or more dims [rows, H, ...], got shape {list(like.shape)}")
+        if self.mlp_mode != "full" or layout is None:
+            return like.new_empty((rows, *like.shape[1:]))
         return cp_reduce_scatter_buffer(like, layout, self.group, compact=self.compact, backend=self.backend)
 
     def postprocess_layer(
@@ -228,11 +338,15 @@ class NSACPLayerCommunicator:
         """
         if self.mlp_mode != "full" or layout is None:
             return hidden_states, residual
+        if not isinstance(hidden_states, torch.Tensor):
+            raise ValueError("hidden_states: expected the MLP's partials, a tensor [rows, H] in the model's dtype "
+                             f"(write them into mlp_output_buffer(layout, hidden)), got {type(hidden_states).__name__}")
         kw = dict(compact=self.compact, algo=self.algo, backend=self.backend, validate=self.validate,
                   device_counts=device_counts)
         if self._next_norm is None:
             return cp_reduce_scatter(hidden_states, layout, self.group, **kw), residual
         weight, eps = self._next_norm
+        weight = _weight(weight, hidden_states)
         normed, residual = reduce_scatter_fused_add_rmsnorm(hidden_states, residual, weight, eps, layout, self.group,
                                                             **kw)
         self._next._prenormed = (normed, residual)

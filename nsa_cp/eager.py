@@ -104,8 +104,8 @@ def reduce_scatter_fused_add_rmsnorm(partials, residual, weight, eps, layout, gr
     """``nsa_cp.reduce_scatter_fused_add_rmsnorm`` (eager)."""
     def prepare():
         plan = plans.scatter_plan("reduce_scatter_fused_add_rmsnorm", partials, layout, group, compact, None, algo,
-                                  backend, device_counts, positions, norm=residual is not None)
-        plan.check(partials, None, device_counts, positions)
+                                  backend, device_counts, positions, norm=residual is not None, name="partials")
+        plan.check(partials, None, device_counts, positions, "partials")
         if partials.dim() != 2:
             raise ValueError(f"partials: expected a 2-D tensor [rows, hidden], got shape {checks.shape_str(partials.shape)}")
         checks.check_dtype("partials", partials, checks.NORM_DTYPES)
@@ -122,5 +122,6 @@ def reduce_scatter_fused_add_rmsnorm(partials, residual, weight, eps, layout, gr
 
 def reduce_scatter_buffer(like, layout, group=None, *, compact=False, backend="auto", positions=None):
     """``nsa_cp.cp_reduce_scatter_buffer`` (eager): the plan of the reduce-scatter that will follow."""
-    plan = plans.scatter_plan("cp_reduce_scatter", like, layout, group, compact, None, "auto", backend, None, positions)
+    plan = plans.scatter_plan("cp_reduce_scatter", like, layout, group, compact, None, "auto", backend, None, positions,
+                              name="like")
     return plan.buffer()

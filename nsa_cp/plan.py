@@ -174,6 +174,8 @@ class GatherPlan:
 
     def run(self, x, out, device_counts, positions, norm_args=None):
         """The result (``out`` when given): a tensor, or ``(q, scale)``."""
+        if positions is not None:  # always a permutation from here on: every result row written once
+            positions = checks.ordered_rows(positions, self.layout.total_len)
         if self._p2p is not None:
             results = self._p2p(x, device_counts, positions, norm_args)
             if out is not None:
@@ -300,11 +302,11 @@ class ScatterPlan:
     __slots__ = ("op", "rank", "rows", "layout", "device", "dtype", "row_shape", "out_shape", "signature", "backend",
                  "algo", "compact", "_run", "_transport", "_p2p", "_p2p_norm")
 
-    def check(self, y: torch.Tensor, out, device_counts, positions) -> None:
+    def check(self, y: torch.Tensor, out, device_counts, positions, name: str = "y") -> None:
         if y.shape[0] != self.rows:
             what = "batch order [total_len" if positions is not None else (
                 "compact [total_len" if self.compact else "padded [max_rank_len * cp_size")
-            checks.check_rows("y", y, self.rows, f"the {what}, ...] layout")
+            checks.check_rows(name, y, self.rows, f"the {what}, ...] layout")
         if out is not None:
             checks.check_out("out", out, self.out_shape, self.dtype, self.device)
         if device_counts is not None:
@@ -313,6 +315,8 @@ class ScatterPlan:
             checks.check_positions(positions, self.layout, self.device)
 
     def run(self, y, out, device_counts, positions):
+        if positions is not None:  # the inverse of the ordered gather's rows (checks.ordered_rows)
+            positions = checks.ordered_rows(positions, self.layout.total_len)
         if self._p2p is not None:
             return self._p2p(y, out, device_counts, positions)
         return self._run(y, out, positions)
@@ -320,6 +324,8 @@ class ScatterPlan:
     def run_norm(self, y, residual, weight, eps, device_counts, positions):
         """The reduce-scatter, then the add + RMSNorm on this rank's rows: ``(normed, residual)``."""
         if self._p2p_norm is not None:  # one kernel: the pull's rows are normed before they are stored
+            if positions is not None:
+                positions = checks.ordered_rows(positions, self.layout.total_len)
             if _unaligned(residual):
                 staged = residual.clone()
                 out, _ = self._p2p_norm(y, staged, weight, eps, None, device_counts, positions)
@@ -337,10 +343,11 @@ class ScatterPlan:
 
 
 def scatter_plan(op: str, y: torch.Tensor, layout, group, compact: bool, out, algo: str, backend: str, device_counts,
-                 positions, norm: bool = False) -> ScatterPlan:
-    """The cached plan of a reduce-scatter; ``norm``: followed by the add + RMSNorm with a residual."""
+                 positions, norm: bool = False, name: str = "y") -> ScatterPlan:
+    """The cached plan of a reduce-scatter; ``norm``: followed by the add + RMSNorm with a residual.
+    ``name``: what the caller called ``y`` (``partials``, ``like``), for the error messages."""
     if not isinstance(y, torch.Tensor) or y.dim() < 2:
-        checks.check_tensor("y", y, "tokens")
+        checks.check_tensor(name, y, "tokens")
     pg = nccl.resolve_group(group)
     key = (op, layout, y.shape[1:], y.dtype, y.device, compact, out is None, algo, backend, device_counts is None,
            positions is None, norm, pg, envs.plan_state())
@@ -350,18 +357,18 @@ def scatter_plan(op: str, y: torch.Tensor, layout, group, compact: bool, out, al
         plan, key = None, None
     if plan is None:
         plan = _build_scatter(op, y, layout, pg, group, compact, algo, backend, device_counts is not None,
-                              positions is not None, norm)
+                              positions is not None, norm, name)
         if key is not None:
             _store(key, plan)
     return plan
 
 
-def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ordered, norm) -> ScatterPlan:
+def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ordered, norm, name="y") -> ScatterPlan:
     rank, size = pg.rank(), pg.size()
     checks.check_layout(layout, size)
     checks.check_choice("algo", algo, _ALGOS)
     checks.check_choice("backend", backend, _BACKENDS)
-    checks.check_dtype("y", y, checks.SUM_DTYPES)
+    checks.check_dtype(name, y, checks.SUM_DTYPES)
     if has_dc and (compact or ordered):
         raise ValueError("device_counts: supported for the padded layout only (compact and ordered shapes depend "
                          f"on the counts), got compact={compact}, positions={'given' if ordered else None}")
@@ -371,7 +378,7 @@ def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ord
     plan.compact, plan.row_shape = compact or ordered, row_shape
     plan.rows = layout.global_len(compact or ordered)
     plan.out_shape = (layout.count(rank), *row_shape)
-    transport, fused = _transport(backend, group, layout, row_shape, y.dtype, y.device, "y", norm=norm)
+    transport, fused = _transport(backend, group, layout, row_shape, y.dtype, y.device, name, norm=norm)
     plan._transport, plan._p2p, plan._p2p_norm, plan._run = None, None, None, None
     if transport is not None and layout.total_len:
         plan.backend, plan.algo, plan._transport = "p2p", "ordered" if ordered else ("compact" if compact else "padded"), transport
