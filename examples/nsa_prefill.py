@@ -377,8 +377,11 @@ class NsaComm:
     name = "nsa_cp"
 
     def __init__(self, group, layers, layout, kv_layout, positions, rank, backend, p2p_args, compact=False,
-                 quant=None, route_padding=False):
+                 quant=None, route_padding=False, kv_group=None):
         self.layout, self.kv_layout, self.positions, self.group, self.backend = layout, kv_layout, positions, group, backend
+        # a P2P transport moves rows of its own hidden_size: the KV's narrower rows take a group (and a
+        # transport) of their own where there is no NCCL to fall back to
+        self.kv_group = group if kv_group is None else kv_group
         self.route_padding = route_padding  # the padded gather's padding rows go through the router and experts
         self.comms = [
             nsa_cp.NSACPLayerCommunicator(group, layer.input_norm, layer.post_attention_norm, mlp_mode="full",
@@ -394,7 +397,7 @@ class NsaComm:
 
     def kv_gather(self, kv_local):
         # every rank's rows written straight to their batch positions: no index_select pass
-        return nsa_cp.cp_all_gather(kv_local, self.kv_layout, self.group, positions=self.positions, backend=self.backend)
+        return nsa_cp.cp_all_gather(kv_local, self.kv_layout, self.kv_group, positions=self.positions, backend=self.backend)
 
     def prepare_mlp(self, i, attn, residual):
         """-> (gathered [M * cp, H] rank-major, residual, this rank's normed rows [rows, H]); with the FP8
@@ -679,6 +682,11 @@ def _run(args, device) -> dict:
         if reason:
             raise SystemExit(f"ranks sharing a GPU need nsa_cp's P2P transport (CUDA IPC), unavailable here: {reason}")
         backend = "p2p"  # never the gloo path with CUDA tensors
+    kv_group = None
+    if backend == "p2p" and device.type == "cuda" and any(m.kind == "nsa_cp" for m in methods):
+        # the KV gather moves [n, kv_width] rows, not [n, H]: a transport of that width on a second group
+        kv_group = dist.new_group(list(range(cp)), backend="gloo" if shared_gpu else None)
+        nsa_cp.init_p2p(kv_group, max(logical.max_rank_len, 1), s.kv_width, dtype, device)
 
     # the batch's input hidden states (seeded, same on every rank); this rank's rows, then zero padding
     x_all = _param(args.seed, -1, shape=(total, s.hidden), fan_in=1, device=device, dtype=dtype)
@@ -701,7 +709,7 @@ def _run(args, device) -> dict:
             if device.type == "cuda" and backend != "nccl":
                 p2p_args = dict(p2p_max_tokens_per_rank=max(layout.max_rank_len, 1), hidden_size=s.hidden, dtype=dtype)
             comm = NsaComm(group, layers, layout, logical, positions, rank, backend, p2p_args, compact=m.compact,
-                           quant=quant, route_padding=m.route_padding)
+                           quant=quant, route_padding=m.route_padding, kv_group=kv_group)
         else:
             comm = BaselineComm(group, layers, layout, logical, positions, rank, host_staged=shared_gpu, quant=quant,
                                 route_padding=m.route_padding)
@@ -778,6 +786,9 @@ def _run(args, device) -> dict:
             if timed:
                 report["times"] = _bench(args, s, layers, final_norm, x_local, batch, timed, logical, rank, ctrl,
                                          shared_gpu)
+    if kv_group is not None:  # every rank got here: the collective clean-up of the KV's group
+        nsa_cp.destroy_p2p(kv_group)
+        dist.destroy_process_group(kv_group)
     verdict = torch.tensor([int(all(math.isfinite(e) and e <= report.get("tol", math.inf) for e in report["errors"].values()))],
                            device=ctrl)
     dist.broadcast(verdict, 0, group=group)

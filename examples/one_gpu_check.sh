@@ -4,7 +4,7 @@
 # copies; FP8 at cp = 8), then the work the compact layout saves at cp = 8 (docs/performance.md). Logs
 # under $OUT (default ./gpu_out), a short table last.
 #
-#   bash examples/one_gpu_check.sh            # TOTAL_S (default 285) bounds the whole script
+#   bash examples/one_gpu_check.sh            # TOTAL_S (default 285) bounds the whole script (1x H200: ~3 min)
 #   STAGES="build work" bash examples/one_gpu_check.sh   # any of: build check work
 #   DEVICE=cpu STAGES=check bash examples/one_gpu_check.sh  # a dry run of the check stage on gloo CPU
 set -uo pipefail
@@ -50,7 +50,7 @@ if want check; then
     extra=()
     # cp = 8: the FP8 wire too (fp32: the check that tells the quantized wire's values, bf16: DeepSeek's dtype)
     [ "$cp" = 8 ] && extra=(:: "$SHARED" --quant fp8_e4m3_g128 --dtype float32 :: "$SHARED" --quant fp8_e4m3_g128)
-    timeout -k 5 "$(cap 70 "$(want work && echo 130 || echo 0)")" "${RUN[@]}" --nproc-per-node "$cp" \
+    timeout -k 5 "$(cap 55 "$(want work && echo 100 || echo 0)")" "${RUN[@]}" --nproc-per-node "$cp" \
       examples/nsa_prefill_sweep.py "${CHECK[@]}" :: :: "$SHARED" "${extra[@]}" >"$OUT/check_cp$cp.log" 2>&1
     rc=$?; [ "$rc" = 124 ] && rc=timeout
     row "check cp=$cp" "$rc" $(( $(date +%s) - t )) \
