@@ -5,7 +5,7 @@
 # under $OUT (default ./gpu_out), a short table last.
 #
 #   bash examples/one_gpu_check.sh            # TOTAL_S (default 285) bounds the whole script (1x H200: ~3 min)
-#   STAGES="build work" bash examples/one_gpu_check.sh   # any of: build check work
+#   STAGES="build check:8,2 work check:3,4" bash examples/one_gpu_check.sh   # stages in this order
 #   DEVICE=cpu STAGES=check bash examples/one_gpu_check.sh  # a dry run of the check stage on gloo CPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,6 @@ export NSA_CP_CUDA_ARCHS=${NSA_CP_CUDA_ARCHS:-90a}
 # loop must not time out
 export NSA_CP_P2P_MEMORY=${NSA_CP_P2P_MEMORY:-cuda_ipc} NSA_CP_P2P_TIMEOUT_MS=${NSA_CP_P2P_TIMEOUT_MS:-60000}
 STAGES=${STAGES:-"build check work"}
-want() { [[ " $STAGES " == *" $1 "* ]]; }
 TOTAL_S=${TOTAL_S:-285}
 T0=$(date +%s)
 # cap CAP RESERVE: min(CAP, time left - RESERVE), at least 15 s
@@ -32,49 +31,61 @@ RUN=(python3 -m torch.distributed.run --standalone)
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee "$OUT/env.txt"
 
-if want build; then
-  t=$(date +%s)
-  timeout -k 5 "$(cap 150 150)" python3 -m pip install --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1
-  rc=$?
-  row build "$rc" $(( $(date +%s) - t )) "$(grep -E 'nsa_cp build|Successfully' "$OUT/build.log" | tail -1 | cut -c1-80)"
-fi
-
 # the check: a small model (bf16 L2 tolerance 1e-1), every method of the example, both splits
 DEVICE=${DEVICE:-cuda}
 CHECK=(--device "$DEVICE" --comm all --hidden 1024 --layers 2 --heads 16 --experts 24 --topk 4 --moe-intermediate 512
        --shared-intermediate 512 --seq-lens 700x8,3000 --page-size 64 --nsa-index-topk 256 --iters 0)
 SHARED=--enable-nsa-prefill-cp-shared-kv
-if want check; then
-  for cp in 2 3 4 8; do
-    t=$(date +%s)
-    extra=()
-    # cp = 8: the FP8 wire too (fp32: the check that tells the quantized wire's values, bf16: DeepSeek's dtype)
-    [ "$cp" = 8 ] && extra=(:: "$SHARED" --quant fp8_e4m3_g128 --dtype float32 :: "$SHARED" --quant fp8_e4m3_g128)
-    timeout -k 5 "$(cap 55 "$(want work && echo 100 || echo 0)")" "${RUN[@]}" --nproc-per-node "$cp" \
-      examples/nsa_prefill_sweep.py "${CHECK[@]}" :: :: "$SHARED" "${extra[@]}" >"$OUT/check_cp$cp.log" 2>&1
-    rc=$?; [ "$rc" = 124 ] && rc=timeout
-    row "check cp=$cp" "$rc" $(( $(date +%s) - t )) \
-      "$(grep -c ': max_rel_err=' "$OUT/check_cp$cp.log") method checks, $(grep -c 'FAILED$' "$OUT/check_cp$cp.log") FAILED"
-  done
-fi
-
 # the work the compact layout saves: cp = 8 ranks on the one GPU, DESIGN.md's anchor model (2 layers,
 # H = 7168, 128 heads, 32 experts top-8), nsa_cp compact against the padded layout (the F.pad baseline's
 # MoE rows) with the padding rows masked to -1 and routed
 WORK=(--device "$DEVICE" "$SHARED" --comm nsa_cp_compact,nsa_cp --moe-padding both --layers 2 --no-check --warmup 2 --iters 5)
-if want work; then
+
+check() {  # check CP: the sweep of CHECK at cp ranks, both splits (and FP8 at cp = 8)
+  local cp=$1 t rc extra=()
   t=$(date +%s)
-  timeout -k 5 "$(cap 200 0)" "${RUN[@]}" --nproc-per-node 8 examples/nsa_prefill_sweep.py "${WORK[@]}" \
+  # cp = 8: the FP8 wire too (fp32: the check that tells the quantized wire's values, bf16: DeepSeek's dtype)
+  [ "$cp" = 8 ] && extra=(:: "$SHARED" --quant fp8_e4m3_g128 --dtype float32 :: "$SHARED" --quant fp8_e4m3_g128)
+  timeout -k 5 "$(cap 55 "$2")" "${RUN[@]}" --nproc-per-node "$cp" \
+    examples/nsa_prefill_sweep.py "${CHECK[@]}" :: :: "$SHARED" "${extra[@]}" >"$OUT/check_cp$cp.log" 2>&1
+  rc=$?; [ "$rc" = 124 ] && rc=timeout
+  row "check cp=$cp" "$rc" $(( $(date +%s) - t )) \
+    "$(grep -c ': max_rel_err=' "$OUT/check_cp$cp.log") method checks, $(grep -c 'FAILED$' "$OUT/check_cp$cp.log") FAILED"
+}
+
+work() {
+  local t rc
+  t=$(date +%s)
+  timeout -k 5 "$(cap 150 "$1")" "${RUN[@]}" --nproc-per-node 8 examples/nsa_prefill_sweep.py "${WORK[@]}" \
     :: --seq-lens 700x64 :: --seq-lens 16384 >"$OUT/work_cp8.log" 2>&1
   rc=$?; [ "$rc" = 124 ] && rc=timeout
   row "work cp=8" "$rc" $(( $(date +%s) - t )) "$(grep -c 'over nsa_cp_compact' "$OUT/work_cp8.log") ratio lines"
-fi
+}
+
+# the stages in the order given; checks before the work stage leave it WORK_RESERVE_S, the work stage
+# leaves the checks after it CHECK_RESERVE_S
+WORK_RESERVE_S=${WORK_RESERVE_S:-90}
+CHECK_RESERVE_S=${CHECK_RESERVE_S:-40}
+worked=0
+for stage in $STAGES; do
+  case "$stage" in
+    build)
+      t=$(date +%s)
+      timeout -k 5 "$(cap 150 100)" python3 -m pip install --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1
+      rc=$?
+      row build "$rc" $(( $(date +%s) - t )) "$(grep -E 'nsa_cp build|Successfully' "$OUT/build.log" | tail -1 | cut -c1-80)" ;;
+    check) for cp in 2 3 4 8; do check "$cp" $(( worked ? 0 : WORK_RESERVE_S )); done ;;
+    check:*) IFS=, read -ra cps <<<"${stage#check:}"; for cp in "${cps[@]}"; do check "$cp" $(( worked ? 0 : WORK_RESERVE_S )); done ;;
+    work) rest=0; [[ " $STAGES " == *" work "*check* ]] && rest=$CHECK_RESERVE_S; work "$rest"; worked=1 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
 
 {
   for f in "$OUT"/check_cp*.log; do
     [ -f "$f" ] || continue
     echo "== $(basename "$f")"
-    grep -E "^(nsa_prefill:|sweep: run .* rc=|one-GPU)|max_rel_err=.*FAILED|Traceback|Error" "$f" | cut -c1-160 | head -24
+    grep -E "^(sweep: run .* rc=)|^[a-z_/]+: max_rel_err=|Traceback|Error" "$f" | cut -c1-90 | head -40
   done
   if [ -f "$OUT/work_cp8.log" ]; then
     echo "== work_cp8.log"
