@@ -54,6 +54,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ERR_TIMEOUT") = nsa_cp::kErrTimeout;
   m.attr("ERR_BAD_DEVICE_ARG") = nsa_cp::kErrBadDeviceArg;
   m.attr("ERR_BAD_POSITION") = nsa_cp::kErrBadPosition;
+  m.attr("ERR_LAYOUT_MISMATCH") = nsa_cp::kErrLayoutMismatch;
+  m.attr("ERR_RECORD_WORDS") = nsa_cp::kErrRecordWords;
+  m.attr("FP_BASE") = nsa_cp::kFpBase;
   m.attr("QUANT_NONE") = 0;
   m.attr("QUANT_FP8_E4M3_G128") = 1;
   m.attr("DTYPE_BF16") = 0;
@@ -194,20 +197,22 @@ gather_ptrs: device uint64[2][world], every rank's gather buffer 0 (row 0) and 1
 addresses again without a second buffer). reduce_ptrs: device uint64[world], every rank's reduce
 buffer. pads: device uint64[world], every rank's signal pad (SIGNAL_WORDS uint32). seq, arrive:
 device uint32[2] (channel 0 gather, 1 reduce-scatter), zeroed. gather_state: device uint32[2], zeroed.
-err_host, err_dev: host and device address of the host-mapped uint32[4] error record
+err_host, err_dev: host and device address of the host-mapped uint32[ERR_RECORD_WORDS] error record
 (alloc_host_mapped_u32). timeout_ns: wait bound (0 = forever). hidden: elements per row. dtype:
 DTYPE_* of the rows. sm_count: SMs of the device (block policy). max_rows_per_rank: rows per rank of
 gather buffer 0 and of the reduce buffer (the capacity). double_buffer_rows: rows per rank of gather
-buffer 1 (0: none).
+buffer 1 (0: none). check_layout: every launch carries a fingerprint of what it assumes (layout
+counts, max_rank_len, row bytes, compact / ordered / norm / fp8, epoch) in the signals it exchanges
+anyway, and compares every peer's with its own (ERR_LAYOUT_MISMATCH; no extra signal or wait).
 
 Double buffering: a gather whose max_rank_len fits gather buffer 1 writes the other buffer than the
 previous gather did; a larger one writes buffer 0. The gathers return the buffer they wrote.)doc")
       .def(py::init<int, int, int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
-                    uint64_t, int64_t, int, int, int64_t, int64_t>(),
+                    uint64_t, int64_t, int, int, int64_t, int64_t, bool>(),
            py::arg("device"), py::arg("rank"), py::arg("world"), py::arg("gather_ptrs"), py::arg("reduce_ptrs"),
            py::arg("pads"), py::arg("seq"), py::arg("arrive"), py::arg("gather_state"), py::arg("err_host"),
            py::arg("err_dev"), py::arg("timeout_ns"), py::arg("hidden"), py::arg("dtype"), py::arg("sm_count"),
-           py::arg("max_rows_per_rank"), py::arg("double_buffer_rows"))
+           py::arg("max_rows_per_rank"), py::arg("double_buffer_rows"), py::arg("check_layout") = true)
       .def("gather", &nsa_cp::P2PState::gather, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("counts"),
            py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"), py::arg("stream"), py::arg("positions") = 0,
            py::arg("num_positions") = -1, py::call_guard<py::gil_scoped_release>(),
@@ -266,7 +271,9 @@ weight: device [hidden] of weight_dtype (DTYPE_*). The rest as in reduce_scatter
            py::call_guard<py::gil_scoped_release>(),
            "The copy-engine gather's done barrier, then the record that buffer 0 was written last. Runs\n"
            "even when the error record is set (it completes a call already begun).")
-      .def("error", &nsa_cp::P2PState::error, "The error record [code, channel*2 + phase, rank, epoch] (volatile reads).")
+      .def("error", &nsa_cp::P2PState::error, "The error record, ERR_RECORD_WORDS values: [code, channel*2 + phase, rank, epoch, then for a\n"
+           "layout mismatch own hash, own desc, peer hash, peer desc, peer epoch] (volatile reads).")
+      .def_property_readonly("check_layout", &nsa_cp::P2PState::check_layout)
       .def("gather_rows", &nsa_cp::P2PState::gather_rows, py::arg("buffer"), "Capacity rows of gather buffer 0 or 1.")
       .def("scale_offset", &nsa_cp::P2PState::scale_offset, py::arg("buffer"),
            "Byte offset of the fp8 scale block in gather buffer 0 or 1 (gather_rows * hidden rounded up to 16).")

@@ -19,11 +19,23 @@
 //     the total it has consumed (local memory) and waits for it + kDoneQuantum, so it needs no block of
 //     the sender to collect the others first, and the sender's grid size does not matter.
 //
-// Error record err[4] (host-mapped, read it after the stream has synchronized):
-//   err[0] = code (0 none, kErrTimeout, kErrBadDeviceArg, kErrBadPosition), err[1] = channel*2 + phase,
-//   err[2] = peer rank waited for (timeout), the rank whose device-side argument was bad, or the rank
-//   that read an out-of-range position,
-//   err[3] = epoch. Only the first error is kept (atomicCAS on err[0]).
+//   * Call fingerprints (P2PState launches; see CallFingerprint below): block 0 of every launch writes
+//     what its call assumes (a hash of the layout counts, max_rank_len, positions count, row bytes and
+//     flags; the flags and total rows; the epoch) into slot [channel][epoch & 1][our rank] of every
+//     peer's pad, with plain stores by the threads that then signal that peer (entry) or add to its
+//     done counter, so the release that follows carries it. A receiver compares every peer's slot with
+//     its own fingerprint once the signal it already waits for has come: the reduce-scatter after its
+//     entry wait (before it reads a row), the gather after its entry wait when it has one, otherwise in
+//     its last block after the done wait (the rows have landed; on a mismatch it overwrites its own
+//     result with NaN bytes). No extra signal, no extra wait. Two slots by epoch parity: a peer can be
+//     one call ahead of us on a channel, never two, before we have read its slot.
+//
+// Error record err[kErrRecordWords] (host-mapped, read it after the stream has synchronized):
+//   err[0] = code (0 none, kErrTimeout, kErrBadDeviceArg, kErrBadPosition, kErrLayoutMismatch),
+//   err[1] = channel*2 + phase, err[2] = peer rank waited for (timeout), the rank whose device-side
+//   argument was bad, the rank that read an out-of-range position, or the peer whose fingerprint
+//   differs; err[3] = epoch; a mismatch also: err[4..5] our fingerprint's hash and desc, err[6..7] the
+//   peer's, err[8] the peer's epoch. Only the first error is kept (atomicCAS on err[0]).
 #pragma once
 
 #include <cstdint>
@@ -95,6 +107,91 @@ __device__ __forceinline__ void record_error(uint32_t* err, uint32_t code, uint3
     e[3] = epoch;
     __threadfence_system();
   }
+}
+
+// ---- call fingerprints --------------------------------------------------------------------------
+
+// Flags of a call's fingerprint (desc bits 0..7); bit 31 of GatherParams/ReduceParams::fp_flags turns
+// the check on.
+constexpr uint32_t kFpCompact = 1u, kFpOrdered = 2u, kFpNorm = 4u, kFpQuant = 8u, kFpScatter = 16u;
+constexpr uint32_t kFpOn = 1u << 31;
+
+struct CallFingerprint {
+  uint32_t hash;  // counts of every rank, max_rank_len, positions count, row bytes, flags
+  uint32_t desc;  // flags | min(total rows, 2^24 - 1) << 8
+  uint32_t epoch;
+};
+
+__device__ __forceinline__ uint32_t fp_mix(uint32_t h, uint32_t v) {
+  h ^= v;
+  h *= 0x9E3779B1u;
+  return h ^ (h >> 15);
+}
+
+// Every thread of warp 0 gets the fingerprint (the other warps compute a value nobody uses). Rank t's
+// count is in lane t's registers already (load_geometry_entry), so it costs three shuffles, not a
+// pass over shared memory: the entry signal waits for nothing more than the count's load.
+__device__ __forceinline__ CallFingerprint call_fingerprint(int count, int world, int64_t M,
+                                                            int64_t num_positions, int64_t row_bytes, uint32_t flags,
+                                                            uint32_t epoch) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  uint32_t h = lane < world ? fp_mix(fp_mix(0x811C9DC5u, static_cast<uint32_t>(lane)), static_cast<uint32_t>(count)) : 0u;
+  uint32_t total = lane < world ? static_cast<uint32_t>(count) : 0u;
+#pragma unroll
+  for (int o = kMaxWorld / 2; o > 0; o >>= 1) {  // lanes 0..7 end with the sums over lanes 0..7
+    h += __shfl_xor_sync(0xffffffffu, h, o);
+    total += __shfl_xor_sync(0xffffffffu, total, o);
+  }
+  h = fp_mix(h, static_cast<uint32_t>(M));
+  h = fp_mix(h, static_cast<uint32_t>(num_positions));
+  h = fp_mix(h, static_cast<uint32_t>(row_bytes));
+  h = fp_mix(h, flags & 0xFFu);
+  return CallFingerprint{h, (flags & 0xFFu) | (min(total, 0xFFFFFFu) << 8), epoch};
+}
+
+__device__ __forceinline__ uint32_t* fp_slot(uint64_t pad_base, int channel, uint32_t epoch, int src) {
+  return reinterpret_cast<uint32_t*>(pad_base) + kFpBase +
+         ((channel * 2 + static_cast<int>(epoch & 1u)) * kMaxWorld + src) * kFpWords;
+}
+
+// Block 0, threads t < world: our fingerprint into peer t's pad (plain stores; thread t's next signal
+// or done-counter release to peer t orders them).
+__device__ __forceinline__ void publish_fingerprint(const SignalArgs& s, const CallFingerprint& f) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < s.world) {
+    volatile uint32_t* slot = fp_slot(s.pads[t], s.channel, f.epoch, s.rank);
+    slot[0] = f.hash;
+    slot[1] = f.desc;
+    slot[2] = f.epoch;
+  }
+}
+
+// Threads t < world compare peer t's fingerprint in our pad with ours (after the acquire of a signal
+// or counter of that peer for this call); a mismatch is recorded (phase `phase`). Contains
+// __syncthreads: call from all threads of the block. True when every rank agrees.
+__device__ __forceinline__ bool fingerprints_agree(const SignalArgs& s, const CallFingerprint& f, int phase) {
+  const int t = static_cast<int>(threadIdx.x);
+  int ok = 1;
+  if (t < s.world) {
+    const volatile uint32_t* slot = fp_slot(s.pads[s.rank], s.channel, f.epoch, t);
+    const uint32_t h = slot[0], d = slot[1], e = slot[2];
+    if (h != f.hash || d != f.desc || e != f.epoch) {
+      ok = 0;
+      if (atomicCAS(s.err, kErrNone, kErrLayoutMismatch) == kErrNone) {
+        volatile uint32_t* r = s.err;
+        r[1] = static_cast<uint32_t>(s.channel * 2 + phase);
+        r[2] = static_cast<uint32_t>(t);
+        r[3] = f.epoch;
+        r[4] = f.hash;
+        r[5] = f.desc;
+        r[6] = h;
+        r[7] = d;
+        r[8] = e;
+        __threadfence_system();
+      }
+    }
+  }
+  return __syncthreads_and(ok) != 0;
 }
 
 // Writes `epoch` into slot [phase][our rank] of `peer`'s pad. The fence makes every earlier write of
@@ -190,16 +287,21 @@ __device__ __forceinline__ uint32_t done_share() {
   return static_cast<uint32_t>(((b + 1) * kDoneQuantum) / g - (b * kDoneQuantum) / g);
 }
 
+// Returned by grid_done_counters.
+constexpr int kNotLast = 0, kLastAllArrived = 1, kLastFailed = 2;
+
 // The done half of the gather, through the done counters (each block calls it once, from all threads,
 // after its stores). Every block adds its share to every rank's counter for us (the release reduction
 // is cumulative over the block's stores through bar.sync, so no fence and no atomic chain through a
 // last block sits between our last store and a peer's wait). The last block to arrive (counted on
 // `arrive` only for the bookkeeping) waits until every rank's counter in our pad reached `*received`
 // + kDoneQuantum (skipped if any block of this launch failed), then stores the new total, resets
-// `arrive` and publishes seq = epoch. Returns true in that last block, after every block has passed
-// its start.
-__device__ __forceinline__ bool grid_done_counters(const SignalArgs& s, uint32_t epoch, uint32_t* received,
-                                                   bool block_failed) {
+// `arrive` and publishes seq = epoch. Returns, in that last block (after every block has passed its
+// start), kLastAllArrived when every rank's counter arrived, kLastFailed when a block of this launch
+// failed or a wait timed out; kNotLast in every other block.
+
+__device__ __forceinline__ int grid_done_counters(const SignalArgs& s, uint32_t epoch, uint32_t* received,
+                                                  bool block_failed) {
   __shared__ uint32_t s_total;
   __syncthreads();
   const int t = static_cast<int>(threadIdx.x);
@@ -210,19 +312,20 @@ __device__ __forceinline__ bool grid_done_counters(const SignalArgs& s, uint32_t
   }
   __syncthreads();
   const uint32_t total = s_total;
-  if ((total & kArriveCountMask) != gridDim.x) return false;  // not the last block
+  if ((total & kArriveCountMask) != gridDim.x) return kNotLast;
 
   const uint32_t target = ld_relaxed_gpu(received) + kDoneQuantum;
-  if (total < kArriveFailed && t < s.world) {
-    wait_at_least(s, done_counter(s.pads[s.rank], s.channel, t), target, t, 1, epoch);
+  int arrived = total < kArriveFailed;
+  if (arrived && t < s.world) {
+    arrived = wait_at_least(s, done_counter(s.pads[s.rank], s.channel, t), target, t, 1, epoch);
   }
-  __syncthreads();
+  arrived = __syncthreads_and(arrived);
   if (t == 0) {
     *s.arrive = 0;
     *reinterpret_cast<volatile uint32_t*>(received) = target;
     *reinterpret_cast<volatile uint32_t*>(s.seq) = epoch;
   }
-  return true;
+  return arrived ? kLastAllArrived : kLastFailed;
 }
 
 // ---- row-chunk iteration ---------------------------------------------------------------------------

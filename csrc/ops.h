@@ -28,12 +28,25 @@ constexpr uint32_t kErrBadDeviceArg = 2;
 // An ordered call read a position outside [0, T): the row went to (or came from) the clamped row,
 // never outside the buffers; the results of that call are wrong.
 constexpr uint32_t kErrBadPosition = 3;
+// Two ranks entered the same call assuming different things (the fingerprint of common.cuh: layout
+// counts, max_rank_len, rows in total, row bytes, compact / ordered / norm / fp8, call number). The
+// reduce-scatter reads no row of that call; the gather moves none when it had an entry exchange, and
+// otherwise overwrites its own result with NaN bytes before the launch ends.
+constexpr uint32_t kErrLayoutMismatch = 4;
+// uint32 words of the error record: [code, channel*2 + phase, rank, epoch] and, for a layout
+// mismatch, [own hash, own desc, peer hash, peer desc, peer epoch] (then 3 unused words).
+constexpr int kErrRecordWords = 12;
 
 // The signal pad: uint32 words per rank (nsa_cp.workspace.SIGNAL_WORDS allocates this many). Epoch
 // slots [(channel*2 + phase)*world + src] below kDoneBase; the gather's done counters
-// [kDoneBase + channel*kMaxWorld + src] from there (see common.cuh).
+// [kDoneBase + channel*kMaxWorld + src] from there; the call fingerprints [kFpBase + ((channel*2 +
+// epoch parity)*kMaxWorld + src)*kFpWords + i] after them (see common.cuh).
 constexpr int kSignalWords = 256;
 constexpr int kDoneBase = 128;
+constexpr int kFpBase = 160;
+constexpr int kFpWords = 3;  // hash, desc, epoch
+static_assert(kFpBase >= kDoneBase + 2 * kMaxWorld && kFpBase + 4 * kMaxWorld * kFpWords <= kSignalWords,
+              "the fingerprint slots of both channels fit the pad after the done counters");
 // What one gather launch adds to each rank's done counter, in per-block shares (> kMaxBlocks: every
 // share >= 1).
 constexpr uint32_t kDoneQuantum = 1u << 16;
@@ -77,7 +90,7 @@ class P2PState {
   P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64_t reduce_ptrs, uint64_t pads,
            uint64_t seq, uint64_t arrive, uint64_t gather_state, uint64_t err_host, uint64_t err_dev,
            uint64_t timeout_ns, int64_t hidden, int dtype, int sm_count, int64_t max_rows_per_rank,
-           int64_t double_buffer_rows);
+           int64_t double_buffer_rows, bool check_layout = true);
 
   // Each returns the gather buffer it wrote (0 or 1).
   int gather(uint64_t src, int64_t src_row_stride_bytes, uint64_t counts, uint64_t offsets, int64_t max_rank_len,
@@ -100,7 +113,7 @@ class P2PState {
   void copy_engine_begin(uint64_t stream);
   void copy_engine_end(uint64_t stream);
 
-  std::vector<uint32_t> error() const;  // the error record, err[0..3]
+  std::vector<uint32_t> error() const;  // the error record, err[0..kErrRecordWords)
   // After close() every method that touches device or host-mapped memory raises RuntimeError: the
   // owner frees the error record and the buffers after calling it.
   void close() { closed_ = true; }
@@ -115,12 +128,14 @@ class P2PState {
   int64_t row_bytes() const { return row_bytes_; }
   int64_t max_rows_per_rank() const { return max_rows_; }
   int64_t double_buffer_rows() const { return double_rows_; }
+  bool check_layout() const { return check_layout_; }
 
  private:
   void check_error_record(const char* fn) const;
   void check_call(const char* fn, uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact,
                   uint64_t positions, int64_t num_positions) const;
   int next_buffer(int64_t max_rank_len);
+  uint32_t fingerprint_flags(bool compact, bool ordered, uint32_t stage) const;  // GatherParams::fp_flags
   int data_blocks(int64_t max_rank_len) const;
   int row_blocks(int64_t max_rank_len) const;
   int norm_words_per_thread(const char* fn) const;
@@ -130,6 +145,7 @@ class P2PState {
   int device_, rank_, world_, dtype_, sm_count_;
   uint64_t gather_ptrs_, reduce_ptrs_, pads_, seq_, arrive_, gather_state_, err_host_, err_dev_, timeout_ns_;
   int64_t hidden_, row_bytes_, max_rows_, double_rows_;
+  bool check_layout_ = true;  // carry and compare the call fingerprint (common.cuh) on every launch
   bool closed_ = false;
   int last_buffer_ = 0;  // the host's record of the buffer the last gather wrote (the device keeps its own)
 };

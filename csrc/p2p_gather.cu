@@ -82,6 +82,37 @@ __device__ __forceinline__ void fill_rows(char* base, int64_t row_bytes, int64_t
   }
 }
 
+// Rows of this rank's result (what the caller reads): the ordered output, the compact rows or the
+// padded buffer.
+__device__ __forceinline__ int64_t result_rows(const GatherParams& p, const Geometry& g, int world) {
+  if (p.num_positions >= 0) return p.num_positions;
+  if (!p.compact) return world * p.M;
+  int64_t total = 0;
+  for (int q = 0; q < world; ++q) total += g.counts[q];
+  return total;
+}
+
+// One block sets `bytes` bytes at `base` to 0xFF: NaN in bf16, fp16, fp32 and float8_e4m3fn alike (the
+// result of a call whose ranks disagreed, so that no row of it reads as data). Error path only.
+__device__ __forceinline__ void block_fill_nan(char* base, int64_t bytes) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 == 0) {
+    const uint4 ones = make_uint4(~0u, ~0u, ~0u, ~0u);
+    for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(base)[i] = ones;
+    for (int64_t i = bytes / 16 * 16 + threadIdx.x; i < bytes; i += blockDim.x) base[i] = static_cast<char>(0xFF);
+  } else {
+    for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) base[i] = static_cast<char>(0xFF);
+  }
+}
+
+// This launch's fingerprint again, from the staged geometry (the same counts the entry carried): not
+// kept in registers across the data movement.
+__device__ __forceinline__ CallFingerprint own_fingerprint(const GatherParams& p, const Geometry& g,
+                                                           const SignalArgs& s, uint32_t epoch) {
+  const int t = static_cast<int>(threadIdx.x);
+  return call_fingerprint(t < s.world ? g.counts[t] : 0, s.world, p.M, p.num_positions, p.row_bytes, p.fp_flags,
+                          epoch);
+}
+
 template <int VEC>
 struct CopyStage {
   using Source = CopySource;
@@ -98,6 +129,11 @@ struct CopyStage {
       const int64_t pad_rows = p.M - g.counts[q];
       if (pad_rows > 0) fill_rows<VEC>(own, p.row_bytes, q * p.M + g.counts[q], pad_rows, W{});
     }
+  }
+
+  // The result's rows as NaN bytes (one block; after a done-phase fingerprint mismatch).
+  __device__ static void poison(const GatherParams& p, const Source&, const Geometry& g, int rank, int world) {
+    block_fill_nan(reinterpret_cast<char*>(g.bufs[rank]), result_rows(p, g, world) * p.row_bytes);
   }
 
   // Load each chunk once, store it `world` times.
@@ -163,6 +199,17 @@ struct NormStage {
       } else {
         fill_rows<4>(own + a.scale_offset, scale_row_bytes, first, pad_rows, pad_scale);
       }
+    }
+  }
+
+  __device__ static void poison(const GatherParams& p, const Source& a, const Geometry& g, int rank, int world) {
+    char* own = reinterpret_cast<char*>(g.bufs[rank]);
+    const int64_t rows = result_rows(p, g, world);
+    if (!FP8) {
+      block_fill_nan(own, rows * p.row_bytes);
+    } else {
+      block_fill_nan(own, rows * a.hidden);
+      block_fill_nan(own + a.scale_offset, rows * (a.hidden / kFp8Group) * 4);
     }
   }
 
@@ -279,8 +326,10 @@ struct NormStage {
   }
 };
 
+// One block per SM is all a launch asks for (data_blocks <= sm_count; the norm stages hold a row per
+// thread in registers): saying so lets ptxas use the registers instead of spilling to local memory.
 template <class Stage>
-__global__ void __launch_bounds__(kDataThreads)
+__global__ void __launch_bounds__(kDataThreads, 1)
     p2p_gather_kernel(const GatherParams p, const typename Stage::Source a, const SignalArgs s) {
   __shared__ Geometry g;
 
@@ -291,6 +340,11 @@ __global__ void __launch_bounds__(kDataThreads)
   // included, has completed, so peers may now write into it. Every rank makes the same decision
   // (same calls, same tags), so when we do not wait nobody waits for our signal either.
   const bool wait_entry = last == p.buffer;
+  // The call's fingerprint rides on the entry signal when there is one, else on the done counters.
+  const bool check = p.fp_flags != 0;
+  if (blockIdx.x == 0 && check) {
+    publish_fingerprint(s, call_fingerprint(entry.count, s.world, p.M, p.num_positions, p.row_bytes, p.fp_flags, epoch));
+  }
   if (blockIdx.x == 0 && wait_entry) block_signal_all(s, 0, epoch);
 
   const int rank = s.rank, world = s.world;
@@ -303,13 +357,22 @@ __global__ void __launch_bounds__(kDataThreads)
 
   bool ok = bad < 0;
   if (ok && wait_entry) ok = block_wait_all(s, 0, epoch);
+  // Every peer's fingerprint is visible after its entry signal: a disagreeing call moves no row.
+  if (ok && wait_entry && check) ok = fingerprints_agree(s, own_fingerprint(p, g, s, epoch), 0);
 
   // (b) push our rows to every rank
   if (ok && n > 0) Stage::push(p, a, g, s, epoch, n);
 
   // (d) Done: every block reports its rows to every rank; the last block waits for every rank's.
-  if (grid_done_counters(s, epoch, p.state + 1, !ok) && threadIdx.x == 0) {
-    *reinterpret_cast<volatile uint32_t*>(p.state) = p.buffer;
+  const int done = grid_done_counters(s, epoch, p.state + 1, !ok);
+  if (done == kNotLast) return;
+  if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(p.state) = p.buffer;
+  // Without an entry exchange the fingerprints are compared once every peer's counter arrived (their
+  // rows have landed): a disagreeing call leaves NaN in our result instead of misplaced rows. (After an
+  // entry exchange this compares again and agrees: a disagreement there failed the launch already.
+  // Not testing wait_entry here keeps it out of the registers the data movement needs.)
+  if (done == kLastAllArrived && p.fp_flags != 0 && !fingerprints_agree(s, own_fingerprint(p, g, s, epoch), 1)) {
+    Stage::poison(p, a, g, rank, world);
   }
 }
 

@@ -23,6 +23,7 @@ struct GatherParams {
   uint32_t* state;     // local uint32[2]: [0] tag the previous gather wrote, [1] done-counter total consumed
   const int64_t* positions;  // ordered call (compact geometry): compact row i lands at row positions[i]
   int64_t num_positions;     // rows of the ordered output; -1 without positions
+  uint32_t fp_flags = 0;     // kFpOn | kFp* flags: carry and compare the call fingerprint (common.cuh); 0: off
 };
 
 // The plain push: rows copied from `src` as they are.
@@ -66,6 +67,7 @@ struct ReduceParams {
   bool compact;
   const int64_t* positions;  // ordered call: this rank's row i is read from row positions[offsets[rank] + i]
   int64_t num_positions;     // -1 without positions
+  uint32_t fp_flags = 0;     // as GatherParams::fp_flags
 };
 
 void enqueue_reduce_scatter(const ReduceParams& p, const SignalArgs& s, int dtype, bool vector, int num_blocks,

@@ -30,6 +30,14 @@ __device__ __forceinline__ W load_peer(const char* p) {
   return __ldcg(reinterpret_cast<const W*>(p));
 }
 
+// This launch's fingerprint again, from the staged geometry (what the entry carried).
+__device__ __forceinline__ CallFingerprint own_fingerprint(const ReduceParams& p, const Geometry& g,
+                                                           const SignalArgs& s, uint32_t epoch) {
+  const int t = static_cast<int>(threadIdx.x);
+  return call_fingerprint(t < s.world ? g.counts[t] : 0, s.world, p.M, p.num_positions, p.row_bytes, p.fp_flags,
+                          epoch);
+}
+
 template <int D, bool VECTOR>
 __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const ReduceParams p, const SignalArgs s) {
   constexpr int kWordBytes = VECTOR ? 16 : Elem<D>::kBytes;
@@ -39,8 +47,14 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
 
   const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
   const uint32_t epoch = read_epoch(s);
+  // The call's fingerprint rides on the entry signal (common.cuh).
+  const bool check = p.fp_flags != 0;
   // Entered: our partials (written earlier on our stream) are complete and may be read by peers.
-  if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
+  if (blockIdx.x == 0) {
+    if (check) publish_fingerprint(s, call_fingerprint(entry.count, s.world, p.M, p.num_positions, p.row_bytes,
+                                                       p.fp_flags, epoch));
+    block_signal_all(s, 0, epoch);
+  }
 
   const int rank = s.rank, world = s.world;
   const int bad = stage_geometry(g, entry, p.M, p.compact, kWordBytes, p.out, s, epoch,
@@ -49,6 +63,8 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
 
   bool ok = bad < 0;
   if (ok) ok = block_wait_all(s, 0, epoch);
+  // A peer that disagrees on the call: no row of it is read.
+  if (ok && check) ok = fingerprints_agree(s, own_fingerprint(p, g, s, epoch), 0);
 
   if (ok && n > 0) {
     const int64_t src0 = p.compact ? g.offsets[rank] : rank * p.M;
@@ -113,7 +129,12 @@ __global__ void __launch_bounds__(kDataThreads)
 
   const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
   const uint32_t epoch = read_epoch(s);
-  if (blockIdx.x == 0) block_signal_all(s, 0, epoch);
+  const bool check = p.fp_flags != 0;
+  if (blockIdx.x == 0) {
+    if (check) publish_fingerprint(s, call_fingerprint(entry.count, s.world, p.M, p.num_positions, p.row_bytes,
+                                                       p.fp_flags, epoch));
+    block_signal_all(s, 0, epoch);
+  }
 
   const int rank = s.rank, world = s.world;
   // this rank's rows need both an output and a residual (either may be null only without rows)
@@ -124,6 +145,7 @@ __global__ void __launch_bounds__(kDataThreads)
 
   bool ok = bad < 0;
   if (ok) ok = block_wait_all(s, 0, epoch);
+  if (ok && check) ok = fingerprints_agree(s, own_fingerprint(p, g, s, epoch), 0);
 
   if (ok && n > 0) {
     const int64_t src0 = p.compact ? g.offsets[rank] : rank * p.M;

@@ -34,7 +34,7 @@ int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 P2PState::P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64_t reduce_ptrs, uint64_t pads,
                    uint64_t seq, uint64_t arrive, uint64_t gather_state, uint64_t err_host, uint64_t err_dev,
                    uint64_t timeout_ns, int64_t hidden, int dtype, int sm_count, int64_t max_rows_per_rank,
-                   int64_t double_buffer_rows)
+                   int64_t double_buffer_rows, bool check_layout)
     : device_(device),
       rank_(rank),
       world_(world),
@@ -51,7 +51,8 @@ P2PState::P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64
       timeout_ns_(timeout_ns),
       hidden_(hidden),
       max_rows_(max_rows_per_rank),
-      double_rows_(double_buffer_rows) {
+      double_rows_(double_buffer_rows),
+      check_layout_(check_layout) {
   constexpr const char* fn = "P2PState";
   require(device >= 0, fn, "device must be >= 0, got " + std::to_string(device));
   // rank, world, pads, seq, arrive, err: as every signal-protocol launch checks them (both channels)
@@ -60,7 +61,7 @@ P2PState::P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64
   require_ptr(gather_ptrs, fn, "gather_ptrs (device uint64[2][world]: every rank's gather buffer 0, then 1)");
   require_ptr(reduce_ptrs, fn, "reduce_ptrs (device uint64[world] of reduce buffer bases)");
   require_ptr(gather_state, fn, "gather_state (device uint32[2], zero-initialised)");
-  require_ptr(err_host, fn, "err_host (host address of the host-mapped uint32[4] error record)");
+  require_ptr(err_host, fn, "err_host (host address of the host-mapped uint32[ERR_RECORD_WORDS] error record)");
   require(dtype == kBF16 || dtype == kFP16 || dtype == kFP32, fn,
           "dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(dtype));
   require(hidden > 0 && hidden <= (int64_t{1} << 40), fn, "hidden must be in [1, 2^40], got " + std::to_string(hidden));
@@ -75,6 +76,11 @@ P2PState::P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64
   row_bytes_ = hidden * element_bytes(dtype);
   require(max_rows_per_rank <= INT64_MAX / (static_cast<int64_t>(world) * row_bytes_), fn,
           "buffer size in bytes overflows int64");
+}
+
+uint32_t P2PState::fingerprint_flags(bool compact, bool ordered, uint32_t stage) const {
+  if (!check_layout_) return 0;
+  return kFpOn | (compact ? kFpCompact : 0u) | (ordered ? kFpOrdered : 0u) | stage;
 }
 
 void P2PState::check_error_record(const char* fn) const {
@@ -175,7 +181,8 @@ int P2PState::gather(uint64_t src, int64_t src_row_stride_bytes, uint64_t counts
                        static_cast<uint32_t>(buffer),
                        as_ptr<uint32_t>(gather_state_),
                        as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1};
+                       positions != 0 ? num_positions : -1,
+                       fingerprint_flags(compact, positions != 0, 0)};
   const int vec = common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes_)});
   enqueue_gather_copy(p, CopySource{as_ptr<const char>(src), src_row_stride_bytes}, s, vec,
                       data_blocks(max_rank_len), as_stream(stream));
@@ -217,7 +224,8 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
                        static_cast<uint32_t>(buffer),
                        as_ptr<uint32_t>(gather_state_),
                        as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1};
+                       positions != 0 ? num_positions : -1,
+                       fingerprint_flags(compact, positions != 0, (norm ? kFpNorm : 0u) | (quant != 0 ? kFpQuant : 0u))};
   const NormSource a{as_ptr<const char>(x),  x_row_stride_bytes, as_ptr<char>(residual), residual_row_stride_bytes,
                      as_ptr<const void>(weight), weight_dtype, static_cast<float>(eps), norm, hidden_,
                      scale_offset(buffer)};
@@ -251,7 +259,8 @@ void P2PState::reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64
                        max_rank_len,
                        compact,
                        as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1};
+                       positions != 0 ? num_positions : -1,
+                       fingerprint_flags(compact, positions != 0, kFpScatter)};
   const bool vector =
       common_alignment({out, static_cast<uint64_t>(out_row_stride_bytes), static_cast<uint64_t>(row_bytes_)}) == 16;
   enqueue_reduce_scatter(p, s, dtype_, vector, data_blocks(max_rank_len), as_stream(stream));
@@ -285,7 +294,8 @@ void P2PState::reduce_scatter_norm(uint64_t out, int64_t out_row_stride_bytes, u
                        max_rank_len,
                        compact,
                        as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1};
+                       positions != 0 ? num_positions : -1,
+                       fingerprint_flags(compact, positions != 0, kFpScatter | kFpNorm)};
   const NormEpilogue e{as_ptr<char>(residual), residual_row_stride_bytes, as_ptr<const void>(weight), weight_dtype,
                        static_cast<float>(eps), hidden_};
   enqueue_reduce_scatter_norm(p, e, s, dtype_, words_per_thread, row_blocks(max_rank_len), as_stream(stream));
@@ -320,7 +330,9 @@ void P2PState::copy_engine_end(uint64_t stream) {
 std::vector<uint32_t> P2PState::error() const {
   if (closed_) throw std::runtime_error("P2PState.error: the P2P transport was closed");
   const volatile uint32_t* err = as_ptr<volatile uint32_t>(err_host_);
-  return {err[0], err[1], err[2], err[3]};
+  std::vector<uint32_t> record(kErrRecordWords);
+  for (int i = 0; i < kErrRecordWords; ++i) record[i] = err[i];
+  return record;
 }
 
 }  // namespace nsa_cp

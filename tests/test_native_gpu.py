@@ -371,7 +371,7 @@ class _States:
         self.reduce_ptrs = torch.tensor([t.data_ptr() for t in self.reduces], dtype=torch.int64, device=dev)
         self.pad_ptrs = torch.tensor([p.data_ptr() for p in self.pads], dtype=torch.int64, device=dev)
         self.local = [torch.zeros(6, dtype=torch.int32, device=dev) for _ in range(world)]  # seq[2] arrive[2] state[2]
-        self.err = [_C.alloc_host_mapped_u32(4) for _ in range(world)]
+        self.err = [_C.alloc_host_mapped_u32(_C.ERR_RECORD_WORDS) for _ in range(world)]
         self.streams = [torch.cuda.Stream() for _ in range(world)]
         code = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[dtype]
         self.states = [
@@ -502,5 +502,69 @@ def test_gpu_p2p_state_gathers(dtype_name):
                 y, r_after = reference.fused_add_rmsnorm(summed.cpu(), rs_before[r].clone(), weight.cpu(), 1e-6)
                 assert torch.equal(rs[r].cpu(), r_after), ("reduce-scatter norm residual", counts, r)
                 torch.testing.assert_close(normed[r].cpu(), y, **tol)
+    finally:
+        st.close()
+
+
+def _launch_all(st, call):
+    """``call(rank, state, stream_int)`` on every rank's stream, then synchronize; no error check."""
+    torch = st.torch
+    torch.cuda.synchronize()
+    out = []
+    for r, state in enumerate(st.states):
+        with torch.cuda.stream(st.streams[r]):
+            out.append(call(r, state, st.streams[r].cuda_stream))
+    torch.cuda.synchronize()
+    return out
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("op", ["gather-double-buffered", "gather-entry", "scatter", "agree"])
+def test_gpu_p2p_state_fingerprint(world, op):
+    """The call fingerprint at worlds 2..8: the last rank's counts differ in rank 0's entry (same
+    max_rank_len): every rank records ERR_LAYOUT_MISMATCH naming a disagreeing peer with both fingerprints;
+    the double-buffered gather leaves NaN bytes in every rank's result, the gather with an entry wait and
+    the reduce-scatter write nothing. Ranks that agree record nothing (op "agree")."""
+    import torch
+
+    hidden, max_rows = 256, 16
+    st = _States(world, max_rows, 0 if op == "gather-entry" else 8, hidden, torch.bfloat16)
+    try:
+        good = [4 + q % 3 for q in range(world)]
+        bad = list(good)
+        bad[0] += 1
+        m = max(max(good), max(bad))
+        counts = [good if (r != world - 1 or op == "agree") else bad for r in range(world)]
+        dc = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in counts]
+        do = [torch.tensor([sum(c[:q]) for q in range(world)], dtype=torch.int32, device="cuda") for c in counts]
+        xs = [torch.randn(counts[r][r], hidden, device="cuda").bfloat16() for r in range(world)]
+        outs = [torch.full((counts[r][r], hidden), float("nan"), dtype=torch.bfloat16, device="cuda") for r in range(world)]
+        if op == "scatter":
+            _launch_all(st, lambda r, s, stream: s.reduce_scatter(outs[r].data_ptr(), hidden * 2, dc[r].data_ptr(),
+                                                                  do[r].data_ptr(), m, True, stream))
+        else:
+            for b in st.gathers:
+                for t in b:
+                    t.fill_(float("nan"))
+            compact = op == "gather-entry"  # compact: no local zeroing, the buffer stays as poisoned
+            got = _launch_all(st, lambda r, s, stream: s.gather(xs[r].data_ptr(), hidden * 2, dc[r].data_ptr(),
+                                                                do[r].data_ptr(), m, compact, stream))
+        errors = [s.error() for s in st.states]
+        if op == "agree":
+            assert [e[0] for e in errors] == [0] * world, errors
+            return
+        for r, e in enumerate(errors):
+            assert e[0] == _C.ERR_LAYOUT_MISMATCH, (r, e)
+            peer = e[2]
+            assert peer != r and (r == world - 1 or peer == world - 1), (r, e)
+            assert (e[4], e[5]) != (e[6], e[7]) and e[3] == e[8], (r, e)  # the two fingerprints, one call
+            if op == "scatter":
+                assert e[1] == 2 and torch.isnan(outs[r].float()).all(), (r, e)
+            else:
+                rows = sum(counts[r]) if compact else world * m
+                view = st.view(got[r], r, rows)
+                assert torch.isnan(view.float()).all(), (r, "rows of a disagreeing gather are not NaN")
+                assert e[1] == (0 if op == "gather-entry" else 1), (r, e)
     finally:
         st.close()

@@ -29,7 +29,7 @@ def _state_args(err, **kw):
 
 @pytest.fixture
 def err():
-    return torch.zeros(4, dtype=torch.int32)  # stands in for the host-mapped error record
+    return torch.zeros(_C.ERR_RECORD_WORDS, dtype=torch.int32)  # stands in for the host-mapped error record
 
 
 @pytest.fixture
@@ -203,7 +203,7 @@ def test_norm_stage_limits_need_their_geometry(err):
                                   "copy_engine_begin"])
 def test_a_set_error_record_refuses_every_launch_first(state, err, call):
     """After a device-side error nothing more is enqueued, whatever the arguments (even bad ones)."""
-    err[:] = torch.tensor([1, 3, 1, 17], dtype=torch.int32)  # a timeout of the reduce-scatter's done phase
+    err[:4] = torch.tensor([1, 3, 1, 17], dtype=torch.int32)  # a timeout of the reduce-scatter's done phase
     launch = {
         "gather": lambda: _gather(state, counts=0),
         "norm_gather": lambda: _norm_gather(state, quant=7),
@@ -215,7 +215,7 @@ def test_a_set_error_record_refuses_every_launch_first(state, err, call):
     with pytest.raises(_C.P2PDeviceError, match="code 1 .*epoch 17.*nothing was enqueued"):
         launch()
     assert issubclass(_C.P2PDeviceError, RuntimeError)
-    assert state.error() == [1, 3, 1, 17]
+    assert state.error() == [1, 3, 1, 17] + [0] * (_C.ERR_RECORD_WORDS - 4)
 
 
 @needs_no_gpu

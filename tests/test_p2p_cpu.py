@@ -19,6 +19,58 @@ def test_codes_match_the_native_header():
     assert int(codes["kErrTimeout"]) == p2p_errors._ERR_TIMEOUT
     assert int(codes["kErrBadDeviceArg"]) == p2p_errors._ERR_BAD_DEVICE_ARG
     assert int(codes["kErrBadPosition"]) == p2p_errors._ERR_BAD_POSITION
+    assert int(codes["kErrLayoutMismatch"]) == p2p_errors._ERR_LAYOUT_MISMATCH
+    words = re.search(r"constexpr int kErrRecordWords = (\d+);", header)
+    assert words and int(words.group(1)) == p2p_errors.RECORD_WORDS
+
+
+def test_fingerprint_flags_match_the_native_header():
+    """The flag bits the message decodes are the ones csrc/common.cuh sets."""
+    common = (OPS_H.parent / "common.cuh").read_text()
+    line = re.search(r"constexpr uint32_t (kFpCompact = .*?);", common).group(1)
+    bits = {name: int(value.rstrip("u")) for name, value in re.findall(r"(kFp\w+) = (\w+)", line)}
+    names = {"kFpCompact": "compact", "kFpOrdered": "ordered", "kFpNorm": "norm", "kFpQuant": "fp8",
+             "kFpScatter": "reduce-scatter"}
+    assert {names[k]: v for k, v in bits.items()} == {name: bit for bit, name in p2p_errors._FP_FLAGS}
+
+
+def _mismatch_text(slot, own=(0x1234ABCD, (21 << 8) | 1), peer=(0x0BADF00D, (20 << 8) | 1 | 8), epochs=(9, 9)):
+    record = [p2p_errors._ERR_LAYOUT_MISMATCH, slot, 3, epochs[0], *own, *peer, epochs[1], 0, 0, 0]
+    return p2p_errors.error_from_record(record, rank=0, timeout_ms=60000)
+
+
+def test_layout_mismatch_names_both_sides():
+    cls, text = _mismatch_text(slot=1)
+    assert cls is p2p.LayoutMismatchError
+    for word in ("all-gather", "call #9", "rank 0 assumed 21 rows in total, compact", "0x1234abcd",
+                 "rank 3 assumed 20 rows in total, compact, fp8", "0x0badf00d", "ShardLayout", "overwritten with NaN",
+                 "unusable"):
+        assert word in text, (word, text)
+    assert "never arrived" not in text and "NSA_CP_P2P_TIMEOUT_MS" not in text
+
+
+@pytest.mark.parametrize("slot,words", [(0, ["all-gather", "No row of that call was moved"]),
+                                        (2, ["reduce-scatter", "No row of that call was read"])])
+def test_layout_mismatch_says_what_was_not_done(slot, words):
+    _, text = _mismatch_text(slot=slot)
+    for word in words:
+        assert word in text, (word, text)
+
+
+def test_layout_mismatch_of_call_numbers():
+    """Ranks a call apart (one skipped a call): both call numbers appear."""
+    _, text = _mismatch_text(slot=2, own=(1, 5 << 8), peer=(1, 5 << 8), epochs=(7, 8))
+    assert "call #7" in text and "call #8" in text and "padded" in text
+
+
+def test_layout_mismatch_is_both_a_p2p_error_and_the_validation_error():
+    """One except clause catches the device-side check and validate=True's."""
+    assert issubclass(p2p.LayoutMismatchError, nsa_cp.P2PError)
+    assert issubclass(p2p.LayoutMismatchError, nsa_cp.LayoutMismatchError)
+    assert issubclass(p2p.LayoutMismatchError, ValueError) and issubclass(p2p.LayoutMismatchError, RuntimeError)
+    from nsa_cp.transport.p2p import LayoutMismatchError
+
+    assert LayoutMismatchError is p2p_errors.LayoutMismatchError
 
 
 def test_timeout_names_the_call_the_phase_and_both_ranks():
@@ -48,6 +100,8 @@ def test_error_from_record_picks_the_class():
     for code in (2, 3, 9):
         cls, _ = p2p_errors.error_from_record([code, 0, 0, 1], rank=0, timeout_ms=100)
         assert cls is p2p.P2PError
+    cls, _ = p2p_errors.error_from_record([4, 0, 1, 1] + [0] * 8, rank=0, timeout_ms=100)
+    assert cls is p2p.LayoutMismatchError
 
 
 def test_facade_reexports():

@@ -77,7 +77,17 @@ before the next call on the transport is enqueued (docs/streams_and_graphs.md).
 
 Faults. Every wait has a timeout (NSA_CP_P2P_TIMEOUT_MS). A kernel that times out records which call
 and which peer into host-mapped memory and gives up; the next call on the transport (or
-``check_error()``) raises P2PTimeoutError naming them, and the transport stays unusable.
+``check_error()``) raises P2PTimeoutError naming them, and the transport stays unusable. A new
+transport (``destroy_p2p`` + ``init_p2p``, on every rank) starts from zeroed signals and works again.
+
+Rank agreement (``check_layout``, on by default). Every kernel launch carries a fingerprint of what its
+call assumes (every rank's count, max_rank_len, the positions count, row bytes, compact / ordered /
+norm / fp8, the call number) in the signal exchange it makes anyway, and compares every peer's with
+its own (csrc/common.cuh): no extra collective, no extra wait, no host sync. The reduce-scatter
+compares before it reads a row; the gather before it pushes when it has an entry exchange, otherwise
+once the rows have landed, and then overwrites its result with NaN. The next call (or
+``check_error()``) raises LayoutMismatchError on every rank, naming both sides. The copy engine's
+gather (host-driven copies) carries none.
 """
 
 from __future__ import annotations
@@ -126,6 +136,8 @@ class P2PTransport:
             ``max_tokens_per_rank``; 0: none; default NSA_CP_P2P_DOUBLE_BUFFER_TOKENS, 1024). Costs
             ``cp_size * tokens * hidden * element size`` bytes; gathers up to that size skip the entry
             barrier (module docstring, "Reuse safety"). The same on every rank.
+        check_layout: carry and compare the call fingerprint on every launch (module docstring, "Rank
+            agreement"); False only to measure what it costs.
     """
 
     def __init__(
@@ -139,6 +151,7 @@ class P2PTransport:
         timeout_ms: Optional[int] = None,
         workspace_bytes: Optional[int] = None,
         double_buffer_tokens: Optional[int] = None,
+        check_layout: bool = True,
     ):
         if max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank: expected an int >= 1, got {max_tokens_per_rank}")
@@ -205,7 +218,7 @@ class P2PTransport:
         # the copy engine writes into peers' gather buffer 0 through these mapped views
         shape = list(self._gather.shape)
         self._peer_gather = [handles["gather"].get_buffer(peer, shape, dtype, 0) for peer in range(self.world)]
-        self._err_host, err_dev = self._C.alloc_host_mapped_u32(4)
+        self._err_host, err_dev = self._C.alloc_host_mapped_u32(self._C.ERR_RECORD_WORDS)
         self._handles = handles  # keep the mappings alive
         self._state = self._C.P2PState(
             self.device.index, self.rank, self.world, buffers["gather_ptrs"].data_ptr(),
@@ -213,7 +226,7 @@ class P2PTransport:
             buffers["arrive"].data_ptr(), buffers["gather_state"].data_ptr(), self._err_host, err_dev,
             self.timeout_ns, self.hidden_size, _DTYPE_CODES[dtype],
             torch.cuda.get_device_properties(self.device).multi_processor_count,
-            self.max_tokens_per_rank, self.double_buffer_tokens,
+            self.max_tokens_per_rank, self.double_buffer_tokens, bool(check_layout),
         )
         self._stream = _native.stream_getter()
         self._reduce_views = {}
@@ -269,7 +282,8 @@ class P2PTransport:
     # ------------------------------------------------------------------ errors
     def check_error(self) -> None:
         """Raise if an earlier call failed on the device: P2PTimeoutError when a peer never arrived,
-        P2PError for a rejected device-side geometry (reads host-mapped memory, no sync)."""
+        LayoutMismatchError when the ranks disagreed on a call, P2PError for a rejected device-side
+        geometry (reads host-mapped memory, no sync)."""
         if self._broken is not None:
             raise self._broken[0](self._broken[1])
         if self._state is None or self._state.closed:
