@@ -7,11 +7,12 @@ viewed as rows: ``[rows, row_len]`` after flattening the trailing dims. Shapes u
 
 Norm and FP8 (``fused_add_rmsnorm``, ``quant_fp8_g128``, ``dequant_fp8_g128`` and their ``*_into_slot``
 forms) follow DESIGN.md's conventions, written so that every step is one IEEE fp32 operation whose
-order a kernel can reproduce: the mean is ``sum(s^2) / H`` (a sum, then one division; torch's CPU
-``mean`` does the same, CUDA's multiplies by 1/H, and so does CUDA's division by a Python scalar, so
-the divisors here are tensors), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
-rounded steps), ``y = (s * rstd) * w``. The kernels in ``nsa_cp.kernels.norm`` follow that order, so
-they differ from this oracle only by the order of the sum of squares (see tests/test_norm_kernels.py).
+order a kernel can reproduce: the mean is ``sum(s^2) / H`` (the sum of squares in fp64 rounded once to
+fp32, then one fp32 division; CUDA's ``mean`` multiplies by 1/H, and so does CUDA's division by a Python
+scalar, so the divisors here are tensors), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
+rounded steps), ``y = (s * rstd) * w``. The Triton kernels in ``nsa_cp.kernels.norm`` follow that order;
+the fp64 sum rounds to the same fp32 total in any summation order (but for ~1 row in 10^7), so they
+match this oracle almost always bit for bit (see tests/test_norm_kernels.py).
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def compact_to_padded(compact: torch.Tensor, layout: ShardLayout, padded: torch.
 def rmsnorm_fp32(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``s [rows, H]`` (fp32) -> ``s * rstd * weight`` in fp32, ``rstd = 1 / sqrt(sum(s^2) / H + eps)``."""
     h = s.shape[-1]
-    total = s.square().sum(dim=-1, keepdim=True)
+    # the sum of squares in fp64, rounded once to fp32: exact squares, an error far below fp32's quantum, so
+    # the same fp32 total whatever order a kernel (or torch) sums in (nsa_cp/kernels/norm.py)
+    total = s.double().square().sum(dim=-1, keepdim=True).float()
     # a tensor divisor: on CUDA, torch divides by a Python scalar as a product with its reciprocal, which
     # is not the correctly rounded quotient the kernels compute (div_rn); a tensor gets a true division
     variance = total / torch.full_like(total, h)

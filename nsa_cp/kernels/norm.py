@@ -11,10 +11,16 @@ Design record:
   scales) written once; y is never materialised in memory on the FP8 path. Rows up to 65536 columns.
 - Every arithmetic step is the reference's, in the same order and with correctly rounded fp32
   division and square root (``div_rn`` / ``sqrt_rn``; Triton's ``/`` is an approximate division on
-  GPUs): ``var = sum(s^2) / H``, ``rstd = 1 / sqrt(var + eps)``, ``y = (s * rstd) * w``; FP8
-  ``scale = max(amax, 1e-10) / 448``, ``q = clamp(y / scale, +-448)``. Only the order of the sum of
-  squares differs from torch's, so y matches the reference except where that moves rstd by an fp32
-  ulp across a rounding boundary of the output dtype (then by one ulp of it). The FP8 path quantizes
+  GPUs), each one rounded operation (no FMA contraction): ``var = fp32(sum(s^2) in fp64) / H``,
+  ``rstd = 1 / sqrt(var + eps)``, ``y = (s * rstd) * w``; FP8 ``scale = max(amax, 1e-10) / 448``,
+  ``q = clamp(y / scale, +-448)``.
+- The sum of squares is taken in fp64 and rounded once to fp32. ``tl.sum`` adds in the order of the
+  register layout the compiler picks, and the FP8 variant gets another layout than the plain one (its
+  fp8 stores want 16 elements per thread): with an fp32 sum, at H = 7168 the two variants' rstd
+  differed by an fp32 ulp in some rows (on an H200), and the FP8 path's (q, scale) were not the
+  quantization of the plain path's y. In fp64 every square is exact and the sum's relative error is
+  ~1e-15, so its fp32 rounding (fp32 quanta are ~1e-7 apart) is the same in any order, the
+  reference's included, except for a sum within ~1e-15 of a rounding midpoint (about one row in 10^7). The FP8 path quantizes
   y after rounding it to x's dtype: the gathered ``(q, scale)`` equal ``quant_fp8_g128`` of the bf16
   rows a norm-then-gather would have sent.
 - The row count of the slot is read from a device scalar, so a CUDA graph replays with new counts;
@@ -109,7 +115,11 @@ def _rows_kernel(
                 rounded = _round_bf16(s)
             tl.store(res_ptr + row * res_stride + cols, rounded.to(res_ptr.dtype.element_ty), mask=col_ok)
         if NORM:
-            variance = tl.math.div_rn(tl.sum(s * s), tl.full([], ROW_LEN, tl.float32))
+            # fp64: every square exact, the sum's error ~1e-15, so its fp32 rounding is the same whatever
+            # order tl.sum takes (see the design record)
+            s64 = s.to(tl.float64)
+            total = tl.sum(s64 * s64).to(tl.float32)
+            variance = tl.math.div_rn(total, tl.full([], ROW_LEN, tl.float32))
             rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.math.sqrt_rn(variance + eps))
             w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             y = (s * rstd) * w
@@ -243,6 +253,7 @@ def _launch(x, residual, weight, eps, y, q, scale, count, rows, quant: bool, nor
         GROUP=group,
         IS_BF16=x.dtype == torch.bfloat16,
         num_warps=warps,
+        enable_fp_fusion=False,  # every step one rounded fp32 operation: no FMA folds a square into a sum
     )
 
 
