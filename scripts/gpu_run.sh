@@ -5,7 +5,8 @@
 #   bash scripts/gpu_run.sh                 # everything, about 9 minutes (TOTAL_S, default 540, is the budget)
 #   bash scripts/gpu_run.sh --tests-only    # wheels, build, P2P suite, the other tests
 #   bash scripts/gpu_run.sh --bench-only    # wheels, build, collective benchmark, layer tail, example
-#   STAGES="build tail" bash scripts/gpu_run.sh   # any subset of: wheels build p2p tests bench tail example
+#   STAGES="build tail" bash scripts/gpu_run.sh   # any subset of: wheels build p2p tests faults fpcost sanitize
+#                                                 #   bench tail example (faults, fpcost, sanitize: opt-in)
 #   bash scripts/gpu_run.sh [flags] [extra gather_scatter.py args...]
 #
 # Environment: OUT (default ./gpu_out), TOTAL_S, TESTS (paths for the second test stage; default every
@@ -13,7 +14,11 @@
 # the symmetric-buffer rows take the even layout of each M on their own),
 # TAIL_ARGS / BOUNDARY_ARGS (layer_tail.py, tail and boundary parts; default their sweep),
 # EXAMPLE_COMMS (default "nsa_cp baseline"),
-# EXTRA_DIAG=1 (also host_overhead.py: host us per public call and cProfiles, outside the budget).
+# EXTRA_DIAG=1 (also host_overhead.py: host us per public call and cProfiles, outside the budget),
+# SANITIZE_TOOLS (default "memcheck racecheck synccheck"), SANITIZE_TESTS / SANITIZE_K (default: two
+# ranks sharing the GPU through every P2P kernel family, agreeing and disagreeing calls, and the Triton
+# norm / FP8 row kernels at H = 7168; ranks are separate processes: --target-processes all),
+# FPCOST_ARGS (scripts/p2p_fingerprint_cost.py; default --worlds 1 2 --M 16 256).
 # Each stage runs under `timeout`; the tests get what the budget leaves after the benchmark stages'
 # reserve, so a slow test stage cannot eat the benchmarks.
 #
@@ -151,8 +156,46 @@ if want tests; then
   rc=$?; [ "$rc" = 124 ] && rc="timeout"
   note "other tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest.log") (limit $cap s)"
 fi
+if want faults; then
+  # cp = 8 faults and the call fingerprint (ranks sharing GPU 0 where there are fewer than 8 GPUs)
+  t=$(date +%s)
+  cap=$(budget "${FAULT_TEST_TIMEOUT_S:-240}" "$(reserve_after_tests)")
+  timeout -s INT -k 20 "$cap" python3 -m pytest tests/test_p2p_faults.py -q -rfs -p no:cacheprovider \
+    >"$LOGS/pytest_faults.log" 2>&1
+  rc=$?; [ "$rc" = 124 ] && rc="timeout"
+  note "fault tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest_faults.log") (limit $cap s)"
+fi
 if [ -d "$LOGS/ranklogs" ]; then cat "$LOGS"/ranklogs/rank*.log >"$LOGS/ranks.log" 2>/dev/null; rm -rf "$LOGS/ranklogs"; fi
 unset NSA_TEST_LOG_DIR
+
+# ---------------------------------------------------------------- the call fingerprint's cost (A/B, one run)
+if want fpcost; then
+  t=$(date +%s)
+  # shellcheck disable=SC2086  # FPCOST_ARGS is a list of arguments
+  timeout -k 10 "$(budget 120 0)" python3 scripts/p2p_fingerprint_cost.py ${FPCOST_ARGS:---worlds 1 2 --M 16 256} \
+    >"$LOGS/fpcost.log" 2>&1
+  rc=$?; [ "$rc" = 124 ] && rc="timeout"
+  note "fingerprint A/B" "$rc" $(( $(date +%s) - t )) "table below"
+fi
+
+# ---------------------------------------------------------------- compute-sanitizer (docs/development.md)
+if want sanitize; then
+  # Each tool over the same tests; "ERROR SUMMARY: 0 errors" from every process is clean. The tools
+  # serialize a process's kernels, so peers are processes (in-process simulated ranks would wait on
+  # kernels that cannot run beside them).
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    t=$(date +%s)
+    cap=$(budget "${SANITIZE_TIMEOUT_S:-200}" 0)
+    # shellcheck disable=SC2086
+    timeout -s INT -k 20 "$cap" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \
+      python3 -m pytest ${SANITIZE_TESTS:-tests/test_p2p_faults.py tests/test_norm_kernels.py} -q -p no:cacheprovider \
+      -k "${SANITIZE_K:-(smaller_worlds and gather-double-buffered-2) or production_row_length}" \
+      >"$LOGS/sanitize_$tool.log" 2>&1
+    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    errors=$(grep -h "ERROR SUMMARY" "$LOGS/sanitize_$tool.log" | awk '{s += $4} END {print s + 0}')
+    note "sanitize $tool" "$rc" $(( $(date +%s) - t )) "$(grep -c 'ERROR SUMMARY' "$LOGS/sanitize_$tool.log") processes, $errors errors; $(pytest_line "$LOGS/sanitize_$tool.log")"
+  done
+fi
 
 # ---------------------------------------------------------------- benchmarks (2+ GPUs)
 if want bench; then
@@ -242,6 +285,11 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
     grep -E "^(FAILED|ERROR) " "$LOGS/$log.log" 2>/dev/null | head -8
   done
   grep -h "rs-accuracy" "$LOGS/pytest_p2p.log" 2>/dev/null | head -3
+  grep -E "^(FAILED|ERROR) " "$LOGS/pytest_faults.log" 2>/dev/null | head -8
+  for tool in memcheck racecheck synccheck; do
+    grep -h -B2 -A6 "^========= [A-Z]" "$LOGS/sanitize_$tool.log" 2>/dev/null | grep -v "ERROR SUMMARY" | head -12
+  done
+  [ -f "$LOGS/fpcost.log" ] && tail -12 "$LOGS/fpcost.log"
   echo
   echo "=================== summary ($(( $(date +%s) - T0 )) s of ${TOTAL_S}; files: $(cd "$OUT" && ls | tr '\n' ' ')) ==================="
   printf '%-16s %-9s %6s    %s\n' stage rc time result

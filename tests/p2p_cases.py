@@ -853,7 +853,11 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
     if reason is not None:
         return {"__world__": f"P2P unavailable on this machine: {reason}"}
 
+    only = payload.get("only")  # kinds to run (a world's representative subset); None: every check
+
     def run(name, fn, *args, **kwargs):
+        if only is not None and not any(name == k or name.startswith(k + "-") for k in only):
+            return
         rank_log(f"{name}: start")
         try:
             results[name] = fn(*args, **kwargs)
@@ -896,3 +900,324 @@ def run_p2p_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
         run("timeout", check_timeout, rank, world, device)
     results["__info__"] = info
     return results
+
+
+# ---- faults at any world size (tests/test_p2p_faults.py): every surviving rank gets the documented error
+# within the timeout, nothing wrong is written, the broken transport refuses further calls, a new one works
+
+
+def _fault_transport(device, timeout_ms, double_buffer_tokens=None, group=None, check_layout=True):
+    return p2p.P2PTransport(group, 32, 256, torch.bfloat16, device, timeout_ms=timeout_ms,
+                            double_buffer_tokens=double_buffer_tokens, check_layout=check_layout)
+
+
+def _fault_layout(world):
+    return nsa_cp.ShardLayout([8 + (q % 3) for q in range(world)])
+
+
+def _raises(fn, cls, words=()) -> Optional[str]:
+    """None when fn() raises cls whose text holds every word; else what happened."""
+    try:
+        fn()
+    except cls as err:
+        missing = [w for w in words if w not in str(err)]
+        return f"{cls.__name__} without {missing}: {err}" if missing else None
+    except Exception as err:  # noqa: BLE001 - reported as the wrong error
+        return f"expected {cls.__name__}, got {type(err).__name__}: {err}"
+    return f"expected {cls.__name__}, nothing raised"
+
+
+def _good_gather(transport, rank, world, device, seed) -> Optional[str]:
+    """One exact gather (both layouts) on a healthy transport."""
+    layout = _fault_layout(world)
+    for compact in (False, True):
+        shards = [_gen(seed, q, n, (256,), torch.bfloat16, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+        _poison(*transport._gathers)
+        got = _gather(transport, shards[rank].to(device), layout, compact, "sm").clone()
+        torch.cuda.synchronize()
+        transport.check_error()
+        if not torch.equal(got.cpu(), _expected_gather(shards, layout, compact)):
+            return f"gather (compact={compact}) on a new transport differs"
+    return None
+
+
+def _partial_gather_ok(got, shards, layout, missing) -> Optional[str]:
+    """After a call whose peer `missing` never pushed: every other rank's rows exact, `missing`'s slot
+    still the NaN poison (nothing else written there)."""
+    for q, shard in enumerate(shards):
+        start, stop = layout.rows(q, False)
+        rows = got[start:stop]
+        if q == missing:
+            if not torch.isnan(rows.float()).all():
+                return f"rank {q}'s slot (it never pushed) holds something other than the poison"
+        elif not torch.equal(rows, shard):
+            return f"rank {q}'s rows differ after the timed-out call"
+    return None
+
+
+def run_fault_never_arrives(rank: int, world: int, payload: dict) -> Dict[str, object]:
+    """The last rank never calls: every other rank's gather and reduce-scatter end in P2PTimeoutError
+    naming it, within the timeout; live ranks' rows landed exactly, the absent rank's slot and the
+    reduce-scatter's output are untouched; the broken transport refuses the next call; then every rank
+    (the absent one included) makes a new transport and it works."""
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    absent, timeout_ms = world - 1, payload.get("timeout_ms", 1500)
+    out: Dict[str, object] = {}
+    layout = _fault_layout(world)
+    for op in ("gather", "scatter"):
+        transport = _fault_transport(device, timeout_ms)
+        problem = None
+        _poison(*transport._gathers)  # every rank, the absent one too, before anyone pushes
+        if rank != absent:
+            shards = [_gen(5, q, n, (256,), torch.bfloat16, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+            res = torch.full((layout.count(rank), 256), float("nan"), dtype=torch.bfloat16, device=device)
+            torch.cuda.synchronize()
+            t0 = time.time()
+            if op == "gather":
+                got = _gather(transport, shards[rank].to(device), layout, False, "sm")
+            else:
+                buf = transport.reduce_buffer(layout, False)
+                buf.copy_(_gen(6, rank, layout.padded_len, (256,), torch.bfloat16, "cpu").to(device))
+                got = _scatter(transport, buf, layout, False, out=res)
+            torch.cuda.synchronize()
+            waited = time.time() - t0
+            problem = _raises(transport.check_error, p2p.P2PTimeoutError,
+                              [f"rank {absent} never arrived", f"rank {rank}", "all-gather" if op == "gather" else "reduce-scatter"])
+            if problem is None and waited > timeout_ms / 1000 + 10:
+                problem = f"the timeout came after {waited:.1f} s (timeout {timeout_ms} ms)"
+            if problem is None and op == "gather":
+                problem = _partial_gather_ok(got.cpu(), shards, layout, absent)
+            if problem is None and op == "scatter" and not torch.isnan(res.float()).all():
+                problem = "the timed-out reduce-scatter wrote its output"
+            if problem is None:
+                problem = _raises(lambda: _gather(transport, shards[rank].to(device), layout, False, "sm"),
+                                  p2p.P2PTimeoutError)
+                problem = problem and f"the broken transport accepted another call: {problem}"
+        dist.barrier()  # the absent rank joins again
+        transport.close()
+        fresh = _fault_transport(device, 20_000)
+        problem = problem or _good_gather(fresh, rank, world, device, seed=7)
+        fresh.close()
+        dist.barrier()
+        out[f"never-arrives-{op}"] = problem
+    return out
+
+
+def run_fault_delayed(rank: int, world: int, payload: dict) -> Dict[str, object]:
+    """The last rank calls seconds late: within the timeout every rank's result is exact; beyond it
+    every other rank raises P2PTimeoutError naming it, and the late rank, whose peers now refuse every
+    call, gets P2PTimeoutError at its next call; then a new transport works on every rank."""
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    late, delay_s = world - 1, payload.get("delay_s", 3.0)
+    layout = _fault_layout(world)
+    shards = [_gen(9, q, n, (256,), torch.bfloat16, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+    out: Dict[str, object] = {}
+    # within the timeout: only slower
+    transport = _fault_transport(device, 20_000)
+    _poison(*transport._gathers)
+    if rank == late:
+        time.sleep(delay_s)
+    got = _gather(transport, shards[rank].to(device), layout, True, "sm").clone()
+    torch.cuda.synchronize()
+    problem = None
+    try:
+        transport.check_error()
+        if not torch.equal(got.cpu(), _expected_gather(shards, layout, True)):
+            problem = "the gather with a late rank differs"
+    except p2p.P2PError as err:
+        problem = f"a rank {delay_s} s late inside a 20 s timeout raised {err}"
+    out["delayed-within-timeout"] = problem
+    dist.barrier()
+    transport.close()
+    # beyond the timeout
+    timeout_ms = int(delay_s * 1000) // 3
+    transport = _fault_transport(device, timeout_ms)
+    dist.barrier()
+    if rank == late:
+        time.sleep(delay_s)
+    _gather(transport, shards[rank].to(device), layout, False, "sm")
+    torch.cuda.synchronize()
+    if rank != late:
+        problem = _raises(transport.check_error, p2p.P2PTimeoutError, [f"rank {late} never arrived"])
+    else:
+        # its own call found every peer's rows and done counts (they had given up after pushing): it may
+        # complete; its next call waits for peers that refuse to launch
+        problem = None
+        try:
+            transport.check_error()
+            _gather(transport, shards[rank].to(device), layout, False, "sm")
+            torch.cuda.synchronize()
+        except p2p.P2PTimeoutError:
+            pass
+        problem = _raises(transport.check_error, p2p.P2PTimeoutError)
+    dist.barrier()
+    transport.close()
+    fresh = _fault_transport(device, 20_000)
+    out["delayed-beyond-timeout"] = problem or _good_gather(fresh, rank, world, device, seed=11)
+    fresh.close()
+    dist.barrier()
+    return out
+
+
+def run_fault_peer_dies(rank: int, world: int, payload: dict) -> Dict[str, object]:
+    """The last rank dies inside a call: it enters a gather (entry barrier on every call: no double buffer)
+    and exits before its peers arrive. Every survivor's gather ends in P2PTimeoutError naming it within the
+    timeout, the live ranks' rows landed exactly and the dead rank's slot holds the poison; the broken
+    transport refuses the next call; a new transport over the survivors' group works."""
+    import os
+
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    dead, timeout_ms = world - 1, payload.get("timeout_ms", 1500)
+    layout = _fault_layout(world)
+    shards = [_gen(13, q, n, (256,), torch.bfloat16, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
+    transport = _fault_transport(device, timeout_ms, double_buffer_tokens=0)
+    problem = _good_gather(transport, rank, world, device, seed=12)  # both alive: fine
+    survivors = list(range(world - 1))
+    dist.barrier()
+    if rank == dead:
+        _gather(transport, shards[rank].to(device), layout, False, "sm")  # enters, signals, waits for the others
+        time.sleep(0.2)
+        rank_log("peer-dies: exiting inside a gather")
+        os._exit(0)
+    sub = dist.new_group(survivors, use_local_synchronization=True)
+    time.sleep(1.0)  # the peer is gone, its call never finished
+    for t in transport._gathers:  # the dead rank pushed nothing: it never passed its entry wait
+        t.fill_(float("nan"))
+    torch.cuda.synchronize()
+    dist.barrier(group=sub)
+    t0 = time.time()
+    got = _gather(transport, shards[rank].to(device), layout, False, "sm")
+    torch.cuda.synchronize()
+    waited = time.time() - t0
+    problem = problem or _raises(transport.check_error, p2p.P2PTimeoutError, [f"rank {dead} never arrived"])
+    if problem is None and waited > timeout_ms / 1000 + 10:
+        problem = f"the timeout came after {waited:.1f} s"
+    problem = problem or _partial_gather_ok(got.cpu(), shards, layout, dead)
+    if problem is None:
+        refused = _raises(lambda: _gather(transport, shards[rank].to(device), layout, False, "sm"), p2p.P2PTimeoutError)
+        problem = refused and f"the broken transport accepted another call: {refused}"
+    transport.close()
+    # a new transport over the survivors
+    fresh = p2p.P2PTransport(sub, 32, 256, torch.bfloat16, device, timeout_ms=20_000)
+    sub_layout = nsa_cp.ShardLayout([8 + (q % 3) for q in survivors])
+    sub_shards = [_gen(14, q, n, (256,), torch.bfloat16, "cpu") for q, n in enumerate(sub_layout.per_rank_actual_token)]
+    got = _gather(fresh, sub_shards[rank].to(device), sub_layout, True, "sm").clone()
+    torch.cuda.synchronize()
+    fresh.check_error()
+    if problem is None and not torch.equal(got.cpu(), _expected_gather(sub_shards, sub_layout, True)):
+        problem = "a gather on the survivors' new transport differs"
+    fresh.close()
+    dist.barrier(group=sub)
+    return {"peer-dies-mid-call": problem}
+
+
+# ---- rank agreement: the call fingerprint (tests/test_p2p_faults.py)
+
+
+def _mismatch_expect(transport, rank, world, deviant, words=()) -> Optional[str]:
+    """Every rank: LayoutMismatchError naming this rank and a peer (the deviant one, or this rank when it
+    is the deviant), a subclass of nsa_cp.LayoutMismatchError; then the transport refuses the next call."""
+    peer = deviant if rank != deviant else None
+    want = [f"rank {rank} assumed"] + ([f"rank {peer} assumed"] if peer is not None else []) + list(words)
+    problem = _raises(transport.check_error, p2p.LayoutMismatchError, want)
+    if problem is None and not issubclass(p2p.LayoutMismatchError, nsa_cp.LayoutMismatchError):
+        problem = "p2p.LayoutMismatchError is not an nsa_cp.LayoutMismatchError"
+    if problem is None:
+        x = torch.zeros(transport.max_tokens_per_rank, 256, dtype=torch.bfloat16, device=transport.device)
+        refused = _raises(lambda: transport.gather_runner(_fault_layout(world), False, (256,))(x[:_fault_layout(world).count(rank)]),
+                          p2p.LayoutMismatchError)
+        problem = refused and f"after the mismatch the transport accepted another call: {refused}"
+    return problem
+
+
+def run_fingerprint_checks(rank: int, world: int, payload: dict) -> Dict[str, object]:
+    """Ranks that disagree on a call, without validate=: every rank raises LayoutMismatchError naming both
+    sides, before a wrong row is read (the reduce-scatter writes nothing; the gather with an entry exchange
+    moves nothing; the double-buffered gather leaves NaN, not misplaced rows); a new transport works.
+    With check_layout=False the same call raises nothing (what the check is for)."""
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    deviant = world - 1
+    good = _fault_layout(world)
+    counts = list(good.per_rank_actual_token)
+    counts[0] += 1  # same max_rank_len (so the same gather buffer), one more row on rank 0
+    bad = nsa_cp.ShardLayout(counts)
+    if bad.max_rank_len != good.max_rank_len:
+        counts[0] -= 2
+        bad = nsa_cp.ShardLayout(counts)
+    mine = bad if rank == deviant else good
+    out: Dict[str, object] = {}
+
+    def case(name, fn, double_buffer_tokens=None, check_layout=True):
+        problem = None
+        transport = _fault_transport(device, 20_000, double_buffer_tokens, check_layout=check_layout)
+        try:
+            problem = fn(transport)
+        except Exception:  # noqa: BLE001
+            problem = traceback.format_exc()
+        torch.cuda.synchronize()
+        dist.barrier()
+        transport.close()
+        if name != "check-off":
+            fresh = _fault_transport(device, 20_000)
+            problem = problem or _good_gather(fresh, rank, world, device, seed=17)
+            fresh.close()
+        dist.barrier()
+        out[f"fingerprint-{name}"] = problem
+
+    x = _gen(19, rank, mine.count(rank), (256,), torch.bfloat16, "cpu").to(device)
+
+    def gather_double_buffered(transport):  # no entry exchange: compared after the done wait
+        _poison(*transport._gathers)
+        got = transport.gather_runner(mine, False, (256,))(x)
+        torch.cuda.synchronize()
+        if not torch.isnan(got.float()).all():
+            return "the disagreeing double-buffered gather left rows that are not NaN"
+        return _mismatch_expect(transport, rank, world, deviant, ["Its result on this rank was overwritten with NaN"])
+
+    def gather_entry(transport):  # entry exchange on every call: nothing moves
+        _poison(*transport._gathers)
+        got = transport.gather_runner(mine, True, (256,))(x)
+        torch.cuda.synchronize()
+        if not torch.isnan(got.float()).all():
+            return "the disagreeing gather with an entry exchange wrote rows"
+        return _mismatch_expect(transport, rank, world, deviant, ["No row of that call was moved"])
+
+    def scatter(transport):  # compared before any row is read
+        buf = transport.reduce_buffer(mine, True)
+        buf.copy_(_gen(23, rank, mine.total_len, (256,), torch.bfloat16, "cpu").to(device))
+        res = torch.full((mine.count(rank), 256), float("nan"), dtype=torch.bfloat16, device=device)
+        transport.reduce_scatter_runner(mine, True, (256,))(buf, res)
+        torch.cuda.synchronize()
+        if not torch.isnan(res.float()).all():
+            return "the disagreeing reduce-scatter wrote its output"
+        return _mismatch_expect(transport, rank, world, deviant, ["reduce-scatter", "No row of that call was read"])
+
+    def stage(transport):  # same layout, but the deviant rank sends fp8 where the others send bf16 rows
+        xs = _gen(29, rank, good.count(rank), (256,), torch.bfloat16, "cpu").to(device)
+        if rank == deviant:
+            transport.gather_runner(good, False, (256,), quant=p2p.QUANT_FP8)(xs)
+        else:
+            transport.gather_runner(good, False, (256,))(xs)
+        torch.cuda.synchronize()
+        return _mismatch_expect(transport, rank, world, deviant, ["fp8" if rank == deviant else "padded"])
+
+    def check_off(transport):  # the same disagreement without the check: silently wrong (hence the check)
+        _poison(*transport._gathers)
+        transport.gather_runner(mine, False, (256,))(x)
+        torch.cuda.synchronize()
+        try:
+            transport.check_error()
+        except p2p.P2PError as err:
+            return f"check_layout=False still raised {err}"
+        return None
+
+    case("gather-double-buffered", gather_double_buffered)
+    case("gather-entry", gather_entry, double_buffer_tokens=0)
+    case("scatter", scatter)
+    case("stage", stage)
+    case("check-off", check_off, check_layout=False)
+    return out

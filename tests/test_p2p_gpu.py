@@ -6,6 +6,7 @@ over NCCL, and two ranks sharing the GPU over gloo); skips cleanly, saying why, 
 
 import functools
 import json
+import os
 
 import pytest
 import torch
@@ -16,10 +17,16 @@ from nsa_cp import _native
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 # (world size, process-group backend). One GPU per rank where there are enough GPUs; on a machine with one
-# GPU, one rank over NCCL (its own buffers, kernels, graphs) and two ranks sharing the GPU over gloo: the
-# cross-process protocol (peer buffers mapped through CUDA IPC, signals, reuse safety under a delayed rank,
-# the peer-never-arrives timeout) without NVLink and without the NCCL comparisons.
-WORLDS = [(w, "nccl") for w in (2, 4, 8) if w <= GPUS] or ([(1, "nccl"), (2, "gloo-shared-gpu")] if GPUS == 1 else [])
+# GPU, one rank over NCCL (its own buffers, kernels, graphs) and 2, 3, 4 and 8 ranks sharing the GPU over
+# gloo: the cross-process protocol (peer buffers mapped through CUDA IPC, signals, epochs, double buffering,
+# reuse safety under a delayed rank, graphs, the peer-never-arrives timeout) without NVLink and without the
+# NCCL comparisons. The shared GPU time-slices the ranks' kernels, so larger shared worlds run subsets
+# (SUBSETS) to keep the GPU test line within minutes.
+_SHARED = [(1, "nccl")] + [(w, "gloo-shared-gpu") for w in (2, 3, 4, 8)]
+WORLDS = [(w, "nccl") for w in (2, 4, 8) if w <= GPUS] or (_SHARED if GPUS == 1 else [])
+# NSA_TEST_P2P_WORLDS="2 8" keeps those world sizes (scripts/gpu_run.sh's sanitizer stage: a short run)
+if os.environ.get("NSA_TEST_P2P_WORLDS"):
+    WORLDS = [(w, b) for w, b in WORLDS if str(w) in os.environ["NSA_TEST_P2P_WORLDS"].split()]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,29 +45,63 @@ PAYLOAD = {
     # on both sides of it, so calls mix double buffering with entry waits; 0 = none (always wait)
     "double_buffer_tokens": {"36-bfloat16": 48, "35-bfloat16": 0},
 }
-_TAGS = [f"{h}-{str(d).split('.')[-1]}" for h, d in PAYLOAD["shapes"]]
-CHECKS = (
-    [f"gather-{t}-{e}-{lay}" for t in _TAGS for e in ("sm", "ce") for lay in ("padded", "compact")]
-    + [f"scatter-{t}-{lay}" for t in _TAGS for lay in ("padded", "compact")]
-    + [f"{k}-{t}" for t in _TAGS for k in ("stress", "graph", "slow-readers", "capacity", "communicator", "strided",
-                                            "copy-in", "norm", "fp8", "ordered", "norm-graph", "scatter-norm")]
-)
-NCCL_ONLY = [f"capacity-fallback-{t}" for t in _TAGS]  # backend auto falling back to NCCL
+_KINDS = ("stress", "graph", "slow-readers", "capacity", "communicator", "strided", "copy-in", "norm", "fp8", "ordered",
+          "norm-graph", "scatter-norm")
+# Shared-GPU worlds above 2: (shapes, check kinds). 3 and 4 ranks: production rows, the narrow 70-byte rows
+# (entry barrier on every call) and fp16 with two fp8 groups, every kind. 8 ranks: production rows and the
+# 72-byte rows whose layouts straddle the second buffer (double buffering mixed with entry waits), with
+# both engines, both layouts, the reduce-scatter, stress (delays), graphs, slow readers, the
+# communicator, the fused norm / fp8 / ordered paths and the fused reduce-scatter; then the
+# geometry / position / closed / timeout checks.
+_ALL_SHAPES = PAYLOAD["shapes"]
+SUBSETS = {
+    3: ([(7168, torch.bfloat16), (35, torch.bfloat16), (256, torch.float16)], None),
+    4: ([(7168, torch.bfloat16), (35, torch.bfloat16), (256, torch.float16)], None),
+    8: ([(7168, torch.bfloat16), (36, torch.bfloat16)],
+        ("gather", "scatter", "stress", "graph", "slow-readers", "communicator", "norm", "fp8", "ordered",
+         "scatter-norm", "bad-geometry", "bad-positions", "closed", "timeout")),
+}
+
+
+def _tag(h, d):
+    return f"{h}-{str(d).split('.')[-1]}"
+
+
+def _world_payload(world, backend):
+    shapes, only = SUBSETS.get(world, (_ALL_SHAPES, None)) if backend != "nccl" else (_ALL_SHAPES, None)
+    keep = os.environ.get("NSA_TEST_P2P_SHAPES")  # e.g. "7168-bfloat16": those shapes only (sanitizer runs)
+    if keep:
+        shapes = [(h, d) for h, d in shapes if _tag(h, d) in keep.split()]
+    return dict(PAYLOAD, shapes=shapes, only=only)
+
+
+def _checks(payload):
+    tags = [_tag(h, d) for h, d in payload["shapes"]]
+    checks = (
+        [f"gather-{t}-{e}-{lay}" for t in tags for e in ("sm", "ce") for lay in ("padded", "compact")]
+        + [f"scatter-{t}-{lay}" for t in tags for lay in ("padded", "compact")]
+        + [f"{k}-{t}" for t in tags for k in _KINDS]
+        + ["bad-geometry", "bad-positions", "closed", "timeout"]
+    )
+    only = payload["only"]
+    return [c for c in checks if only is None or any(c == k or c.startswith(k + "-") for k in only)], tags
 
 
 def _params():
     for world, backend in WORLDS or [(2, "nccl")]:
         name = f"w{world}" + ("-shared-gpu" if backend != "nccl" else "")
-        for check in CHECKS + ["bad-geometry", "bad-positions", "closed"] + (["timeout"] if world > 1 else []):
-            yield pytest.param(world, backend, check, id=f"{name}-{check}")
-        for check in NCCL_ONLY:
+        checks, tags = _checks(_world_payload(world, backend))
+        for check in checks:
+            if check != "timeout" or world > 1:
+                yield pytest.param(world, backend, check, id=f"{name}-{check}")
+        for check in [f"capacity-fallback-{t}" for t in tags]:  # backend auto falling back to NCCL
             marks = [] if backend == "nccl" else [pytest.mark.skip(reason="needs NCCL; the ranks share one GPU")]
             yield pytest.param(world, backend, check, id=f"{name}-{check}", marks=marks)
 
 
 @functools.lru_cache(maxsize=None)
 def _world_results(world, backend):
-    return run_world(world, backend, p2p_cases.run_p2p_checks, PAYLOAD, timeout_s=900)
+    return run_world(world, backend, p2p_cases.run_p2p_checks, _world_payload(world, backend), timeout_s=900)
 
 
 @pytest.mark.parametrize("world,backend,check", list(_params()))
