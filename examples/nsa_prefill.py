@@ -5,6 +5,16 @@ Launch (one process per CP rank)::
     torchrun --nproc-per-node 2 examples/nsa_prefill.py --device cpu                     # gloo, fp32
     torchrun --nproc-per-node 2 examples/nsa_prefill.py --device cuda \\
         --enable-nsa-prefill-cp-shared-kv --comm both                                    # NCCL, bf16
+    torchrun --nproc-per-node 8 examples/nsa_prefill.py --device cuda --comm all \\
+        --enable-nsa-prefill-cp-shared-kv                                   # one GPU: 8 ranks share it
+
+One GPU (more local ranks than GPUs, cp = 2..8): the ranks share it. NCCL refuses two ranks on one GPU,
+so the group is gloo and nsa_cp's data goes over the P2P transport, which maps the peers' buffers
+through CUDA IPC (``NSA_CP_P2P_MEMORY=auto`` picks it; the KV gather gets a group and transport of its
+own width). The baseline runs its collectives over gloo on host copies: checked, not timed. The GPU
+time-slices the ranks, so the times are the total work of all ranks, not the latency of a run at that
+cp. ``examples/nsa_prefill_sweep.py`` runs several configurations in one launch, and
+``examples/one_gpu_check.sh`` is the whole one-GPU check and measurement (docs/development.md).
 
 Each layer, every rank holding only its own tokens (the residual stream stays local ``[n_r, H]``)::
 
@@ -30,15 +40,24 @@ Flags that choose the path:
   zigzag split with every shard padded to one physical length (multiple of 2 * cp_size), so every
   collective is even and every layer computes on the padding rows (``nsa_cp`` then reduces to the plain
   NCCL collectives).
-* ``--comm nsa_cp|baseline|both``: ``baseline`` is what a user writes by hand: ``F.pad`` to the longest
-  shard + ``all_gather_into_tensor`` (+ ``index_select`` into token order for the KV) and
-  ``reduce_scatter_tensor`` + a slice of the first ``n_r`` rows.
+* ``--comm``: a comma list of ``nsa_cp`` (padded MoE gather unless ``--compact``), ``nsa_cp_compact``,
+  ``baseline``, or ``both`` (nsa_cp,baseline) or ``all`` (all three). ``baseline`` is what a user writes
+  by hand: ``F.pad`` to the longest shard + ``all_gather_into_tensor`` (+ ``index_select`` into token
+  order for the KV) and ``reduce_scatter_tensor`` + a slice of the first ``n_r`` rows.
 * ``--compact``: nsa_cp's MoE runs on the compact ``[total_len, H]`` gather (no padding rows at all).
+* ``--moe-padding masked|routed|both``: a padded gather's padding rows get routed ids -1 (a MoE that
+  honours -1, triton fused_moe) or are routed like real rows (a MoE that routes inside its kernel,
+  flashinfer's trtllm MoE); ``both`` runs each padded method both ways. Each method prints its MoE rows.
+* ``--quant fp8_e4m3_g128``: the MoE gather moves per-token-group FP8 rows (``prepare_mlp`` returns
+  ``(q, scale)``; the baseline quantizes with ``nsa_cp.quant_fp8_g128`` and gathers both); this
+  example's MoE runs on the dequantized rows. The model without CP quantizes its MoE input at the same
+  point, and the check takes the median token's error (TOLERANCE_FP8 says why).
 * ``--backend auto|nccl|p2p``: nsa_cp's transport; auto takes the intranode P2P transport where
   ``nsa_cp.init_p2p`` works (the communicators create it) and NCCL elsewhere.
 
 Output (rank 0): ``max_rel_err=<value>`` per method, the largest over ranks of the relative L2 error of
-the rank's final hidden states against the one-process model; the run exits 1 above ``--tol`` (default
+the rank's final hidden states against the one-process model (with ``--quant``: of the median token's
+relative error); the run exits 1 above ``--tol`` (default
 1e-4 for fp32, 1e-1 for bf16: with bf16 a token whose top-k router scores are nearly tied may pick
 another expert in the two runs, a discrete flip the L2 norm over a rank's tokens absorbs and a per-element
 maximum would not). On CUDA it then prints the prefill time end to end and per phase (attention with its
@@ -100,7 +119,9 @@ PHASES = ("attention", "kv_gather", "moe_gather", "moe", "reduce_scatter")
 
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    one_gpu = next(part for part in __doc__.split("\n\n") if part.startswith("One GPU"))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=one_gpu,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo; cuda: NCCL (and P2P where it works), or with more ranks than GPUs the one-GPU "
                         "mode: a gloo group, nsa_cp's data over P2P through CUDA IPC")

@@ -2,8 +2,9 @@
 
 One spawned world per world size runs every configuration through the example's ``main(argv)`` (a
 torchrun launch costs seconds of interpreter start-up per run on a 2-core CI machine); one test launches
-it with torchrun exactly as the docstring says. A deliberate fault (two KV rows swapped) must fail the
-check, so the check itself is shown to bite.
+it with torchrun exactly as the docstring says. Deliberate faults (two KV rows swapped; the FP8 wire's
+quantization left out of the reference) must fail the check, so the check itself is shown to bite. On a
+GPU, the one-GPU mode (ranks sharing it) runs every method at cp = 3 and 8.
 """
 
 from __future__ import annotations
@@ -37,10 +38,32 @@ CASES_2 = {
     "shared-kv-compact": ([SHARED, "--compact", "--nsa-index-topk", "16"], True),
     "shared-kv-both-bf16": ([SHARED, "--comm", "both", "--dtype", "bfloat16", "--nsa-index-topk", "16"], True),
     "fault-kv-order": ([SHARED, "--fault", "kv_order"], False),
+    # every method, the padded ones with their padding rows masked and routed
+    "shared-kv-all-moe-padding-both": ([SHARED, "--comm", "all", "--moe-padding", "both"], True),
+    "even-split-all-routed": (["--comm", "all", "--moe-padding", "routed"], True),
+    # the FP8 wire: fp32 is the check that tells the quantization (the fault leaves it out of the reference)
+    "shared-kv-fp8-all": ([SHARED, "--comm", "all", "--quant", "fp8_e4m3_g128"], True),
+    "even-split-fp8-bf16": (["--comm", "both", "--quant", "fp8_e4m3_g128", "--dtype", "bfloat16"], True),
+    "shared-kv-zero-token-rank-fp8": ([SHARED, "--seq-lens", "5,3", "--page-size", "8", "--comm", "all",
+                                       "--quant", "fp8_e4m3_g128"], True),
+    "fault-fp8-ref-without-quant": ([SHARED, "--quant", "fp8_e4m3_g128", "--fault", "ref_without_quant"], False),
 }
 CASES_3 = {
     "even-split-both": (["--comm", "both"], True),
     "shared-kv-both-nsa-topk": ([SHARED, "--comm", "both", "--nsa-index-topk", "16", "--seq-lens", "37,64,21"], True),
+    "shared-kv-fp8-compact": ([SHARED, "--comm", "nsa_cp_compact,baseline", "--quant", "fp8_e4m3_g128",
+                               "--seq-lens", "37,64,21"], True),
+}
+# cp = 4 and 8: the worlds the one-GPU mode runs on CUDA; every method, both splits (cp = 8: 16 experts)
+CASES_4 = {
+    "even-split-all": (["--comm", "all"], True),
+    "shared-kv-all-moe-padding-both": ([SHARED, "--comm", "all", "--moe-padding", "both"], True),
+    "shared-kv-fp8": ([SHARED, "--comm", "all", "--quant", "fp8_e4m3_g128"], True),
+}
+CASES_8 = {
+    "even-split-all": (["--comm", "all", "--experts", "16"], True),
+    "shared-kv-all-moe-padding-both": ([SHARED, "--comm", "all", "--moe-padding", "both", "--experts", "16"], True),
+    "shared-kv-fp8": ([SHARED, "--comm", "nsa_cp,nsa_cp_compact", "--quant", "fp8_e4m3_g128", "--experts", "16"], True),
 }
 _ERR = re.compile(r"^max_rel_err=(\S+) tol=(\S+) ok=(\w+)", re.M)
 
@@ -95,6 +118,16 @@ def world3():
     return run_world(3, "gloo", _run_cases, CASES_3, timeout_s=300)
 
 
+@pytest.fixture(scope="module")
+def world4():
+    return run_world(4, "gloo", _run_cases, CASES_4, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return run_world(8, "gloo", _run_cases, CASES_8, timeout_s=300)
+
+
 @pytest.mark.parametrize("case_id", list(CASES_2))
 def test_example_world2(world2, case_id):
     errors = case_failures(world2, case_id)
@@ -105,6 +138,42 @@ def test_example_world2(world2, case_id):
 def test_example_world3(world3, case_id):
     errors = case_failures(world3, case_id)
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("case_id", list(CASES_4))
+def test_example_world4(world4, case_id):
+    errors = case_failures(world4, case_id)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("case_id", list(CASES_8))
+def test_example_world8(world8, case_id):
+    errors = case_failures(world8, case_id)
+    assert not errors, "\n".join(errors)
+
+
+def test_methods_from_the_flags():
+    """--comm and --moe-padding -> the methods run: aliases, order, only padded gathers run both ways."""
+    example = _load_example()
+
+    def labels(argv, has_padding=lambda compact: not compact):
+        return [(m.label, m.kind, m.compact, m.route_padding)
+                for m in example.parse_methods(example.parse_args(["--device", "cpu", *argv]), has_padding)]
+
+    assert labels(["--comm", "both"]) == [("nsa_cp", "nsa_cp", False, False), ("baseline", "baseline", False, False)]
+    assert labels(["--comm", "all", "--moe-padding", "both"]) == [
+        ("nsa_cp/masked", "nsa_cp", False, False), ("nsa_cp/routed", "nsa_cp", False, True),
+        ("nsa_cp_compact", "nsa_cp", True, False),
+        ("baseline/masked", "baseline", False, False), ("baseline/routed", "baseline", False, True),
+    ]
+    # --compact makes "nsa_cp" compact; a repeated name runs once; no padding anywhere: one run each
+    assert labels(["--comm", "nsa_cp,baseline,nsa_cp", "--compact", "--moe-padding", "both"],
+                  has_padding=lambda compact: False) == [("nsa_cp", "nsa_cp", True, False),
+                                                         ("baseline", "baseline", False, False)]
+    assert labels(["--comm", "nsa_cp_compact,nsa_cp", "--moe-padding", "routed"]) == [
+        ("nsa_cp_compact", "nsa_cp", True, True), ("nsa_cp", "nsa_cp", False, True)]
+    with pytest.raises(SystemExit, match="--comm: expected a comma list"):
+        labels(["--comm", "nsa_cp,nccl"])
 
 
 def test_example_under_torchrun():
@@ -120,6 +189,42 @@ def test_example_under_torchrun():
     assert match is not None, proc.stdout + proc.stderr
     assert float(match.group(1)) <= float(match.group(2))
     assert "nsa_cp: max_rel_err=" in proc.stdout and "baseline: max_rel_err=" in proc.stdout
+
+
+def _p2p_reason():
+    try:
+        import nsa_cp._native as native
+
+        return None if native.available() else native.unavailable_reason()
+    except Exception as e:  # noqa: BLE001  reported as the skip reason
+        return f"nsa_cp._native: {e}"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (ranks sharing it)")
+@pytest.mark.parametrize("cp", [3, 8])
+def test_example_one_gpu(cp):
+    """The one-GPU mode: cp ranks on cuda:0 (gloo, nsa_cp over P2P/CUDA IPC, the baseline over gloo on host
+    copies), every method, both splits and the FP8 wire in one sweep; each run checked against the model
+    without CP."""
+    reason = _p2p_reason()
+    if reason:
+        pytest.skip(f"the one-GPU mode needs nsa_cp's P2P transport: {reason}")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+               NSA_CP_P2P_TIMEOUT_MS="60000",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    common = ["--device", "cuda", "--comm", "all", "--hidden", "256", "--layers", "2", "--heads", "4",
+              "--experts", "24", "--topk", "2", "--moe-intermediate", "256", "--shared-intermediate", "256",
+              "--seq-lens", "300x4,900", "--page-size", "64", "--iters", "0"]
+    runs = [[], [SHARED, "--moe-padding", "both"], [SHARED, "--quant", "fp8_e4m3_g128", "--dtype", "float32"]]
+    argv = common + [t for run in runs for t in ["::", *run]]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp),
+                           os.path.join(ROOT, "examples", "nsa_prefill_sweep.py"), *argv],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert "one-GPU mode" in proc.stdout, proc.stdout
+    for i in range(len(runs)):
+        assert f"sweep: run {i} rc=0" in proc.stdout, proc.stdout
+    assert proc.stdout.count("baseline: max_rel_err=") + proc.stdout.count("baseline/masked: max_rel_err=") == 3
 
 
 @pytest.mark.skipif(
