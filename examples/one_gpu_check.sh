@@ -4,7 +4,7 @@
 # copies; FP8 at cp = 8), then the work the compact layout saves at cp = 8 (docs/performance.md). Logs
 # under $OUT (default ./gpu_out), a short table last.
 #
-#   bash examples/one_gpu_check.sh            # TOTAL_S (default 285) bounds the whole script (1x H200: ~3 min)
+#   bash examples/one_gpu_check.sh            # TOTAL_S (default 285) bounds the whole script
 #   STAGES="build check:8,2 work check:3,4" bash examples/one_gpu_check.sh   # stages in this order
 #   DEVICE=cpu STAGES=check bash examples/one_gpu_check.sh  # a dry run of the check stage on gloo CPU
 set -uo pipefail
