@@ -48,10 +48,14 @@ EPS = 1e-6
 
 
 def ulp(v64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One ulp of ``dtype`` at the magnitude of each fp64 value (subnormal spacing below the normal range)."""
+    """One ulp of ``dtype`` at the magnitude of each fp64 value (subnormal spacing below the normal range).
+    The power of two is built from its fp64 bits, exactly: torch.pow(2.0, k) on CUDA returned 2^k less one
+    fp64 ulp for some k (and torch.ldexp multiplies by such a pow), and a y one bf16 ulp from the oracle's
+    (both correct roundings of fp32 values either side of a midpoint, H = 7168 on an H200) then failed the
+    check ``gap <= ulp``."""
     _, e = torch.frexp(v64.abs())
-    e = torch.clamp(e.to(torch.float64) - 1, min=_MIN_EXP[dtype])
-    return torch.pow(2.0, e - _MANTISSA[dtype])
+    k = torch.clamp(e.to(torch.int64) - 1, min=_MIN_EXP[dtype]) - _MANTISSA[dtype]
+    return ((k + 1023) << 52).view(torch.float64)  # 2^k, k >= -149: a normal fp64
 
 
 def randn(shape, dtype, seed, scale=1.0):
