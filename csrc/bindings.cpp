@@ -57,6 +57,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ERR_LAYOUT_MISMATCH") = nsa_cp::kErrLayoutMismatch;
   m.attr("ERR_RECORD_WORDS") = nsa_cp::kErrRecordWords;
   m.attr("FP_BASE") = nsa_cp::kFpBase;
+  m.attr("FP_WORDS") = nsa_cp::kFpWords;
   m.attr("QUANT_NONE") = 0;
   m.attr("QUANT_FP8_E4M3_G128") = 1;
   m.attr("DTYPE_BF16") = 0;

@@ -47,6 +47,7 @@ def test_module_surface():
         assert callable(fn) and fn.__doc__, name
     assert _C.MAX_WORLD == 8 and _C.MAX_BLOCKS == 65535 and _C.THREADS_PER_BLOCK == 512
     assert (_C.ERR_NONE, _C.ERR_TIMEOUT, _C.ERR_BAD_DEVICE_ARG, _C.ERR_BAD_POSITION) == (0, 1, 2, 3)
+    assert _C.ERR_LAYOUT_MISMATCH == 4 and _C.ERR_RECORD_WORDS == 12
     assert (_C.QUANT_NONE, _C.QUANT_FP8_E4M3_G128) == (0, 1)
     for method in ("gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier", "copy_engine_begin",
                    "copy_engine_end", "error", "gather_rows", "scale_offset", "close"):
@@ -290,4 +291,7 @@ def test_signal_pad_layout_matches_the_workspace():
     assert workspace.SIGNAL_WORDS == _C.SIGNAL_WORDS
     assert workspace.NUM_CHANNELS * 2 * _C.MAX_WORLD <= _C.DONE_BASE
     assert _C.DONE_BASE + workspace.NUM_CHANNELS * _C.MAX_WORLD <= _C.SIGNAL_WORDS
+    # then the call fingerprints: [channel][epoch parity][source rank] x FP_WORDS
+    assert _C.DONE_BASE + workspace.NUM_CHANNELS * _C.MAX_WORLD <= _C.FP_BASE
+    assert _C.FP_BASE + workspace.NUM_CHANNELS * 2 * _C.MAX_WORLD * _C.FP_WORDS <= _C.SIGNAL_WORDS
     assert _C.DONE_QUANTUM > _C.MAX_BLOCKS  # every block's share of a launch's quantum is >= 1
