@@ -180,20 +180,23 @@ fi
 
 # ---------------------------------------------------------------- compute-sanitizer (docs/development.md)
 if want sanitize; then
-  # Each tool over the same tests; "ERROR SUMMARY: 0 errors" from every process is clean. The tools
+  # Each tool over the same tests; a summary with 0 errors from every process is clean. The tools
   # serialize a process's kernels, so peers are processes (in-process simulated ranks would wait on
-  # kernels that cannot run beside them).
+  # kernels that cannot run beside them). -s: pytest's capture would swallow the rank processes' summaries
+  # (they inherit its file descriptors).
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     t=$(date +%s)
     cap=$(budget "${SANITIZE_TIMEOUT_S:-200}" 0)
     # shellcheck disable=SC2086
     timeout -s INT -k 20 "$cap" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \
-      python3 -m pytest ${SANITIZE_TESTS:-tests/test_p2p_faults.py tests/test_norm_kernels.py} -q -p no:cacheprovider \
+      python3 -m pytest ${SANITIZE_TESTS:-tests/test_p2p_faults.py tests/test_norm_kernels.py} -q -s -p no:cacheprovider \
       -k "${SANITIZE_K:-(smaller_worlds and gather-double-buffered-2) or production_row_length}" \
       >"$LOGS/sanitize_$tool.log" 2>&1
     rc=$?; [ "$rc" = 124 ] && rc="timeout"
-    errors=$(grep -h "ERROR SUMMARY" "$LOGS/sanitize_$tool.log" | awk '{s += $4} END {print s + 0}')
-    note "sanitize $tool" "$rc" $(( $(date +%s) - t )) "$(grep -c 'ERROR SUMMARY' "$LOGS/sanitize_$tool.log") processes, $errors errors; $(pytest_line "$LOGS/sanitize_$tool.log")"
+    # one summary per instrumented process (memcheck / synccheck: "ERROR SUMMARY: N errors"; racecheck:
+    # "RACECHECK SUMMARY: ... (N errors, M warnings)")
+    errors=$(grep -h "SUMMARY" "$LOGS/sanitize_$tool.log" | grep -o "[0-9]* errors" | awk '{s += $1} END {print s + 0}')
+    note "sanitize $tool" "$rc" $(( $(date +%s) - t )) "$(grep -c '========= [A-Z]* *SUMMARY' "$LOGS/sanitize_$tool.log") processes, $errors errors; $(pytest_line "$LOGS/sanitize_$tool.log")"
   done
 fi
 
