@@ -189,7 +189,7 @@ def _plugin_probe(env, order, queue):
     import os
 
     try:
-        os.environ.update(env)
+        os.environ.update({k: v for k, v in env.items() if v is not None})
         for key in [k for k, v in env.items() if v is None]:
             os.environ.pop(key, None)
         sglang_env.prepare_process()
