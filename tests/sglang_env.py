@@ -42,7 +42,7 @@ def import_error():
     """None when SGLang's modules import here, else the reason."""
     prepare_process()
     if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (pip install --no-deps -r .ci/sglang-requirements.txt)"
+        return "sglang is not installed"
 
     try:
         for name in MODULES:
