@@ -64,7 +64,7 @@ def _close(got, want, dtype, what):
         assert err <= tol * (1 + want.abs().max().item()), f"{what}: max diff {err}"
 
 
-def _check(rank, world, counts, dtype, compact, device):
+def _check(rank, world, counts, dtype, compact, device, backend="p2p"):
     import nsa_cp
     from nsa_cp.integrations import sglang as nsa_sglang
 
@@ -72,7 +72,7 @@ def _check(rank, world, counts, dtype, compact, device):
     fb = NS(attn_cp_metadata=md)
     P, n = md.per_rank_actual_token[0], counts
     off = [sum(n[:q]) for q in range(world)]
-    adapter = nsa_sglang.CpMovesAdapter(None, compact=compact, backend="p2p")
+    adapter = nsa_sglang.CpMovesAdapter(None, compact=compact, backend=backend)
     norm = nsa_cp.RMSNorm(H).to(device=device, dtype=dtype)
     kept = []  # (tensor returned to SGLang, its expected value): must survive the later layers
     for layer in range(LAYERS):
@@ -103,7 +103,8 @@ def _check(rank, world, counts, dtype, compact, device):
         own = g[start : start + n[rank]].clone()
         assert torch.equal(back[: n[rank]], own), f"layer {layer}: take_back"
         kept.append((back, back.clone()))
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     for i, (t, want) in enumerate(kept):
         assert torch.equal(t, want), f"result {i} changed after later layers' collectives (a reused buffer?)"
 
@@ -143,8 +144,9 @@ _WORLDS = {}
 
 def _world(world):
     if world not in _WORLDS:
-        os.environ["NSA_CP_P2P_MEMORY"] = "cuda_ipc"  # inherited by the spawned ranks
-        _WORLDS[world] = run_world(world, "gloo-shared-gpu", _worker, COUNTS[world], timeout_s=600)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NSA_CP_P2P_MEMORY", "cuda_ipc")  # inherited by the spawned ranks, then restored
+            _WORLDS[world] = run_world(world, "gloo-shared-gpu", _worker, COUNTS[world], timeout_s=600)
     return _WORLDS[world]
 
 
