@@ -160,6 +160,16 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "how long a P2P call waits for a peer before it gives up and reports P2PTimeoutError "
         "(0: wait forever)",
     ),
+    "NSA_CP_SGLANG": (
+        _flag("NSA_CP_SGLANG", True),
+        "SGLang plugin (entry point nsa_cp, group sglang.srt.plugins): 1 registers nsa_cp's CP moves "
+        "on SGLang's layer_boundary._cp_moves in every scheduler process; 0 registers nothing (logged)",
+    ),
+    "NSA_CP_SGLANG_COMPACT": (
+        _flag("NSA_CP_SGLANG_COMPACT", False),
+        "inside SGLang: 0 keeps SGLang's padded [physical * cp, H] MoE gather; 1 gathers only the real "
+        "rows, [sum(per_rank_logical_token), H], so the MoE skips the padding rows (docs/sglang.md)",
+    ),
     "NSA_CP_BUILD_CUDA": (
         _choice("NSA_CP_BUILD_CUDA", "auto", ("auto", "0", "1")),
         "setup.py: build nsa_cp._C with nvcc ('1'), never ('0'), or when nvcc is found ('auto')",

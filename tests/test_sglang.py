@@ -2,8 +2,8 @@
 
 SGLang is not needed: metadata and forward batches are duck-typed objects with SGLang 0.5.23's field
 names (``attn_cp_metadata``, ``per_rank_actual_token``, ``per_rank_logical_token``, ``max_rank_len``), and
-install() is tested against stand-in ``sglang.srt.layers.layer_boundary`` modules. One test builds the
-metadata with SGLang's own code where SGLang is importable.
+install() is tested against stand-in ``sglang.srt.layers.layer_boundary`` modules. Two tests use SGLang's
+own code where it imports (tests/sglang_env.py); tests/test_sglang_real.py runs the moves against it.
 """
 
 from __future__ import annotations
@@ -270,26 +270,14 @@ def test_install_without_sglang_raises_import_error(monkeypatch):
 
 # ----------------------------------------------------------------------------- SGLang's own metadata
 def test_layout_from_sglang_built_metadata():
-    """Metadata from SGLang 0.5.23's own zigzag strategy and padding, where SGLang can be imported."""
-    try:
-        from sglang.srt.layers.cp import padding as sgl_padding
-        from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
-    except Exception as e:  # noqa: BLE001  any import failure means: not testable in this environment
-        pytest.skip(f"sglang's CP modules are not importable here ({type(e).__name__}: {e}); "
-                    "install sglang==0.5.23 to run this check")
-    from unittest import mock
+    """Metadata from SGLang 0.5.23's own zigzag strategy and padding (tests/sglang_env.py)."""
+    import sglang_env
 
+    sglang_env.require_sglang()
     for cp, seq_lens in ((2, [37, 64, 21]), (4, [9, 10]), (2, [3])):
-        strategy = ZigzagCPStrategy(cp)
-        # cp_rank and the padding alignment come from SGLang's runtime context, which is not set up here;
-        # 2 * cp_size is get_cp_padding_align_size()'s value for the zigzag split
-        with mock.patch.object(ZigzagCPStrategy, "cp_rank", new=property(lambda self: 0)), \
-                mock.patch.object(sgl_padding, "get_cp_padding_align_size", return_value=2 * cp):
-            md = strategy.build_metadata(num_tokens=sum(seq_lens), seqs_len=seq_lens, extend_seqs_len=seq_lens)
-            unpadded = layout_from_cp_metadata(md)
-            sgl_padding.pad_logical_token_to_physical(md)
+        md, logical = sglang_env.build_metadata(seq_lens, cp)
         layout = layout_from_cp_metadata(md)
-        assert list(unpadded.per_rank_actual_token) == nsa_cp.in_seq_split(seq_lens, cp)
+        assert logical == nsa_cp.in_seq_split(seq_lens, cp)
         assert list(layout.per_rank_actual_token) == nsa_cp.in_seq_split(seq_lens, cp)
         assert layout.max_rank_len == md.per_rank_actual_token[0] == md.max_rank_len[0]
         assert layout.max_rank_len % (2 * cp) == 0
@@ -299,11 +287,10 @@ def test_install_on_sglang_modules():
     """install() finds every module of SGLang 0.5.23 that binds ``_cp_moves`` by name, where SGLang imports."""
     import importlib
 
-    try:
-        modules = [importlib.import_module(name) for name in adapter_mod.BOUNDARY_MODULES]
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"sglang's layer_boundary is not importable here ({type(e).__name__}: {e}); "
-                    "install sglang==0.5.23 to run this check")
+    import sglang_env
+
+    sglang_env.require_sglang()
+    modules = [importlib.import_module(name) for name in adapter_mod.BOUNDARY_MODULES]
     original = modules[0]._cp_moves
     assert all(m._cp_moves is original for m in modules)
     handle = adapter_mod.install()

@@ -1,0 +1,128 @@
+"""SGLang 0.5.23's own code on CPU / gloo, for tests/test_sglang_*.py.
+
+``require_sglang()`` skips (or, with NSA_TEST_REQUIRE_SGLANG=1 as .ci/run sets, fails) where SGLang's
+modules do not import. Two shims make them run on a CPU-only machine (both only in the test process):
+
+* ``SGLANG_NCCL_SO_PATH`` points at nothing, so SGLang does not look for libnccl at import;
+* ``parallel_state._is_cpu = True`` sends SGLang's GroupCoordinator collectives down its own CPU branch
+  (``torch.distributed`` on the group) instead of its CUDA custom ops.
+
+torchvision: where none is importable, ``sglang_shims/`` (an import-only stand-in, see its docstring)
+goes on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from unittest import mock
+
+import pytest
+
+SHIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_shims")
+REQUIRED = os.environ.get("NSA_TEST_REQUIRE_SGLANG", "") == "1"
+MODULES = (
+    "sglang.srt.layers.layer_boundary.boundary", "sglang.srt.layers.layer_boundary.construction",
+    "sglang.srt.layers.layer_boundary.factories", "sglang.srt.layers.layer_boundary.prepare",
+    "sglang.srt.layers.cp.zigzag", "sglang.srt.layers.cp.padding", "sglang.srt.distributed.parallel_state",
+    "sglang.srt.plugins", "sglang.srt.runtime_context",
+)
+
+
+def prepare_process() -> None:
+    """The shims, before anything imports SGLang (in every process that will)."""
+    os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
+    if importlib.util.find_spec("torchvision") is None and SHIMS not in sys.path:
+        sys.path.insert(0, SHIMS)
+
+
+def import_error():
+    """None when SGLang's modules import here, else the reason."""
+    prepare_process()
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed"
+
+    try:
+        for name in MODULES:
+            importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001  any failure means: not testable in this environment
+        return f"sglang's modules do not import here ({type(e).__name__}: {e})"
+    import sglang
+
+    version = getattr(sglang, "__version__", "?")
+    if not str(version).startswith("0.5.23"):
+        return f"sglang {version} is installed; these tests are written against 0.5.23"
+    return None
+
+
+def require_sglang() -> None:
+    reason = import_error()
+    if reason is not None:
+        if REQUIRED:
+            pytest.fail(f"NSA_TEST_REQUIRE_SGLANG=1 but {reason}")
+        pytest.skip(f"{reason}; install sglang==0.5.23 (.ci/install_sglang.sh) to run this check")
+
+
+def setup_parallel(rank: int, world: int):
+    """SGLang's real parallel state for one attention-CP group over every rank of the (already
+    initialised, gloo) default group: its world group and an attention-CP GroupCoordinator built by its
+    own constructors, published through ``get_parallel().override_permanently``. (Its full
+    ``initialize_model_parallel`` imports the sampler and the OpenAI protocol: far more packages.)"""
+    prepare_process()
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import get_parallel
+
+    ps._is_cpu = True
+    parallel = get_parallel()
+    parallel.override_permanently(tp_size=world, attn_cp_size=world, attn_dp_size=1, pp_size=1, moe_ep_size=1,
+                                  moe_dp_size=1, attn_dcp_size=1, shared_experts_tp_size=None)
+    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                    distributed_init_method="file:///unused")
+    group = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
+                                         use_custom_allreduce=False, use_mscclpp=False,
+                                         use_torch_symm_mem_allreduce=False, group_name="attn_cp")
+    parallel.override_permanently(attn_cp_group=group, attn_cp_rank=group.rank_in_group, attn_tp_size=1,
+                                  attn_tp_rank=0, attn_dp_rank=0)
+    return group
+
+
+def build_metadata(seq_lens, cp: int):
+    """SGLang's zigzag metadata for one extend, padded as ``prepare_cp_forward`` does (the zigzag strategy
+    is a server argument; it is stated here)."""
+    from sglang.srt.layers.cp import padding
+    from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
+
+    from sglang.srt.runtime_context import get_parallel
+
+    # the widths it reads (the same as setup_parallel's in a world of cp ranks)
+    widths = dict(tp_size=cp, attn_cp_size=cp, attn_dp_size=1, pp_size=1, moe_ep_size=1, moe_dp_size=1,
+                  attn_dcp_size=1, shared_experts_tp_size=None, attn_tp_size=1)
+    with get_parallel().override(**widths), \
+            mock.patch("sglang.srt.layers.cp.base.is_zigzag", return_value=True), \
+            mock.patch.object(ZigzagCPStrategy, "cp_rank", new=property(lambda self: 0)):
+        md = ZigzagCPStrategy(cp).build_metadata(num_tokens=sum(seq_lens), seqs_len=list(seq_lens),
+                                                 extend_seqs_len=list(seq_lens))
+        logical = list(md.per_rank_actual_token)
+        padding.pad_logical_token_to_physical(md)
+    return md, logical
+
+
+def sglang_moves():
+    """SGLang's own DSA/MLA CP moves (what its ``_cp_moves()`` returns when the CP gathers over attention CP)."""
+    from sglang.srt.layers.layer_boundary import boundary
+
+    return boundary.CpMoves(gather=boundary._then_attn_cp_gather, take_back=boundary.attn_cp_take_back_output,
+                            reduce_scatter=boundary.attn_cp_reduce_scatter_output,
+                            reduce_scatter_group=lambda: boundary.get_parallel().attn_cp_group)
+
+
+def read_step():
+    """SGLang's inner read step of the FFN entry: write the attention output into the residual, norm."""
+    from functools import partial
+
+    from sglang.srt.layers.layer_boundary.prepare import _update_read
+    from sglang.srt.layers.layer_boundary.residual.add_norm import NORM_READOUT
+
+    return partial(_update_read, pre_move=None, enters_stack=False, read=NORM_READOUT)
