@@ -45,7 +45,11 @@ SMOKE = {
     "dispatch_overhead.py": [("cpu", ["--worlds", "2", "--M", "8", "--H", "64", "--calls", "20", "--rounds", "2"], [])],
     "readme_tables.py": [("committed-csv", ["benchmarks/results/2xH200.csv"], [])],
     "plot_busbw.py": [("committed-csv", ["benchmarks/results/2xH200.csv", "--out", "{out}/plot.png"], ["plot.png"])],
+    # counts only (SGLang's own split, no timing): it needs sglang, which CI installs (.ci/install_sglang.sh)
+    "sglang_padding.py": [("sglang-split", [], [])],
 }
+# scripts that time nothing, so print no smoke-run label
+NOT_TIMED = ("readme_tables.py", "plot_busbw.py", "sglang_padding.py")
 GPU_ONLY = {
     "host_overhead.py": "needs 1 CUDA GPU",
     "p2p_latency.py": "needs 2 CUDA GPU",
@@ -87,6 +91,8 @@ def test_script_runs_at_a_tiny_size(script, case, tmp_path):
     _, args, outputs = case
     if script == "plot_busbw.py":
         pytest.importorskip("matplotlib", reason='plot_busbw.py needs matplotlib (pip install -e ".[bench]")')
+    if script == "sglang_padding.py":
+        pytest.importorskip("sglang", reason="sglang_padding.py needs sglang==0.5.23 (bash .ci/install_sglang.sh)")
     argv = [str(BENCH / script)] + [a.replace("{out}", str(tmp_path)) for a in args]
     proc, took = _run(argv)
     text = proc.stdout + proc.stderr
@@ -96,7 +102,7 @@ def test_script_runs_at_a_tiny_size(script, case, tmp_path):
         assert path.is_file() and path.stat().st_size > 0, f"{script} did not write {name}:\n{text[-2000:]}"
     # a CPU run (every run here without a GPU; --cpu-ranks everywhere) is a smoke run; readme_tables and
     # plot_busbw read the committed GPU run
-    if script not in ("readme_tables.py", "plot_busbw.py") and (NO_GPU or "--cpu-ranks" in args):
+    if script not in NOT_TIMED and (NO_GPU or "--cpu-ranks" in args):
         _no_verdicts(text)
     for name in outputs:
         if name.endswith(".csv"):
