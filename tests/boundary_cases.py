@@ -36,7 +36,10 @@ def _weight(seed: int, hidden: int, dtype) -> torch.Tensor:
 def _norm(x, residual, weight, dtype):
     """(y, new residual) by the convention: fp32 sum, residual rounded, y rounded once."""
     s = x.float() if residual is None else x.float() + residual.float()
-    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
+    # the mean of squares as the convention computes it: the sum in fp64 rounded once to fp32 (the same
+    # total in any summation order), then one fp32 division by H
+    mean_sq = s.double().square().sum(-1, keepdim=True).float() / s.shape[-1]
+    y = s * torch.rsqrt(mean_sq + EPS) * weight.float()
     return y.to(dtype), (x if residual is None else s.to(dtype))
 
 
