@@ -268,7 +268,7 @@ def machine_report() -> Dict[str, str]:
             nccl = "no: nsa_cp._C has no NcclComm (built before it existed)"
         else:
             try:
-                mod.nccl_library(NSA_CP_NCCL_LIBRARY)
+                mod.nccl_library(reader("NSA_CP_NCCL_LIBRARY")())  # a bare name would miss __getattr__
                 nccl = "yes: libnccl loads (nsa_cp.init_nccl on an NCCL group)"
             except (RuntimeError, ValueError) as err:
                 nccl = f"no: {err}"

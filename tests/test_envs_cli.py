@@ -52,6 +52,32 @@ def test_report_lists_every_variable_and_the_machine():
         assert lines["native NCCL communicator"].startswith(("yes", "no"))
 
 
+@pytest.mark.parametrize("opens", [True, False])
+def test_report_where_the_extension_serves(monkeypatch, opens):
+    """The branch a GPU machine takes (nsa_cp._C loaded and usable), on any machine: a stand-in module."""
+    seen = []
+
+    class FakeC:
+        NcclComm = object
+
+        @staticmethod
+        def nccl_library(path):
+            seen.append(path)
+            if not opens:
+                raise RuntimeError("nccl_library: cannot open libnccl.so.2")
+            return "libnccl.so.2"
+
+    monkeypatch.setattr(_native, "load", lambda: FakeC)
+    monkeypatch.setattr(_native, "available", lambda: True)
+    monkeypatch.setattr(_native, "device_unsupported_reason", lambda i: None)
+    monkeypatch.setenv("NSA_CP_NCCL_LIBRARY", "libnccl.so.2")
+    report = envs.machine_report()
+    assert seen == ["libnccl.so.2"]  # the variable's value reaches the loader
+    assert report["P2P transport"].startswith("yes")
+    want = "yes" if opens else "no: nccl_library: cannot open"
+    assert report["native NCCL communicator"].startswith(want), report
+
+
 def test_vars_only_and_bad_arguments(capsys):
     assert envs.main(["--vars-only"]) == 0
     out = capsys.readouterr().out
