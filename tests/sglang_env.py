@@ -88,11 +88,14 @@ def setup_parallel(rank: int, world: int):
     return group
 
 
-def build_metadata(seq_lens, cp: int):
-    """SGLang's zigzag metadata for one extend, padded as ``prepare_cp_forward`` does (the zigzag strategy
-    is a server argument; it is stated here)."""
+def build_metadata(seq_lens, cp: int, strategy: str = "zigzag"):
+    """SGLang's metadata for one extend under its ``zigzag`` or ``interleave`` strategy (a server argument,
+    stated here), padded as ``prepare_cp_forward`` does. Returns ``(md, logical counts)``."""
     from sglang.srt.layers.cp import padding
+    from sglang.srt.layers.cp.interleave import InterleaveCPStrategy
     from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
+
+    cls = ZigzagCPStrategy if strategy == "zigzag" else InterleaveCPStrategy
 
     from sglang.srt.runtime_context import get_parallel
 
@@ -100,9 +103,9 @@ def build_metadata(seq_lens, cp: int):
     widths = dict(tp_size=cp, attn_cp_size=cp, attn_dp_size=1, pp_size=1, moe_ep_size=1, moe_dp_size=1,
                   attn_dcp_size=1, shared_experts_tp_size=None, attn_tp_size=1)
     with get_parallel().override(**widths), \
-            mock.patch("sglang.srt.layers.cp.base.is_zigzag", return_value=True), \
-            mock.patch.object(ZigzagCPStrategy, "cp_rank", new=property(lambda self: 0)):
-        md = ZigzagCPStrategy(cp).build_metadata(num_tokens=sum(seq_lens), seqs_len=list(seq_lens),
+            mock.patch("sglang.srt.layers.cp.base.is_zigzag", return_value=strategy == "zigzag"), \
+            mock.patch.object(cls, "cp_rank", new=property(lambda self: 0)):
+        md = cls(cp).build_metadata(num_tokens=sum(seq_lens), seqs_len=list(seq_lens),
                                                  extend_seqs_len=list(seq_lens))
         logical = list(md.per_rank_actual_token)
         padding.pad_logical_token_to_physical(md)

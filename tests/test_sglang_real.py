@@ -1,7 +1,7 @@
 """nsa_cp's SGLang adapter against SGLang 0.5.23's own code, on CPU / gloo (tests/sglang_env.py).
 
 * worlds 2 and 3 with SGLang's real attention-CP GroupCoordinator and metadata from its own
-  ``ZigzagCPStrategy.build_metadata`` + ``pad_logical_token_to_physical``: nsa_cp's moves equal SGLang's,
+  ``ZigzagCPStrategy`` / ``InterleaveCPStrategy.build_metadata`` + ``pad_logical_token_to_physical``: nsa_cp's moves equal SGLang's,
   called the way SGLang calls them (``partial(moves.gather, gather=<its read step>)``, take_back and
   reduce_scatter with keywords and positionally), fp32 and bf16, garbage in the padding rows; the compact
   layout against a reference from every rank's inputs; an in-place MoE (the reduce-scatter's input is the
@@ -27,10 +27,13 @@ from dist_harness import case_failures, run_world
 
 H = 16
 # (seq_lens) -> SGLang's zigzag split at the world's cp; ids name what the split gives
-CASES = {
+_SPLITS = {
     2: {"uneven": [37, 64, 21], "zero-token-rank": [1], "even": [8], "mixed": [100, 3, 9], "empty": []},
     3: {"uneven": [37, 64, 21], "zero-token-ranks": [1], "even": [6], "mixed": [50, 7], "empty": []},
 }
+# both of SGLang 0.5.23's strategies (DeepSeek-V3.2 takes interleave: it refuses zigzag for it)
+CASES = {w: {f"{s}-{c}": (s, lens) for s in ("zigzag", "interleave") for c, lens in cases.items()}
+         for w, cases in _SPLITS.items()}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -55,11 +58,11 @@ def _close(got, want, dtype, what):
         f"{what}: max diff {(got.double() - want).abs().max().item()}"
 
 
-def _check_case(rank, world, seq_lens, dtype, log):
+def _check_case(rank, world, strategy, seq_lens, dtype, log):
     import nsa_cp
     from nsa_cp.integrations import sglang as nsa_sglang
 
-    md, n = sglang_env.build_metadata(seq_lens, world)
+    md, n = sglang_env.build_metadata(seq_lens, world, strategy)
     P = md.per_rank_actual_token[0]
     off = [sum(n[:q]) for q in range(world)]
     T = sum(n)
@@ -133,8 +136,8 @@ def _check_case(rank, world, seq_lens, dtype, log):
         g, r = partial(ours.gather, gather=step)(hs[rank].clone(), res[rank].clone(), fb, norm)
         g.mul_(rank + 2).add_(1.0)  # the MoE writes its output over its input
         out, _ = ours.reduce_scatter(g, r, fb)
-        want = sum((normed[rank][: n[rank]].double() * 0 + normed[rank][: n[rank]].to(dtype)
-                    .mul(q + 2).add(1.0).double()) for q in range(world))
+        # rank q's MoE turned every row x into x * (q + 2) + 1, rounded to the dtype as it ran in place
+        want = sum(normed[rank][: n[rank]].mul(q + 2).add(1.0).double() for q in range(world))
         _close(out[: n[rank]], want, dtype, f"in-place {name}")
         assert not out[n[rank]:].any()
     log.append("in-place")
@@ -156,11 +159,11 @@ def _world_worker(rank, world, payload):
         sglang_env.setup_parallel(rank, world)
     except Exception:  # noqa: BLE001
         return {"__world__": traceback.format_exc()}
-    for case_id, seq_lens in payload.items():
+    for case_id, (strategy, seq_lens) in payload.items():
         for dname, dtype in DTYPES.items():
             log = []
             try:
-                _check_case(rank, world, seq_lens, dtype, log)
+                _check_case(rank, world, strategy, seq_lens, dtype, log)
                 results[f"{case_id}-{dname}"] = None
             except Exception:  # noqa: BLE001
                 results[f"{case_id}-{dname}"] = f"after {log}:\n{traceback.format_exc()}"
