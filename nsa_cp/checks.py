@@ -159,6 +159,10 @@ def ordered_rows(positions: torch.Tensor, total: int) -> torch.Tensor:
     """
     if total == 0:
         return positions
+    # a captured graph must recompute from positions on every replay (a caller refills a static positions
+    # buffer in place between replays, which no version counter sees then): no cache inside a capture
+    if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _permutation_of(positions, total)
     version = _version(positions)
     key = id(positions)
     entry = _ORDERED_ROWS.get(key)
@@ -166,7 +170,7 @@ def ordered_rows(positions: torch.Tensor, total: int) -> torch.Tensor:
             and entry[2] == total:
         return entry[3]
     rows = _permutation_of(positions, total)
-    if version is not None and not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if version is not None:
         if len(_ORDERED_ROWS) >= _ORDERED_ROWS_LIMIT:
             del _ORDERED_ROWS[next(iter(_ORDERED_ROWS))]
         _ORDERED_ROWS[key] = (weakref.ref(positions, functools.partial(_forget, key)), version, total, rows)
