@@ -96,7 +96,8 @@ from nsa_cp import _native
 
 assert nsa_cp.__file__.startswith(__import__("sys").prefix), f"imported the wrong nsa_cp: {nsa_cp.__file__}"
 version = importlib.metadata.version("nsa_cp")
-assert re.fullmatch(re.escape(nsa_cp.__version__) + r"\+cu\d+", version), version
+# the CUDA wheel's version carries +cuXX, and nsa_cp.__version__ is the installed distribution's
+assert re.fullmatch(r"\d+(\.\d+)*\+cu\d+", version) and nsa_cp.__version__ == version, (version, nsa_cp.__version__)
 assert _native.load() is C
 assert _native.available() is False, "a GPU is visible on the wheel builder?"
 reason = _native.unavailable_reason()
