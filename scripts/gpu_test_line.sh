@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The whole GPU test line (`python -m pytest tests`) inside one device call of at most 10 minutes.
+#
+# Run one after the other on 1x H200 the suite takes longer than one call allows, so this runs every
+# test file, split by file into concurrent pytest processes on the one GPU, then the timing-sensitive
+# P2P fault tests alone, and prints each shard's counts and the total. Every file under tests/ lands in
+# exactly one shard (the last takes whatever the others do not name), so nothing is left out.
+#
+#   bash scripts/gpu_test_line.sh            # after: python3 -m pip install --no-deps --no-build-isolation -e .
+#   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
+#
+# Each shard runs under `timeout -s INT` (pytest stops where it is and still prints its counts and the
+# failures so far). Exit status: 0 only when every shard passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+CAP_S=${CAP_S:-420}        # the concurrent shards
+FAULTS_S=${FAULTS_S:-100}  # the fault tests, alone (they time peers' arrivals)
+LOGS=${LOGS:-${OUT:-$PWD/gpu_out}}
+mkdir -p "$LOGS"
+
+# shards (files), the busiest first; "rest" is every other test file but the fault tests
+SHARD_p2p="tests/test_p2p_gpu.py"
+SHARD_runs="tests/test_example.py tests/test_example_exit.py tests/test_benchmarks_smoke.py tests/test_sglang_gpu.py"
+SHARD_boundary="tests/test_boundary_gloo.py tests/test_boundary_gpu.py tests/test_collectives_gloo.py tests/test_collectives_gpu.py tests/test_compile.py"
+FAULTS="tests/test_p2p_faults.py"
+named=" $SHARD_p2p $SHARD_runs $SHARD_boundary $FAULTS "
+SHARD_rest=""
+for f in tests/test_*.py; do
+  [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
+done
+
+pids=()
+for shard in p2p runs boundary rest; do
+  var="SHARD_$shard"
+  # shellcheck disable=SC2086
+  timeout -s INT -k 20 "$CAP_S" python3 -m pytest ${!var} -q -rfs -p no:cacheprovider >"$LOGS/tests_$shard.log" 2>&1 &
+  pids+=("$!:$shard")
+done
+status=0
+for entry in "${pids[@]}"; do
+  wait "${entry%%:*}" || status=1
+done
+# shellcheck disable=SC2086
+timeout -s INT -k 20 "$FAULTS_S" python3 -m pytest $FAULTS -q -rfs -p no:cacheprovider >"$LOGS/tests_faults.log" 2>&1 || status=1
+
+total=""
+for shard in p2p runs boundary rest faults; do
+  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|(passed|failed|skipped|error).* in [0-9.]+s' "$LOGS/tests_$shard.log" | tail -1)
+  printf '%-9s %s\n' "$shard" "${line:-no counts (killed?): see $LOGS/tests_$shard.log}"
+  grep -E '^(FAILED|ERROR) ' "$LOGS/tests_$shard.log" | head -20
+  total+="$line; "
+done
+python3 - "$total" <<'EOF'
+import re, sys
+sums = {}
+for word in ("passed", "failed", "skipped", "error", "errors"):
+    sums[word] = sum(int(n) for n in re.findall(rf"(\d+) {word}\b", sys.argv[1]))
+print("total    ", ", ".join(f"{v} {k}" for k, v in sums.items() if v))
+EOF
+exit $status
