@@ -125,19 +125,10 @@ before anything is measured; the tables are printed before the files are written
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import fnmatch
-import json
-import math
 import os
-import random
-import socket
-import statistics
 import sys
-import tempfile
-import time
-import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -145,64 +136,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  spawn with first-failure abort, output-path checks, env tags
+import harness  # noqa: E402  spawn, seeds, poisoning, the timing protocol, env tags, writers
+from harness import Ctx  # noqa: E402
 
-REPO_ROOT = harness.REPO_ROOT
-
-# torch 2.13 deprecates the old names; torch 2.11 has only the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Reduce-scatter tolerance: rtol = RS_TOL, atol = RS_TOL * P (about 8 eps; NCCL may round each of the
 # P-1 partial sums, whose magnitude grows like sqrt(P)). A wrong row misses by O(sqrt(P)).
 RS_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 
 
-# ============================================================================ context and buffers
-@dataclasses.dataclass
-class Ctx:
-    """What every method needs besides its buffers."""
-
-    nsa: object  # the nsa_cp module (imported lazily in the worker)
-    layout: object  # nsa_cp.ShardLayout
-    group: Optional[dist.ProcessGroup]
-    rank: int
-    world: int
-    device: torch.device
-    backend: str  # "nccl" | "gloo"
-    hidden: int = 7168
-    dtype: torch.dtype = torch.bfloat16
-
-    @property
-    def counts(self) -> Tuple[int, ...]:
-        return tuple(self.layout.per_rank_actual_token)
-
-    @property
-    def M(self) -> int:
-        return self.layout.max_rank_len
-
-    @property
-    def n(self) -> int:
-        return self.counts[self.rank]
-
-    @property
-    def shared_gpu(self) -> bool:
-        """Ranks sharing one GPU: a gloo group for control, CUDA tensors, P2P over CUDA IPC for data."""
-        return self.backend == "gloo" and self.device.type == "cuda"
-
-    @property
-    def control(self) -> torch.device:
-        """Where the harness's own small collectives (verdicts, statistics) run: gloo's are on the CPU."""
-        return torch.device("cpu") if self.backend == "gloo" else self.device
-
-    @property
-    def p2p_backend(self) -> str:
-        """The backend the P2P rows ask for: "auto" (what a user gets) on one GPU per rank; "p2p" when the
-        ranks share a GPU, so a call P2P cannot serve raises instead of timing gloo's host copies."""
-        return "p2p" if self.shared_gpu else "auto"
-
-
+# ============================================================================ buffers
 @dataclasses.dataclass
 class Bufs:
     """One rotating set of inputs and outputs. ``x`` is a view of the first n_r rows of ``x_full``."""
@@ -225,24 +167,12 @@ class Bufs:
         return [self.out_pad, self.out_cmp, self.rs_full, *self.extra_outputs]
 
 
-def _seed(*parts: int) -> int:
-    s = 0x9E3779B9
-    for p in parts:
-        s = (s * 1_000_003 + int(p)) % (2**61 - 1)
-    return s
-
-
-def _randn(shape, seed, dtype, device) -> torch.Tensor:
-    g = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=dtype, device=device)
-
-
 def _inputs_of(rank, layout, hidden, dtype, device, seed) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_full [M,H], y_cmp [T,H], y_pad [M*P,H]) of ``rank``: any rank can rebuild any rank's inputs."""
     M, T, P = layout.max_rank_len, layout.total_len, layout.cp_size
-    x_full = _randn((M, hidden), _seed(seed, 1, rank), dtype, device)
-    y_cmp = _randn((T, hidden), _seed(seed, 2, rank), dtype, device)
-    y_pad = _randn((M * P, hidden), _seed(seed, 3, rank), dtype, device)
+    x_full = harness.randn((M, hidden), harness.seed_of(seed, 1, rank), dtype, device)
+    y_cmp = harness.randn((T, hidden), harness.seed_of(seed, 2, rank), dtype, device)
+    y_pad = harness.randn((M * P, hidden), harness.seed_of(seed, 3, rank), dtype, device)
     for q, (off, n) in enumerate(zip(layout.offsets, layout.per_rank_actual_token)):
         y_pad[q * M : q * M + n] = y_cmp[off : off + n]
     return x_full, y_cmp, y_pad
@@ -299,12 +229,12 @@ class Method:
 
 
 def even_ag(c: Ctx, b: Bufs):
-    _all_gather_single(b.out_pad, b.x_full, group=c.group)
+    harness.all_gather_single(b.out_pad, b.x_full, group=c.group)
     return b.out_pad
 
 
 def fpad_ag(c: Ctx, b: Bufs):
-    _all_gather_single(b.out_pad, F.pad(b.x, (0, 0, 0, c.M - c.n)), group=c.group)
+    harness.all_gather_single(b.out_pad, F.pad(b.x, (0, 0, 0, c.M - c.n)), group=c.group)
     return b.out_pad
 
 
@@ -324,7 +254,7 @@ def _order(c: Ctx) -> Tuple[torch.Tensor, torch.Tensor]:
     key = (c.counts, c.M, str(c.device))
     if key not in _ORDER:
         T = c.layout.total_len
-        g = torch.Generator().manual_seed(_seed(T, c.M, 7))
+        g = torch.Generator().manual_seed(harness.seed_of(T, c.M, 7))
         positions = torch.randperm(T, generator=g)
         padded_row = torch.cat([torch.arange(n) + r * c.M for r, n in enumerate(c.counts)])
         gather_index = torch.empty(T, dtype=torch.int64)
@@ -355,7 +285,7 @@ def list_ag(c: Ctx, b: Bufs):
 
 
 def even_rs(c: Ctx, b: Bufs):
-    _reduce_scatter_single(b.rs_full, b.y_pad, group=c.group)
+    harness.reduce_scatter_single(b.rs_full, b.y_pad, group=c.group)
     return b.rs_out
 
 
@@ -384,55 +314,16 @@ def nsa_rs(compact: bool, **kw):
     return fn
 
 
-def with_env(fn, key: str, value: str):
-    """``fn`` called with the environment variable ``key`` set to ``value`` (restored after each call;
-    setting and restoring it adds ~1 us of host time per call)."""
-
-    def wrapped(*args):
-        saved = os.environ.get(key)
-        os.environ[key] = value
-        try:
-            return fn(*args)
-        finally:
-            if saved is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = saved
-
-    return wrapped
-
-
 def nsa_torch_nccl(fn):
     """``fn`` with ``NSA_CP_NCCL_CALL=direct``: the NCCL path through torch's process group even where
     ``init_nccl`` made nsa_cp's own communicator (the before/after of that communicator, in one run)."""
-    return with_env(fn, "NSA_CP_NCCL_CALL", "direct")
+    return harness.with_env(fn, "NSA_CP_NCCL_CALL", "direct")
 
 
 def _native_nccl_needs(c: Ctx) -> Optional[str]:
     if c.backend != "nccl":
         return "nsa_cp's own NCCL communicator needs NCCL on CUDA GPUs"
     return None if c.nsa.get_nccl(c.group) is not None else "no native NCCL communicator (--native-nccl off or refused)"
-
-
-def _p2p_prepare(c: Ctx):
-    """(Re)create the group's P2P transport when this configuration outgrows it (collective)."""
-    t = c.nsa.get_p2p(c.group)
-    hidden, dtype = c.hidden, c.dtype
-    if t is None or t.max_tokens_per_rank < c.M or t.hidden_size != hidden or t.dtype != dtype:
-        c.nsa.init_p2p(c.group, max(c.M, 1), hidden, dtype, c.device)
-
-
-def _p2p_needs(c: Ctx) -> Optional[str]:
-    if c.device.type != "cuda":
-        return "P2P needs CUDA GPUs"
-    try:
-        from nsa_cp import _native
-
-        if not _native.available():
-            return f"nsa_cp._C unavailable: {_native.unavailable_reason()}"
-    except (ImportError, AttributeError):  # the native module's API moved: init_p2p decides (and says why)
-        pass
-    return None
 
 
 def p2p_ag(compact: bool, engine: str):
@@ -556,14 +447,14 @@ def symm_bind(c: Ctx, bufsets: List[Bufs]) -> None:
 def symm_ag(c: Ctx, b: Bufs):
     if _SYMM["error"]:
         raise NotImplementedError(_SYMM["error"])
-    _all_gather_single(b.extra["symm_ag_out"], b.extra["symm_ag_in"], group=c.group)
+    harness.all_gather_single(b.extra["symm_ag_out"], b.extra["symm_ag_in"], group=c.group)
     return b.extra["symm_ag_out"]
 
 
 def symm_rs(c: Ctx, b: Bufs):
     if _SYMM["error"]:
         raise NotImplementedError(_SYMM["error"])
-    _reduce_scatter_single(b.extra["symm_rs_out"], b.extra["symm_rs_in"], group=c.group)
+    harness.reduce_scatter_single(b.extra["symm_rs_out"], b.extra["symm_rs_in"], group=c.group)
     return b.extra["symm_rs_out"][: c.n]
 
 
@@ -591,14 +482,14 @@ METHODS: List[Method] = [
     Method("nsa_ag_padded_torch", "ag", "padded", nsa_torch_nccl(nsa_ag(False, backend="nccl")), _native_nccl_needs),
     Method("nsa_ag_compact_torch", "ag", "compact", nsa_torch_nccl(nsa_ag(True, backend="nccl")), _native_nccl_needs),
     Method("nsa_ag_padded_validated", "ag", "padded", nsa_ag(False, backend="nccl", validate=True), syncs_host=True),
-    Method("nsa_ag_padded_auto", "ag", "padded", p2p_auto_ag(False), _p2p_needs, _p2p_prepare),
-    Method("nsa_ag_compact_auto", "ag", "compact", p2p_auto_ag(True), _p2p_needs, _p2p_prepare),
+    Method("nsa_ag_padded_auto", "ag", "padded", p2p_auto_ag(False), harness.p2p_needs, harness.p2p_prepare),
+    Method("nsa_ag_compact_auto", "ag", "compact", p2p_auto_ag(True), harness.p2p_needs, harness.p2p_prepare),
     Method("nsa_ag_ordered", "ag", "ordered", nsa_ag_ordered(p2p=False)),
-    Method("nsa_ag_ordered_auto", "ag", "ordered", nsa_ag_ordered(p2p=True), _p2p_needs, _p2p_prepare),
-    Method("p2p_ag_padded_sm", "ag", "padded", p2p_ag(False, "sm"), _p2p_needs, _p2p_prepare),
-    Method("p2p_ag_padded_ce", "ag", "padded", p2p_ag(False, "ce"), _p2p_needs, _p2p_prepare),
-    Method("p2p_ag_compact_sm", "ag", "compact", p2p_ag(True, "sm"), _p2p_needs, _p2p_prepare),
-    Method("p2p_ag_compact_ce", "ag", "compact", p2p_ag(True, "ce"), _p2p_needs, _p2p_prepare),
+    Method("nsa_ag_ordered_auto", "ag", "ordered", nsa_ag_ordered(p2p=True), harness.p2p_needs, harness.p2p_prepare),
+    Method("p2p_ag_padded_sm", "ag", "padded", p2p_ag(False, "sm"), harness.p2p_needs, harness.p2p_prepare),
+    Method("p2p_ag_padded_ce", "ag", "padded", p2p_ag(False, "ce"), harness.p2p_needs, harness.p2p_prepare),
+    Method("p2p_ag_compact_sm", "ag", "compact", p2p_ag(True, "sm"), harness.p2p_needs, harness.p2p_prepare),
+    Method("p2p_ag_compact_ce", "ag", "compact", p2p_ag(True, "ce"), harness.p2p_needs, harness.p2p_prepare),
     Method("symm_ag", "ag", "even", symm_ag, _symm_needs, bind=symm_bind, process="symm"),
     # ---- reduce-scatter
     Method("even_rs", "rs", "even", even_rs),
@@ -610,10 +501,10 @@ METHODS: List[Method] = [
     Method("nsa_rs_padded_torch", "rs", "padded", nsa_torch_nccl(nsa_rs(False, backend="nccl")), _native_nccl_needs),
     Method("nsa_rs_compact_torch", "rs", "compact", nsa_torch_nccl(nsa_rs(True, backend="nccl")), _native_nccl_needs),
     Method("nsa_rs_padded_validated", "rs", "padded", nsa_rs(False, backend="nccl", validate=True), syncs_host=True),
-    Method("nsa_rs_padded_auto", "rs", "padded", p2p_rs(False), _p2p_needs, _p2p_prepare, p2p_stage(False),
-           bind=p2p_bind(False)),
-    Method("nsa_rs_compact_auto", "rs", "compact", p2p_rs(True), _p2p_needs, _p2p_prepare, p2p_stage(True),
-           bind=p2p_bind(True)),
+    Method("nsa_rs_padded_auto", "rs", "padded", p2p_rs(False), harness.p2p_needs, harness.p2p_prepare,
+           p2p_stage(False), bind=p2p_bind(False)),
+    Method("nsa_rs_compact_auto", "rs", "compact", p2p_rs(True), harness.p2p_needs, harness.p2p_prepare,
+           p2p_stage(True), bind=p2p_bind(True)),
     Method("symm_rs", "rs", "even", symm_rs, _symm_needs, bind=symm_bind, process="symm"),
 ]
 EVEN = {"ag": "even_ag", "rs": "even_rs"}
@@ -659,20 +550,7 @@ def _expected_outputs(ctx: Ctx, hidden, dtype, seed):
     return ag, acc.to(dtype)
 
 
-def _poison(ctx: Ctx, bufs: Bufs):
-    for t in bufs.outputs():
-        t.fill_(float("nan"))
-    transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
-    if transport is not None:  # P2P gathers return views of these buffers (private names: best effort)
-        for t in getattr(transport, "_gathers", ()):
-            t.fill_(float("nan"))
-    # every rank's fill is done before any rank starts the next call: a double-buffered P2P gather
-    # writes into a peer's buffer without waiting for that peer to enter the call
-    _sync(ctx)
-    dist.barrier(group=ctx.group)
 
-
-OK, SKIP, BAD = 0, 1, 2
 
 
 def check_methods(ctx: Ctx, methods: Sequence[Method], bufs: Bufs, hidden, dtype, seed, log):
@@ -685,15 +563,15 @@ def check_methods(ctx: Ctx, methods: Sequence[Method], bufs: Bufs, hidden, dtype
     even_rs_out = None
     pristine = [t.clone() for t in (bufs.x_full, bufs.y_cmp, bufs.y_pad)]
     for i, m in enumerate(methods):
-        _poison(ctx, bufs)
+        harness.poison(ctx, bufs.outputs())
         if m.stage is not None:
             m.stage(ctx, bufs)
         try:
             out = m.fn(ctx, bufs)
         except NotImplementedError as e:
-            status[i], notes[m.name] = SKIP, f"NotImplementedError: {e}"
+            status[i], notes[m.name] = harness.SKIP, f"NotImplementedError: {e}"
             continue
-        _sync(ctx)
+        harness.sync(ctx)
         if m.direction == "ag":
             ref = ag_ref[m.kind]
             ok = out.shape == ref.shape and torch.equal(out, ref)
@@ -716,12 +594,12 @@ def check_methods(ctx: Ctx, methods: Sequence[Method], bufs: Bufs, hidden, dtype
             for a, b in zip((bufs.x_full, bufs.y_cmp, bufs.y_pad), pristine):
                 a.copy_(b)
         if not ok:
-            status[i] = BAD
+            status[i] = harness.BAD
 
     flags = status.clone()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group)
     flags = flags.tolist()
-    bad = [m.name for m, s in zip(methods, flags) if s == BAD]
+    bad = [m.name for m, s in zip(methods, flags) if s == harness.BAD]
     if bad:
         mine = [f"  {k}: {v}" for k, v in notes.items() if k in bad]
         msg = f"CORRECTNESS FAILURE, counts {list(ctx.counts)}: {bad}" + (
@@ -729,7 +607,8 @@ def check_methods(ctx: Ctx, methods: Sequence[Method], bufs: Bufs, hidden, dtype
         )
         print(msg, file=sys.stderr, flush=True)
         raise RuntimeError(msg)
-    skipped = {m.name: notes.get(m.name, "NotImplementedError on another rank") for m, s in zip(methods, flags) if s == SKIP}
+    skipped = {m.name: notes.get(m.name, "NotImplementedError on another rank") for m, s in zip(methods, flags)
+               if s == harness.SKIP}
     log(f"  check ok: {len(methods) - len(skipped)} methods match the expected outputs")
     return skipped
 
@@ -741,95 +620,6 @@ def _diff(what, out, ref, rtol=0.0, atol=0.0) -> str:
     rows = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten()
     err = (out.float() - ref.float()).abs().nan_to_num(float("inf")).max().item()
     return f"{what}: {rows.numel()} wrong rows (first {rows[:8].tolist()}), max |diff| {err:.3g}"
-
-
-# ============================================================================ timing
-def _sync(ctx: Ctx):
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-
-
-AHEAD_CYCLES_PER_METHOD = 2_000_000  # ~1 ms of GPU sleep per method: covers any method's host time
-
-
-def _aligner(ctx: Ctx):
-    """What runs, untimed, before each method's start event, so that every method starts with the ranks
-    released together. Without it a method inherits the skew its predecessor in the round leaves
-    (the ranks leave NCCL's grouped calls several microseconds apart, a P2P kernel within one signal
-    latency), and its time depends on its neighbour: 3 us of 24 at M = 256 on 2x H200. With a P2P
-    transport: its one-block barrier (ranks within one signal latency); else a one-element NCCL
-    all-reduce; nothing on CPU (host timing)."""
-    if ctx.device.type != "cuda":
-        return None
-    transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
-    if transport is not None and callable(getattr(transport, "barrier", None)):
-        return transport.barrier
-    if ctx.shared_gpu:  # no device collective between ranks sharing a GPU without a transport
-        return None
-    flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
-    return lambda: dist.all_reduce(flag, group=ctx.group)
-
-
-def time_round(
-    ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True, align=None
-) -> Dict[str, Tuple[float, float]]:
-    """One round: barrier, then each method once in ``order``, each after ``align`` (``_aligner``'s).
-
-    Returns {name: (device ms, host ms)} on this rank: device time between CUDA events around the call
-    (on CPU the host time), and the host time the call took to return (to enqueue, on GPU).
-    With ``ahead`` the GPU first sleeps long enough for the host to enqueue the whole round, so the
-    events measure device time alone (as in a model whose CPU runs ahead, or a CUDA graph); without
-    it, a method whose host time exceeds its device time is timed at its host time."""
-    nb = len(bufsets)
-    cuda = ctx.device.type == "cuda"
-    dist.barrier(group=ctx.group)
-    if cuda and ahead:
-        torch.cuda._sleep(AHEAD_CYCLES_PER_METHOD * len(order))
-    events, host = [], {}
-    for k, i in enumerate(order):
-        s = e = None
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if align is not None:
-                align()
-            s.record()
-        t0 = time.perf_counter()
-        methods[i].fn(ctx, bufsets[(call0 + k) % nb])
-        host[methods[i].name] = (time.perf_counter() - t0) * 1e3
-        if cuda:
-            e.record()
-        events.append((methods[i].name, s, e))
-    if not cuda:
-        return {name: (h, h) for name, h in host.items()}
-    torch.cuda.synchronize(ctx.device)
-    return {name: (s.elapsed_time(e), host[name]) for name, s, e in events}
-
-
-def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup, ahead: bool = True) -> Dict[str, Dict[str, float]]:
-    nm, nb = len(methods), len(bufsets)
-    for w in range(warmup):
-        for i, m in enumerate(methods):
-            m.fn(ctx, bufsets[(w * nm + i) % nb])
-    _sync(ctx)
-    samples: Dict[str, List[float]] = {m.name: [] for m in methods}
-    host: Dict[str, List[float]] = {m.name: [] for m in methods}
-    align = _aligner(ctx)
-    for r in range(rounds):
-        order = random.Random(r).sample(range(nm), nm)  # every rank draws the same order
-        for name, (t, h) in time_round(ctx, methods, bufsets, order, r * nm, ahead, align).items():
-            samples[name].append(t)
-            host[name].append(h)
-    # per rank: median, min, IQR/median over rounds, median host time; then MAX over ranks
-    local = []
-    for m in methods:
-        ts = sorted(samples[m.name])
-        med = statistics.median(ts)
-        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
-        local.append([med, ts[0], (q[2] - q[0]) / med if med > 0 else 0.0, statistics.median(host[m.name])])
-    stats = torch.tensor(local, dtype=torch.float64, device=ctx.control)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=ctx.group)
-    keys = ("ms", "min_ms", "spread", "host_ms")
-    return {m.name: dict(zip(keys, row)) for m, row in zip(methods, stats.tolist())}
 
 
 # ============================================================================ metrics and rows
@@ -890,31 +680,15 @@ def make_configs(args, world) -> List[Tuple[int, ...]]:
     return configs
 
 
-def env_tags(ctx: Ctx) -> Dict[str, str]:
-    """The tags of this run's rows (harness.env_tags: versions and devices, never a local path)."""
-    mode = ("ranks sharing one GPU (gloo + P2P over CUDA IPC): total work, not latency" if ctx.shared_gpu
-            else None)
-    return harness.env_tags(ctx.device, ctx.backend, ctx.world, ctx.nsa, mode)
-
-
 # ============================================================================ worker
-def _import_nsa_cp():
-    try:
-        import nsa_cp
-    except ImportError:
-        sys.path.insert(0, REPO_ROOT)
-        import nsa_cp
-    return nsa_cp
-
-
 def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[str, str]]:
-    dtype, hidden, L = DTYPES[args.dtype], args.hidden, ctx.layout
+    dtype, hidden, L = harness.DTYPES[args.dtype], args.hidden, ctx.layout
     pad = (L.padded_len - L.total_len) / L.padded_len if L.padded_len else 0.0
     log(f"[{cfg_idx + 1}] counts {list(ctx.counts)}  M={ctx.M}  total={L.total_len}  padding {pad:.1%}")
     active, skipped = [], {}
     for m in methods:
         reason = m.needs(ctx) if m.needs else None
-        if reason is None and ctx.shared_gpu and m.needs is not _p2p_needs:
+        if reason is None and ctx.shared_gpu and m.needs is not harness.p2p_needs:
             reason = SHARED_GPU_SKIP
         if reason:
             skipped[m.name] = reason
@@ -922,22 +696,18 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
             active.append(m)
     for prepare in dict.fromkeys(m.prepare for m in active if m.prepare):  # each hook once, in order
         prepare(ctx)
-    if ctx.device.type == "cuda":
-        l2 = getattr(torch.cuda.get_device_properties(ctx.device), "L2_cache_size", 50 << 20)
-        nbuf = max(2, min(args.max_bufs, math.ceil(4 * l2 / max(1, bytes_per_set(L, hidden, dtype)))))
-    else:
-        nbuf = 2
-    bufsets = [make_bufs(ctx, hidden, dtype, _seed(args.seed, cfg_idx, b), b) for b in range(nbuf)]
+    nbuf = harness.rotating_sets(ctx.device, bytes_per_set(L, hidden, dtype), args.max_bufs)
+    bufsets = [make_bufs(ctx, hidden, dtype, harness.seed_of(args.seed, cfg_idx, b), b) for b in range(nbuf)]
     for bind in dict.fromkeys(m.bind for m in active if m.bind):  # each hook once, in order
         bind(ctx, bufsets)
-    skipped.update(check_methods(ctx, active, bufsets[0], hidden, dtype, _seed(args.seed, cfg_idx, 0), log))
+    skipped.update(check_methods(ctx, active, bufsets[0], hidden, dtype, harness.seed_of(args.seed, cfg_idx, 0), log))
     active = [m for m in active if m.name not in skipped]
     stats = {}
     for group in ([m for m in active if not m.syncs_host], [m for m in active if m.syncs_host]):
         if group:
             # a syncing method cannot run ahead: no head-start sleep, which it would only wait out
             ahead = not args.cold and not group[0].syncs_host
-            stats.update(time_methods(ctx, group, bufsets, args.rounds, args.warmup, ahead=ahead))
+            stats.update(harness.time_methods(ctx, group, bufsets, args.rounds, args.warmup, ahead=ahead))
     del bufsets
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -974,95 +744,46 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
     return rows, skipped
 
 
-MODES = ("nccl", "cpu", "shared-gpu")  # one GPU per rank | gloo ranks on the CPU | gloo ranks sharing cuda:0
-
-
-def init_rank(rank: int, world: int, mode: str, port: int) -> torch.device:
-    """This rank's device and default process group for ``mode`` (see MODES)."""
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*")
-    init = f"tcp://127.0.0.1:{port}"
-    if mode == "nccl":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
-        return device
-    if mode == "shared-gpu":  # the data moves through P2P over CUDA IPC; gloo carries control only
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    return device
-
-
 def worker(rank, world, mode, port, args, configs, result_path, process="main"):
-    device = init_rank(rank, world, mode, port)
+    device = harness.init_rank(rank, world, mode, port)
     use_cuda = mode == "nccl"
     if process == "symm":
         symm_setup()  # before anything allocates symmetric memory in this process
-    nsa = _import_nsa_cp()
+    nsa = harness.import_nsa_cp()
     methods = select_methods(args.methods, process)
     if use_cuda and process == "main" and args.native_nccl == "auto" and hasattr(nsa, "init_nccl"):
-        reason = nsa.nccl_unavailable_reason(None)
-        if reason:
-            print(f"rank {rank}: no native NCCL communicator: {reason}", flush=True)
-        else:
-            nsa.init_nccl(None, device)  # the NCCL path's uneven calls take it (nsa_*_torch: without it)
-
-    def log(msg):
-        if rank == 0:
-            print(msg, flush=True)  # stdout, so that the table printed last stays last in one stream
-
-    result = {"tags": None, "rows": [], "skipped": {}}
-    # no try/finally around this: a rank that raises exits at once (harness.spawn) and the parent stops
-    # the others; tearing the group down here could wait on a peer stuck in a collective
-    for i, counts in enumerate(configs):
-        layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
-        ctx = Ctx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden, DTYPES[args.dtype])
-        if result["tags"] is None:
-            result["tags"] = env_tags(ctx)
-        rows, skipped = run_config(ctx, methods, args, i, log)
-        for r in rows:
-            r["process"] = process
-        result["rows"] += rows
-        result["skipped"][str(i)] = skipped
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(result, f)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-    dist.destroy_process_group()
+        harness.init_native_nccl(nsa, rank, device)  # the NCCL path's uneven calls take it (nsa_*_torch: without it)
+    log = harness.rank_log(rank)
+    harness.run_rank(
+        rank, device, nsa, configs, args,
+        lambda layout: Ctx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden,
+                           harness.DTYPES[args.dtype]),
+        lambda ctx, i: run_config(ctx, methods, args, i, log),
+        {"tags": None, "rows": [], "skipped": {}}, result_path, row_tags={"process": process})
 
 
 # ============================================================================ report
 def format_table(result, cpu: bool) -> str:
-    tags, rows = result["tags"], result["rows"]
+    tags = result["tags"]
     lines = []
     if cpu:
         lines.append(f"*** {harness.SMOKE} ***")
     if tags:
-        lines.append(header_line(tags))
+        lines.append(harness.header_line(tags))
         if "sharing one GPU" in tags.get("mode", ""):
             lines.append(f"*** {SHARED_GPU_NOTE} ***")
     hdr = f"{'method':<26}{'ms':>9}{'spread':>8}{'host ms':>9}{'algbw':>9}{'busbw':>9}{'link':>9}{'x even':>8}"
-    by_cfg: Dict[int, List[dict]] = {}
-    for r in rows:
-        by_cfg.setdefault(r["config"], []).append(r)
     symm_header = False
-    for cfg in sorted(set(by_cfg) | {int(k) for k, v in result["skipped"].items() if v}):
+    for cfg, rs in harness.by_config(result):
         if cfg >= SYMM_CONFIG_BASE and not symm_header:
             symm_header = True
             lines.append("")
             lines.append("--- NCCL on symmetric buffers (torch symmetric memory, NCCL backend: what SGLang's "
                          "--enable-symm-mem uses), timed in processes of their own; 'x even' against the even "
                          "collective timed there (even_*@symm)")
-        rs = by_cfg.get(cfg)
         if not rs:
             lines.append("")
-            for name, why in result["skipped"].get(str(cfg), {}).items():
-                lines.append(f"{name:<26}skipped: {why}")
+            lines += harness.skipped_lines(result, cfg, 26)
             continue
         r0 = rs[0]
         lines.append("")
@@ -1078,20 +799,13 @@ def format_table(result, cpu: bool) -> str:
                 f"{r['busbw_GBps']:>9.4g}{r['link_GBps']:>9.4g}"
                 + (f"{r['x_even']:>8.2f}" if r["x_even"] == r["x_even"] else f"{'-':>8}")  # no even row beside it
             )
-        for name, why in result["skipped"].get(str(cfg), {}).items():
-            lines.append(f"{name:<26}skipped: {why}")
+        lines += harness.skipped_lines(result, cfg, 26)
     return "\n".join(lines)
 
 
 SHARED_GPU_NOTE = ("ranks SHARE ONE GPU (gloo for control, P2P over CUDA IPC for data): the link is the GPU's own "
                    "memory, not NVLink, and the GPU time-slices the ranks' kernels, so each time is the total work "
                    "of every rank, not the latency of a real cp run")
-
-
-def header_line(tags: dict) -> str:
-    """One line naming the run: device x ranks, versions, revision, date."""
-    return (f"{tags['gpu']} x{tags['world']} ({tags.get('mode', '')}) | torch {tags['torch']} | NCCL {tags['nccl']}"
-            f" | triton {tags['triton']} | nsa_cp {tags['nsa_cp']} (git {tags['git_rev']}) | {tags['date']}")
 
 
 # host-time goals per call, against the plain collective of the same direction
@@ -1169,18 +883,6 @@ def format_symm_summary(result) -> List[str]:
     return lines
 
 
-def write_outputs(result, csv_path, json_path):
-    rows = [{**(result["tags"] or {}), **r} for r in result["rows"]]
-    if csv_path and rows:
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"rows": rows, "skipped": result["skipped"]}, f, indent=1)
-
-
 # ============================================================================ main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1194,7 +896,7 @@ def parse_args(argv=None):
                         "the ranks and --page-size (repeatable); replaces the M x imbalance sweep")
     p.add_argument("--page-size", type=int, default=64, help="page size of --seq-lens batches")
     p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(harness.DTYPES), default="bf16")
     p.add_argument("--align", type=int, default=1, help="ShardLayout align")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--cold", action="store_true",
@@ -1221,12 +923,6 @@ def parse_args(argv=None):
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds must be >= 1 and --warmup >= 0")
     return args
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def choose_mode(args) -> Tuple[str, int]:
@@ -1316,24 +1012,14 @@ def main(argv=None):
     # tables first, files after: a file that cannot be written loses no printed result
     print(format_table(result, cpu=mode == "cpu"), flush=True)
     print(format_host_summary(result), flush=True)
-    write_outputs(result, args.csv, args.json)
-    for path in (args.csv, args.json):
-        if path:
-            print(f"wrote {path}", flush=True)
+    harness.write_rows(result["tags"], result["rows"], args.csv, args.json, skipped=result["skipped"])
 
 
 def _spawn(world, mode, args, configs, process, timeout_s: Optional[float] = None) -> dict:
     """Run ``worker`` on ``world`` processes (harness.spawn: the first failing rank ends the run with its
     traceback); with ``timeout_s``, stop them past it. Returns rank 0's result."""
-    fd, result_path = tempfile.mkstemp(prefix="gather_scatter_", suffix=".json")
-    os.close(fd)
-    try:
-        harness.spawn(worker, world, (mode, _free_port(), args, configs, result_path, process),
-                      timeout_s=timeout_s, what=f"gather_scatter.py ({process} run)")
-        with open(result_path) as f:
-            result = json.load(f)
-    finally:
-        os.unlink(result_path)
+    result = harness.run_ranks(worker, world, mode, args, configs, process, prefix="gather_scatter_",
+                               timeout_s=timeout_s, what=f"gather_scatter.py ({process} run)")
     result["configs"] = [list(c) for c in configs]
     return result
 

@@ -11,6 +11,18 @@ output paths before anything is measured, the environment tags of result rows, a
 * ``env_tags(...)``: what a result row carries about where it was measured: versions and devices
   (never a local path).
 * ``smoke_note(...)``: CPU runs are smoke runs of the harness; they print that instead of verdicts.
+* ``init_rank`` / ``init_nccl_rank`` / ``spawn_ranks``: a rank's device and process group (one GPU per
+  rank over NCCL, gloo ranks on the CPU, gloo ranks sharing cuda:0); ``run_ranks``: spawn, then rank 0's
+  result file.
+* ``Ctx``, ``seed_of``, ``randn``, ``poison``: what a method sees; inputs from seeds every rank knows
+  (so any rank can rebuild any rank's inputs); outputs filled with NaN before a check.
+* ``time_methods`` (``time_round``, ``aligner``): the timing protocol of docs/performance.md's
+  "Benchmark protocol": warm-up, rounds of interleaved methods in a per-round order, CUDA events after
+  an untimed aligner, the host enqueuing ahead, median over rounds, MAX over ranks.
+* ``run_rank``: the per-rank loop over configurations (layout, context, rows, rank 0's result file);
+  ``by_config`` / ``skipped_lines`` / ``header_line``: table helpers; ``write_rows``: CSV / JSON.
+
+A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these.
 
 This module is a helper, not a script (it has no ``__main__``): tests/test_benchmarks_smoke.py runs
 every benchmark script at a tiny size, and skips the helpers by that rule.
@@ -18,18 +30,34 @@ every benchmark script at a tiny size, and skips the helpers by that rule.
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 import datetime
+import json
+import math
 import multiprocessing
 import os
 import platform
+import random
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from typing import Callable, Iterable, Optional, Sequence, Tuple
+import warnings
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# torch 2.13 deprecates the old names; torch 2.11 has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SMOKE = "CPU smoke run: it checks the harness and the library's CPU path; its numbers say nothing about GPUs"
 
 
@@ -190,8 +218,6 @@ def git_rev() -> str:
 
 def device_name(device) -> str:
     """'NVIDIA H200' for a CUDA device; 'CPU (x86_64)' otherwise."""
-    import torch
-
     if getattr(device, "type", device) == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.machine() or platform.processor() or '?'})"
@@ -201,8 +227,6 @@ def env_tags(device, backend: str, world: int, nsa=None, mode: Optional[str] = N
     """Where a row was measured: the date, the device and how many ranks on how many devices, the
     process-group backend and the versions (torch, CUDA, NCCL, Triton, flashinfer, nsa_cp, git
     revision), and the NSA_CP_* / multicast settings. Versions and devices only: never a local path."""
-    import torch
-
     cuda = getattr(device, "type", device) == "cuda"
     nccl = "n/a"
     if cuda:
@@ -244,3 +268,381 @@ def keep_multicast_off() -> None:
     """NVLink multicast is off on the target machines: nothing may depend on it (set when unset)."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+# ============================================================================ ranks and process groups
+MODES = ("nccl", "cpu", "shared-gpu")  # one GPU per rank | gloo ranks on the CPU | gloo ranks sharing cuda:0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world: int, mode: str, port: int) -> torch.device:
+    """This rank's device and default process group for ``mode`` (see MODES)."""
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*")
+    init = f"tcp://127.0.0.1:{port}"
+    if mode == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
+        return device
+    if mode == "shared-gpu":  # the data moves through P2P over CUDA IPC; gloo carries control only
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    return device
+
+
+def init_nccl_rank(rank: int, world: int, store_path: str) -> None:
+    """This process's GPU and its NCCL process group over a FileStore (the two-GPU diagnostics,
+    host_overhead.py and p2p_latency.py)."""
+    keep_multicast_off()
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+
+
+def spawn_ranks(worker, args, script: str, min_gpus: int) -> None:
+    """``worker(rank, world, args)`` on min(2, visible GPUs) ranks; ``args.store`` is set for
+    ``init_nccl_rank``. Exits saying why (status 2) when fewer than ``min_gpus`` GPUs are visible."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world = min(2, gpus)
+    if world < min_gpus:
+        raise SystemExit(f"{script} needs {min_gpus} CUDA GPU(s) with NCCL, found {gpus}: nothing to measure here")
+    args.store = os.path.join(tempfile.mkdtemp(), "store")
+    spawn(worker, world, (args,), what=script)
+
+
+def run_ranks(worker, world: int, mode: str, args, configs, *extra, prefix: str, what: str,
+              timeout_s: Optional[float] = None) -> dict:
+    """``worker(rank, world, mode, port, args, configs, result_path, *extra)`` on ``world`` processes
+    (``spawn``: the first failing rank ends the run with its traceback; with ``timeout_s``, stopped past
+    it). Returns the result rank 0 wrote to ``result_path`` (``run_rank``)."""
+    fd, result_path = tempfile.mkstemp(prefix=prefix, suffix=".json")
+    os.close(fd)
+    try:
+        spawn(worker, world, (mode, free_port(), args, configs, result_path, *extra), timeout_s=timeout_s, what=what)
+        with open(result_path) as f:
+            result = json.load(f)
+    finally:
+        os.unlink(result_path)
+    return result
+
+
+def import_nsa_cp():
+    try:
+        import nsa_cp
+    except ImportError:
+        sys.path.insert(0, REPO_ROOT)
+        import nsa_cp
+    return nsa_cp
+
+
+def init_native_nccl(nsa, rank: int, device: torch.device) -> None:
+    """``nsa_cp.init_nccl`` on the default group, or a line saying why there is no native communicator."""
+    reason = nsa.nccl_unavailable_reason(None)
+    if reason:
+        print(f"rank {rank}: no native NCCL communicator: {reason}", flush=True)
+    else:
+        nsa.init_nccl(None, device)
+
+
+def rank_log(rank: int) -> Callable[[str], None]:
+    """A ``log(msg)`` that prints on rank 0 only."""
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)  # stdout, so that the table printed last stays last in one stream
+
+    return log
+
+
+# ============================================================================ context, inputs, poisoning
+@dataclasses.dataclass
+class Ctx:
+    """What every method needs besides its buffers."""
+
+    nsa: object  # the nsa_cp module (imported lazily in the worker)
+    layout: object  # nsa_cp.ShardLayout
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    world: int
+    device: torch.device
+    backend: str  # "nccl" | "gloo"
+    hidden: int = 7168
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def counts(self) -> Tuple[int, ...]:
+        return tuple(self.layout.per_rank_actual_token)
+
+    @property
+    def M(self) -> int:
+        return self.layout.max_rank_len
+
+    @property
+    def n(self) -> int:
+        return self.counts[self.rank]
+
+    @property
+    def shared_gpu(self) -> bool:
+        """Ranks sharing one GPU: a gloo group for control, CUDA tensors, P2P over CUDA IPC for data."""
+        return self.backend == "gloo" and self.device.type == "cuda"
+
+    @property
+    def control(self) -> torch.device:
+        """Where the harness's own small collectives (verdicts, statistics) run: gloo's are on the CPU."""
+        return torch.device("cpu") if self.backend == "gloo" else self.device
+
+    @property
+    def p2p_backend(self) -> str:
+        """The backend the P2P rows ask for: "auto" (what a user gets) on one GPU per rank; "p2p" when the
+        ranks share a GPU, so a call P2P cannot serve raises instead of timing gloo's host copies."""
+        return "p2p" if self.shared_gpu else "auto"
+
+
+def ctx_tags(ctx: Ctx) -> Dict[str, str]:
+    """The tags of this run's rows (env_tags: versions and devices, never a local path)."""
+    mode = ("ranks sharing one GPU (gloo + P2P over CUDA IPC): total work, not latency" if ctx.shared_gpu
+            else None)
+    return env_tags(ctx.device, ctx.backend, ctx.world, ctx.nsa, mode)
+
+
+def seed_of(*parts: int) -> int:
+    s = 0x9E3779B9
+    for p in parts:
+        s = (s * 1_000_003 + int(p)) % (2**61 - 1)
+    return s
+
+
+def randn(shape, seed, dtype, device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=dtype, device=device)
+
+
+def rotating_sets(device: torch.device, set_bytes: int, most: int) -> int:
+    """How many rotating buffer sets of ``set_bytes`` each: about 4x L2 in all (at least 2, at most
+    ``most``), so L2 does not serve repeated inputs; 2 on the CPU."""
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+        return max(2, min(most, math.ceil(4 * l2 / max(1, set_bytes))))
+    return 2
+
+
+def sync(ctx: Ctx):
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
+def poison(ctx: Ctx, outputs: Iterable[torch.Tensor]):
+    """NaN into ``outputs`` and the P2P transport's gather buffers, then every rank waits for all."""
+    for t in outputs:
+        t.fill_(float("nan"))
+    transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
+    if transport is not None:  # P2P gathers return views of these buffers (private names: best effort)
+        for t in getattr(transport, "_gathers", ()):
+            t.fill_(float("nan"))
+    # every rank's fill is done before any rank starts the next call: a double-buffered P2P gather
+    # writes into a peer's buffer without waiting for that peer to enter the call
+    sync(ctx)
+    dist.barrier(group=ctx.group)
+
+
+OK, SKIP, BAD = 0, 1, 2  # a method's verdict in the correctness check (MAX over ranks)
+
+
+def with_env(fn, key: str, value: str):
+    """``fn`` called with the environment variable ``key`` set to ``value`` (restored after each call;
+    setting and restoring it adds ~1 us of host time per call)."""
+
+    def wrapped(*args):
+        saved = os.environ.get(key)
+        os.environ[key] = value
+        try:
+            return fn(*args)
+        finally:
+            if saved is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = saved
+
+    return wrapped
+
+
+def p2p_prepare(c: Ctx):
+    """(Re)create the group's P2P transport when this configuration outgrows it (collective)."""
+    t = c.nsa.get_p2p(c.group)
+    hidden, dtype = c.hidden, c.dtype
+    if t is None or t.max_tokens_per_rank < c.M or t.hidden_size != hidden or t.dtype != dtype:
+        c.nsa.init_p2p(c.group, max(c.M, 1), hidden, dtype, c.device)
+
+
+def p2p_needs(c: Ctx) -> Optional[str]:
+    if c.device.type != "cuda":
+        return "P2P needs CUDA GPUs"
+    try:
+        from nsa_cp import _native
+
+        if not _native.available():
+            return f"nsa_cp._C unavailable: {_native.unavailable_reason()}"
+    except (ImportError, AttributeError):  # the native module's API moved: init_p2p decides (and says why)
+        pass
+    return None
+
+
+# ============================================================================ timing
+AHEAD_CYCLES_PER_METHOD = 2_000_000  # ~1 ms of GPU sleep per method: covers any method's host time
+
+
+def aligner(ctx: Ctx):
+    """What runs, untimed, before each method's start event, so that every method starts with the ranks
+    released together. Without it a method inherits the skew its predecessor in the round leaves
+    (the ranks leave NCCL's grouped calls several microseconds apart, a P2P kernel within one signal
+    latency), and its time depends on its neighbour: 3 us of 24 at M = 256 on 2x H200. With a P2P
+    transport: its one-block barrier (ranks within one signal latency); else a one-element NCCL
+    all-reduce; nothing on CPU (host timing)."""
+    if ctx.device.type != "cuda":
+        return None
+    transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
+    if transport is not None and callable(getattr(transport, "barrier", None)):
+        return transport.barrier
+    if ctx.shared_gpu:  # no device collective between ranks sharing a GPU without a transport
+        return None
+    flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+    return lambda: dist.all_reduce(flag, group=ctx.group)
+
+
+def time_round(
+    ctx: Ctx, methods, bufsets, order, call0, ahead: bool = True, align=None
+) -> Dict[str, Tuple[float, float]]:
+    """One round: barrier, then each method once in ``order``, each after ``align`` (``aligner``'s).
+
+    Returns {name: (device ms, host ms)} on this rank: device time between CUDA events around the call
+    (on CPU the host time), and the host time the call took to return (to enqueue, on GPU).
+    With ``ahead`` the GPU first sleeps long enough for the host to enqueue the whole round, so the
+    events measure device time alone (as in a model whose CPU runs ahead, or a CUDA graph); without
+    it, a method whose host time exceeds its device time is timed at its host time."""
+    nb = len(bufsets)
+    cuda = ctx.device.type == "cuda"
+    dist.barrier(group=ctx.group)
+    if cuda and ahead:
+        torch.cuda._sleep(AHEAD_CYCLES_PER_METHOD * len(order))
+    events, host = [], {}
+    for k, i in enumerate(order):
+        s = e = None
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if align is not None:
+                align()
+            s.record()
+        t0 = time.perf_counter()
+        methods[i].fn(ctx, bufsets[(call0 + k) % nb])
+        host[methods[i].name] = (time.perf_counter() - t0) * 1e3
+        if cuda:
+            e.record()
+        events.append((methods[i].name, s, e))
+    if not cuda:
+        return {name: (h, h) for name, h in host.items()}
+    torch.cuda.synchronize(ctx.device)
+    return {name: (s.elapsed_time(e), host[name]) for name, s, e in events}
+
+
+def time_methods(ctx: Ctx, methods, bufsets, rounds, warmup, ahead: bool = True) -> Dict[str, Dict[str, float]]:
+    nm, nb = len(methods), len(bufsets)
+    for w in range(warmup):
+        for i, m in enumerate(methods):
+            m.fn(ctx, bufsets[(w * nm + i) % nb])
+    sync(ctx)
+    samples: Dict[str, List[float]] = {m.name: [] for m in methods}
+    host: Dict[str, List[float]] = {m.name: [] for m in methods}
+    align = aligner(ctx)
+    for r in range(rounds):
+        order = random.Random(r).sample(range(nm), nm)  # every rank draws the same order
+        for name, (t, h) in time_round(ctx, methods, bufsets, order, r * nm, ahead, align).items():
+            samples[name].append(t)
+            host[name].append(h)
+    # per rank: median, min, IQR/median over rounds, median host time; then MAX over ranks
+    local = []
+    for m in methods:
+        ts = sorted(samples[m.name])
+        med = statistics.median(ts)
+        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+        local.append([med, ts[0], (q[2] - q[0]) / med if med > 0 else 0.0, statistics.median(host[m.name])])
+    stats = torch.tensor(local, dtype=torch.float64, device=ctx.control)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=ctx.group)
+    keys = ("ms", "min_ms", "spread", "host_ms")
+    return {m.name: dict(zip(keys, row)) for m, row in zip(methods, stats.tolist())}
+
+
+
+# ============================================================================ the per-rank loop
+def run_rank(rank: int, device: torch.device, nsa, configs, args, make_ctx: Callable, run_config: Callable,
+             result: dict, result_path: str, row_tags: Optional[dict] = None) -> None:
+    """Every configuration (a list of per-rank counts) in turn: its ``nsa_cp.ShardLayout``
+    (``args.align``), ``ctx = make_ctx(layout)``, ``rows, skipped = run_config(ctx, index)``; the rows
+    (each updated with ``row_tags``) and skip reasons go into ``result``, whose ``tags`` are the first
+    context's. Rank 0 writes ``result`` to ``result_path`` as JSON; then the group is torn down."""
+    # no try/finally around this: a rank that raises exits at once (spawn) and the parent stops the
+    # others; tearing the group down here could wait on a peer stuck in a collective
+    for i, counts in enumerate(configs):
+        layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
+        ctx = make_ctx(layout)
+        if result["tags"] is None:
+            result["tags"] = ctx_tags(ctx)
+        rows, skipped = run_config(ctx, i)
+        for r in rows:
+            r.update(row_tags or {})
+        result["rows"] += rows
+        result["skipped"][str(i)] = skipped
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ============================================================================ reports
+def header_line(tags: dict) -> str:
+    """One line naming the run: device x ranks, versions, revision, date."""
+    return (f"{tags['gpu']} x{tags['world']} ({tags.get('mode', '')}) | torch {tags['torch']} | NCCL {tags['nccl']}"
+            f" | triton {tags['triton']} | nsa_cp {tags['nsa_cp']} (git {tags['git_rev']}) | {tags['date']}")
+
+
+def by_config(result: dict) -> List[Tuple[int, List[dict]]]:
+    """``(config, its rows)`` in config order, with the configurations that have only skip reasons."""
+    by_cfg: Dict[int, List[dict]] = {}
+    for r in result["rows"]:
+        by_cfg.setdefault(r["config"], []).append(r)
+    cfgs = sorted(set(by_cfg) | {int(k) for k, v in result["skipped"].items() if v})
+    return [(cfg, by_cfg.get(cfg, [])) for cfg in cfgs]
+
+
+def skipped_lines(result: dict, cfg: int, width: int) -> List[str]:
+    return [f"{name:<{width}}skipped: {why}" for name, why in result["skipped"].get(str(cfg), {}).items()]
+
+
+def write_rows(tags: Optional[dict], rows: List[dict], csv_path: Optional[str], json_path: Optional[str],
+               **extra) -> None:
+    """One row per result row, each prefixed with ``tags``: CSV, and JSON ``{"rows": ..., **extra}``;
+    then a ``wrote PATH`` line per file. Call it after the tables are printed (a file that cannot be
+    written loses no printed result)."""
+    full = [{**(tags or {}), **r} for r in rows]
+    if csv_path and full:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(full[0].keys()))
+            w.writeheader()
+            w.writerows(full)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"rows": full, **extra}, f, indent=1)
+    for path in (csv_path, json_path):
+        if path:
+            print(f"wrote {path}", flush=True)

@@ -35,11 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import harness
-from _ranks import init_nccl_rank, spawn_ranks
-from gather_scatter import with_env
+from harness import init_nccl_rank, spawn_ranks, with_env
 
-_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_AG, _RS = harness.all_gather_single, harness.reduce_scatter_single
 
 
 def interleaved_medians_us(rows, calls):

@@ -53,14 +53,15 @@ else ``nsa_cp.RMSNorm``; the output says which (``--norm`` forces one). Rows who
 (the fused functions, a ``backend=`` argument to force NCCL under a registered P2P transport, the P2P
 transport itself) are skipped, saying why.
 
-Protocol: the harness of gather_scatter.py (one process per GPU, NCCL; gloo ranks on the CPU as a smoke
-test). Per configuration (counts ``[M, round(0.8 M)]`` by default):
+Protocol: benchmarks/harness.py's, as for gather_scatter.py (docs/performance.md, "Benchmark protocol"):
+one process per GPU, NCCL; gloo ranks on the CPU as a smoke test. Per configuration (counts
+``[M, round(0.8 M)]`` by default):
 
 1. Correctness, once per row: inputs drawn from seeds every rank knows (a different seed per row, so a
    row cannot pass on another row's leftovers), one tail, and the next layer's normed rows and the
    residual compared with a float32 reference built locally from every rank's inputs (relative L2 error
    <= 1e-2, FP8 rows 2e-2; NaN never passes). Any failure on any rank aborts the run.
-2. ``device ms``: gather_scatter.time_methods: warm-up, then rounds; each round one barrier, a GPU sleep
+2. ``device ms``: harness.time_methods: warm-up, then rounds; each round one barrier, a GPU sleep
    long enough for the host to enqueue the whole round (host enqueuing ahead), every row once in an order
    rotated per round, each between CUDA events after an untimed aligner; median over rounds, MAX over ranks.
 3. ``host us/layer``: in the same calls, the host time a tail took to return (to enqueue its work).
@@ -69,23 +70,20 @@ test). Per configuration (counts ``[M, round(0.8 M)]`` by default):
    MAX over ranks. Below about M = 1024 this is the host time; above, the device time.
 
 ``x sglang``: the row's time over its baseline's (``sglang``, or ``sglang_fp8`` for FP8 rows) in the same
-run. ``--csv`` / ``--json``: one row per (configuration, row), tagged as gather_scatter.py tags its rows,
-plus the baseline norm.
+run. ``--csv`` / ``--json``: one row per (configuration, row), tagged as every benchmark tags its rows
+(``harness.env_tags``), plus the baseline norm.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import fnmatch
 import inspect
-import json
 import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -94,7 +92,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gather_scatter as gs  # noqa: E402  the shared harness (timing protocol, seeds, tags, spawn)
+import harness  # noqa: E402  spawn, seeds, the timing protocol, env tags, writers
 
 EPS = 1e-6
 FP8 = "fp8_e4m3_g128"
@@ -168,7 +166,7 @@ class BaseNorm:
 
 # ============================================================================ state
 @dataclasses.dataclass
-class TailCtx(gs.Ctx):
+class TailCtx(harness.Ctx):
     norm: Optional[BaseNorm] = None
     w1: Optional[torch.Tensor] = None  # post-attention norm weight [H]
     w2: Optional[torch.Tensor] = None  # next layer's input norm weight [H]
@@ -190,15 +188,15 @@ def coef_of(rank: int) -> float:
 
 def make_tail_bufs(c: TailCtx, rank: int, seed: int, partials: bool = False) -> TailBufs:
     n = c.layout.per_rank_actual_token[rank]
-    x = gs._randn((n, c.hidden), gs._seed(seed, 11, rank), c.dtype, c.device)
-    res = gs._randn((n, c.hidden), gs._seed(seed, 12, rank), c.dtype, c.device)
-    part = gs._randn((c.layout.padded_len, c.hidden), gs._seed(seed, 13, rank), c.dtype, c.device) if partials else None
+    x = harness.randn((n, c.hidden), harness.seed_of(seed, 11, rank), c.dtype, c.device)
+    res = harness.randn((n, c.hidden), harness.seed_of(seed, 12, rank), c.dtype, c.device)
+    part = harness.randn((c.layout.padded_len, c.hidden), harness.seed_of(seed, 13, rank), c.dtype, c.device) if partials else None
     return TailBufs(x, res, part)
 
 
 def weights(hidden, dtype, device, seed) -> Tuple[torch.Tensor, torch.Tensor]:
-    w1 = 1.0 + 0.1 * gs._randn((hidden,), gs._seed(seed, 21), torch.float32, device)
-    w2 = 1.0 + 0.1 * gs._randn((hidden,), gs._seed(seed, 22), torch.float32, device)
+    w1 = 1.0 + 0.1 * harness.randn((hidden,), harness.seed_of(seed, 21), torch.float32, device)
+    w2 = 1.0 + 0.1 * harness.randn((hidden,), harness.seed_of(seed, 22), torch.float32, device)
     return w1.to(dtype), w2.to(dtype)
 
 
@@ -255,10 +253,10 @@ def sglang(c: TailCtx, b: TailBufs):
     M, n = c.M, c.n
     h, b.res = c.norm(b.x, b.res, c.w1)
     full = torch.empty((M * c.world, c.hidden), dtype=c.dtype, device=c.device)
-    gs._all_gather_single(full, F.pad(h, (0, 0, 0, M - n)), group=c.group)
+    harness.all_gather_single(full, F.pad(h, (0, 0, 0, M - n)), group=c.group)
     partials = standin_bf16(c, full, torch.empty_like(full))
     mine = torch.empty((M, c.hidden), dtype=c.dtype, device=c.device)
-    gs._reduce_scatter_single(mine, partials, group=c.group)
+    harness.reduce_scatter_single(mine, partials, group=c.group)
     return c.norm(mine[:n], b.res, c.w2)
 
 
@@ -266,11 +264,11 @@ def sglang_fp8(c: TailCtx, b: TailBufs):
     M, n = c.M, c.n
     h, b.res = c.norm(b.x, b.res, c.w1)
     full = torch.empty((M * c.world, c.hidden), dtype=c.dtype, device=c.device)
-    gs._all_gather_single(full, F.pad(h, (0, 0, 0, M - n)), group=c.group)
+    harness.all_gather_single(full, F.pad(h, (0, 0, 0, M - n)), group=c.group)
     q, scale = c.nsa.quant_fp8_g128(full)  # stands in for SGLang's per_token_group_quant_fp8
     partials = standin_fp8(c, q, scale, torch.empty_like(full))
     mine = torch.empty((M, c.hidden), dtype=c.dtype, device=c.device)
-    gs._reduce_scatter_single(mine, partials, group=c.group)
+    harness.reduce_scatter_single(mine, partials, group=c.group)
     return c.norm(mine[:n], b.res, c.w2)
 
 
@@ -359,7 +357,7 @@ def _needs_chained(backend: str):
 
 
 def _needs_p2p(c: TailCtx) -> Optional[str]:
-    return gs._p2p_needs(c)
+    return harness.p2p_needs(c)
 
 
 def _needs_fused(backend: str, quant: Optional[str] = None):
@@ -384,7 +382,7 @@ def _needs_quant(c: TailCtx) -> Optional[str]:
 
 
 def _prepare_p2p(c: TailCtx):
-    gs._p2p_prepare(c)
+    harness.p2p_prepare(c)
 
 
 ROWS: List[Row] = [
@@ -468,7 +466,7 @@ def ref_reduce(norm: bool):
 def b_ag_sglang(c: TailCtx, b: TailBufs):
     h, b.res = c.norm(b.x, b.res, c.w1)
     full = torch.empty((c.M * c.world, c.hidden), dtype=c.dtype, device=c.device)
-    gs._all_gather_single(full, F.pad(h, (0, 0, 0, c.M - c.n)), group=c.group)
+    harness.all_gather_single(full, F.pad(h, (0, 0, 0, c.M - c.n)), group=c.group)
     return full, b.res
 
 
@@ -479,9 +477,9 @@ def b_ag_dpfp8_sglang(c: TailCtx, b: TailBufs):
     h, b.res = c.norm(b.x, b.res, c.w1)
     q, scale = c.nsa.quant_fp8_g128(h)
     q_full = torch.empty((M * c.world, H), dtype=torch.uint8, device=c.device)
-    gs._all_gather_single(q_full, F.pad(q.view(torch.uint8), (0, 0, 0, M - n)), group=c.group)
+    harness.all_gather_single(q_full, F.pad(q.view(torch.uint8), (0, 0, 0, M - n)), group=c.group)
     s_full = torch.empty((M * c.world, H // 128), dtype=torch.float32, device=c.device)
-    gs._all_gather_single(s_full, F.pad(scale, (0, 0, 0, M - n)), group=c.group)
+    harness.all_gather_single(s_full, F.pad(scale, (0, 0, 0, M - n)), group=c.group)
     return c.nsa.dequant_fp8_g128(q_full.view(torch.float8_e4m3fn), s_full, c.dtype), b.res
 
 
@@ -517,7 +515,7 @@ def stage_p2p_partials(c: TailCtx, b: TailBufs) -> None:
 
 def b_rs_sglang(c: TailCtx, b: TailBufs):
     mine = torch.empty((c.M, c.hidden), dtype=c.dtype, device=c.device)
-    gs._reduce_scatter_single(mine, b.partials, group=c.group)
+    harness.reduce_scatter_single(mine, b.partials, group=c.group)
     return c.norm(mine[: c.n], b.res, c.w2)
 
 
@@ -649,37 +647,37 @@ def check_rows(c: TailCtx, rows: List[Row], seed: int, log) -> Dict[str, str]:
     errors = torch.zeros(len(rows), dtype=torch.float64, device=c.device)
     notes: Dict[str, str] = {}
     for i, row in enumerate(rows):
-        s = gs._seed(seed, 31, i)
+        s = harness.seed_of(seed, 31, i)
         b = make_tail_bufs(c, c.rank, s, partials=row.ref is not None)
         try:
             if row.stage is not None:
                 row.stage(c, b)
             outs = tuple(row.fn(c, b))
         except NotImplementedError as e:
-            status[i], notes[row.name] = gs.SKIP, f"NotImplementedError: {e}"
+            status[i], notes[row.name] = harness.SKIP, f"NotImplementedError: {e}"
             continue
         except (ValueError, TypeError, RuntimeError) as e:
             # an API this checkout shapes differently (or a bug): the row is left out, loudly, and the rest
             # of the run goes on. Such errors come from argument checks, before any rank communicates.
-            status[i], notes[row.name] = gs.SKIP, f"ERROR {type(e).__name__}: {str(e).strip()[:300]}"
+            status[i], notes[row.name] = harness.SKIP, f"ERROR {type(e).__name__}: {str(e).strip()[:300]}"
             print(f"[rank {c.rank}] {row.name}: {notes[row.name]}", file=sys.stderr, flush=True)
-            gs._sync(c)
+            harness.sync(c)
             dist.barrier(group=c.group)
             continue
-        gs._sync(c)
+        harness.sync(c)
         refs = reference(c, s, row.wire) if row.ref is None else row.ref(c, s)
         if len(outs) != len(refs):
-            status[i], notes[row.name] = gs.BAD, f"{len(outs)} outputs, expected {len(refs)}"
+            status[i], notes[row.name] = harness.BAD, f"{len(outs)} outputs, expected {len(refs)}"
         elif row.exact:
             same = [o.shape == r.shape and torch.equal(o, r.to(o.dtype)) for o, r in zip(outs, refs)]
             if not all(same):
-                status[i], notes[row.name] = gs.BAD, f"outputs differ from the exact expected rows: {same}"
+                status[i], notes[row.name] = harness.BAD, f"outputs differ from the exact expected rows: {same}"
         else:
             errs = [_rel(_as_values(o), r) for o, r in zip(outs, refs)]
             whole, worst = max(e[0] for e in errs), max(e[1] for e in errs)
             errors[i] = min(whole, 1e30)
             if not (whole <= TOL[row.wire] and worst <= ROW_TOL[row.wire]):
-                status[i], notes[row.name] = gs.BAD, (
+                status[i], notes[row.name] = harness.BAD, (
                     "relative L2 error (whole, worst row) per output: "
                     + "; ".join(f"{a:.3g}, {b_:.3g}" for a, b_ in errs)
                     + f" (tolerance {TOL[row.wire]}, {ROW_TOL[row.wire]})")
@@ -688,15 +686,15 @@ def check_rows(c: TailCtx, rows: List[Row], seed: int, log) -> Dict[str, str]:
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=c.group)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=c.group)
     flags = flags.tolist()
-    bad = [r.name for r, f in zip(rows, flags) if f == gs.BAD]
+    bad = [r.name for r, f in zip(rows, flags) if f == harness.BAD]
     if bad:
         msg = f"CORRECTNESS FAILURE, counts {list(c.counts)}: {bad} [rank {c.rank}] " + "; ".join(
             f"{k}: {v}" for k, v in notes.items() if k in bad)
         print(msg, file=sys.stderr, flush=True)
         raise RuntimeError(msg)
     skipped = {r.name: notes.get(r.name, "NotImplementedError on another rank") for r, f in zip(rows, flags)
-               if f == gs.SKIP}
-    worst = ", ".join(f"{r.name} {e:.1e}" for r, f, e in zip(rows, flags, errors.tolist()) if f == gs.OK)
+               if f == harness.SKIP}
+    worst = ", ".join(f"{r.name} {e:.1e}" for r, f, e in zip(rows, flags, errors.tolist()) if f == harness.OK)
     log(f"  check ok: {len(rows) - len(skipped)} rows match the float32 reference (relative L2 error, max over "
         f"ranks: {worst})")
     return skipped
@@ -705,7 +703,7 @@ def check_rows(c: TailCtx, rows: List[Row], seed: int, log) -> Dict[str, str]:
 # ============================================================================ timing
 def time_eager(c: TailCtx, rows: List[Row], bufsets, rounds: int, layers: int) -> Dict[str, float]:
     """Host-inclusive ms per layer: ``layers`` tails back to back between two device syncs."""
-    align = gs._aligner(c)
+    align = harness.aligner(c)
     samples: Dict[str, List[float]] = {r.name: [] for r in rows}
     nb = len(bufsets)
     for rnd in range(rounds):
@@ -714,11 +712,11 @@ def time_eager(c: TailCtx, rows: List[Row], bufsets, rounds: int, layers: int) -
             row = rows[(rnd + k) % len(rows)]
             if align is not None:
                 align()
-            gs._sync(c)
+            harness.sync(c)
             t0 = time.perf_counter()
             for layer in range(layers):
                 row.fn(c, bufsets[(rnd + layer) % nb])
-            gs._sync(c)
+            harness.sync(c)
             samples[row.name].append((time.perf_counter() - t0) * 1e3 / layers)
     local = torch.tensor([statistics.median(samples[r.name]) for r in rows], dtype=torch.float64, device=c.device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX, group=c.group)
@@ -738,19 +736,15 @@ def run_config(c: TailCtx, rows: List[Row], args, cfg_idx: int, log) -> Tuple[Li
     for prepare in dict.fromkeys(r.prepare for r in active if r.prepare):
         prepare(c)
     c.comms.clear()  # communicators bind to the transport of this configuration
-    skipped.update(check_rows(c, active, gs._seed(args.seed, cfg_idx), log))
+    skipped.update(check_rows(c, active, harness.seed_of(args.seed, cfg_idx), log))
     active = [r for r in active if r.name not in skipped]
     row_bytes = c.hidden * torch.tensor([], dtype=c.dtype).element_size()
-    if c.device.type == "cuda":
-        l2 = getattr(torch.cuda.get_device_properties(c.device), "L2_cache_size", 50 << 20)
-        nbuf = max(2, min(8, math.ceil(4 * l2 / max(1, 2 * c.n * row_bytes))))
-    else:
-        nbuf = 2
+    nbuf = harness.rotating_sets(c.device, 2 * c.n * row_bytes, 8)
     boundary = args.part == "boundary"
-    bufsets = [make_tail_bufs(c, c.rank, gs._seed(args.seed, cfg_idx, 100 + k), boundary) for k in range(nbuf)]
+    bufsets = [make_tail_bufs(c, c.rank, harness.seed_of(args.seed, cfg_idx, 100 + k), boundary) for k in range(nbuf)]
     for stage in dict.fromkeys(r.stage for r in active if r.stage):  # partials into the reduce buffer, once
         stage(c, bufsets[0])
-    dev = gs.time_methods(c, active, bufsets, args.rounds, args.warmup, ahead=not args.cold)
+    dev = harness.time_methods(c, active, bufsets, args.rounds, args.warmup, ahead=not args.cold)
     eager = time_eager(c, active, bufsets, args.rounds, args.layers)
     del bufsets
     c.comms.clear()
@@ -778,26 +772,18 @@ def run_config(c: TailCtx, rows: List[Row], args, cfg_idx: int, log) -> Tuple[Li
 
 
 def worker(rank, world, mode, port, args, configs, result_path):
-    device = gs.init_rank(rank, world, mode, port)
+    device = harness.init_rank(rank, world, mode, port)
     use_cuda = mode == "nccl"
     torch.set_grad_enabled(False)  # the collectives are not differentiable; norms' weights are plain tensors
     # a tail takes the host several times one collective's call: sleep longer per call before a round
-    # (gather_scatter.time_round reads this; ~2e6 cycles per ms at H200 clocks)
-    gs.AHEAD_CYCLES_PER_METHOD = int(args.ahead_ms * 2_000_000)
-    nsa = gs._import_nsa_cp()
-    dtype = gs.DTYPES[args.dtype]
+    # (harness.time_round reads this; ~2e6 cycles per ms at H200 clocks)
+    harness.AHEAD_CYCLES_PER_METHOD = int(args.ahead_ms * 2_000_000)
+    nsa = harness.import_nsa_cp()
+    dtype = harness.DTYPES[args.dtype]
     rows = select_rows(args.methods, args.part)
     if use_cuda and args.native_nccl == "auto" and hasattr(nsa, "init_nccl"):
-        reason = nsa.nccl_unavailable_reason(None)
-        if reason:
-            print(f"rank {rank}: no native NCCL communicator: {reason}", flush=True)
-        else:
-            nsa.init_nccl(None, device)  # the nsa_nccl_* tails' uneven calls take it
-
-    def log(msg):
-        if rank == 0:
-            print(msg, flush=True)
-
+        harness.init_native_nccl(nsa, rank, device)  # the nsa_nccl_* tails' uneven calls take it
+    log = harness.rank_log(rank)
     norm = BaseNorm(args.norm, nsa, device, args.hidden, dtype)
     log(f"baseline norm: {norm.name}" + (f" ({norm.why})" if norm.why else ""))
     fn = getattr(nsa, "fused_add_rmsnorm_all_gather", None)
@@ -806,24 +792,12 @@ def worker(rank, world, mode, port, args, configs, result_path):
     except (TypeError, ValueError):
         backend_kw = False
     w1, w2 = weights(args.hidden, dtype, device, args.seed)
-    result = {"tags": None, "rows": [], "skipped": {}, "norm": f"{norm.name} {norm.why}".strip()}
-    # no try/finally: a rank that raises exits at once (harness.spawn) and the parent stops the others
-    for i, counts in enumerate(configs):
-        layout = nsa.ShardLayout(per_rank_actual_token=list(counts), align=args.align)
-        c = TailCtx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden, dtype,
-                    norm=norm, w1=w1, w2=w2, coef=coef_of(rank), fused_backend_kw=backend_kw)
-        if result["tags"] is None:
-            result["tags"] = gs.env_tags(c)
-        out, skipped = run_config(c, rows, args, i, log)
-        result["rows"] += out
-        result["skipped"][str(i)] = skipped
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(result, f)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-    dist.destroy_process_group()
+    harness.run_rank(
+        rank, device, nsa, configs, args,
+        lambda layout: TailCtx(nsa, layout, None, rank, world, device, dist.get_backend(), args.hidden, dtype,
+                               norm=norm, w1=w1, w2=w2, coef=coef_of(rank), fused_backend_kw=backend_kw),
+        lambda c, i: run_config(c, rows, args, i, log),
+        {"tags": None, "rows": [], "skipped": {}, "norm": f"{norm.name} {norm.why}".strip()}, result_path)
 
 
 # ============================================================================ report
@@ -831,16 +805,12 @@ def format_table(result, cpu: bool) -> str:
     tags, rows = result["tags"], result["rows"]
     lines = []
     if cpu:
-        lines.append(f"*** {gs.harness.SMOKE} ***")
-    lines.append(gs.header_line(tags))
+        lines.append(f"*** {harness.SMOKE} ***")
+    lines.append(harness.header_line(tags))
     lines.append(f"baseline norm: {result.get('norm', '?')}; MoE stand-in: one kernel (bf16), two (FP8)")
     hdr = (f"{'row':<24}{'device ms':>10}{'x base':>8}{'eager ms':>10}{'x base':>8}{'host us/layer':>15}"
            f"{'x base':>8}")
-    by_cfg: Dict[int, List[dict]] = {}
-    for r in rows:
-        by_cfg.setdefault(r["config"], []).append(r)
-    for cfg in sorted(set(by_cfg) | {int(k) for k, v in result["skipped"].items() if v}):
-        rs = by_cfg.get(cfg, [])
+    for cfg, rs in harness.by_config(result):
         lines.append("")
         if rs:
             r0 = rs[0]
@@ -854,9 +824,8 @@ def format_table(result, cpu: bool) -> str:
             base = f"   {r['baseline']}" if r.get("part") == "boundary" and r["baseline"] != r["row"] else ""
             lines.append(f"{r['row']:<24}{r['device_ms']:>10.3f}{r['x_base_device']:>8.2f}{r['eager_ms']:>10.3f}"
                          f"{r['x_base_eager']:>8.2f}{r['host_us_per_layer']:>15.1f}{r['x_base_host']:>8.2f}{base}")
-        for name, why in result["skipped"].get(str(cfg), {}).items():
-            lines.append(f"{name:<24}skipped: {why}")
-    smoke = gs.harness.smoke_note(tags)
+        lines += harness.skipped_lines(result, cfg, 24)
+    smoke = harness.smoke_note(tags)
     lines += [smoke] if smoke else format_targets(rows)
     return "\n".join(lines)
 
@@ -915,18 +884,6 @@ def format_targets(rows: List[dict]) -> List[str]:
     return lines
 
 
-def write_outputs(result, csv_path, json_path):
-    rows = [{**(result["tags"] or {}), **r} for r in result["rows"]]
-    if csv_path and rows:
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"rows": rows, "skipped": result["skipped"], "norm": result.get("norm")}, f, indent=1)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -964,8 +921,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    gs.harness.check_output_paths([("--csv", args.csv), ("--json", args.json)])  # before anything is measured
-    gs.harness.keep_multicast_off()
+    harness.check_output_paths([("--csv", args.csv), ("--json", args.json)])  # before anything is measured
+    harness.keep_multicast_off()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     use_cuda = gpus > 0 and args.cpu_ranks is None
     if use_cuda:
@@ -978,7 +935,7 @@ def main(argv=None):
     else:
         world = args.cpu_ranks or 2
         args.M = args.M or [16, 64]
-        print(f"*** {gs.harness.SMOKE} ***", flush=True)
+        print(f"*** {harness.SMOKE} ***", flush=True)
     if world < 2:
         raise SystemExit(f"need at least 2 ranks, have {world} (use --cpu-ranks N for a CPU run)")
     if args.counts:
@@ -988,21 +945,12 @@ def main(argv=None):
                 raise SystemExit(f"--counts {cfg}: {len(cfg)} counts for {world} ranks")
     else:
         configs = [tuple((M, int(round(M * (1 - args.imbalance))))[r % 2] for r in range(world)) for M in args.M]
-    fd, result_path = tempfile.mkstemp(prefix="layer_tail_", suffix=".json")
-    os.close(fd)
-    try:
-        gs.harness.spawn(worker, world, ("nccl" if use_cuda else "cpu", gs._free_port(), args, configs, result_path),
-                         what="layer_tail.py")
-        with open(result_path) as f:
-            result = json.load(f)
-    finally:
-        os.unlink(result_path)
+    result = harness.run_ranks(worker, world, "nccl" if use_cuda else "cpu", args, configs, prefix="layer_tail_",
+                               what="layer_tail.py")
     print(format_table(result, cpu=not use_cuda), flush=True)  # tables first, files after
-    write_outputs(result, args.csv, args.json)
-    for path in (args.csv, args.json):
-        if path:
-            print(f"wrote {path}", flush=True)
+    harness.write_rows(result["tags"], result["rows"], args.csv, args.json, skipped=result["skipped"],
+                       norm=result.get("norm"))
 
 
 if __name__ == "__main__":
-    gs.harness.run_main(main)
+    harness.run_main(main)

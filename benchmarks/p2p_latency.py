@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from _ranks import init_nccl_rank, spawn_ranks
+from harness import init_nccl_rank, spawn_ranks
 
 
 HIDDEN = 7168

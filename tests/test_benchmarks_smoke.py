@@ -2,7 +2,7 @@
 a GPU machine the same tiny runs take the GPU where a script does (stages.py, the one-GPU mode).
 
 Scripts are found, not listed: every ``benchmarks/*.py`` with a ``__main__`` guard is a script (the
-helpers, ``harness.py`` and ``_ranks.py``, have none). Each must have tiny-size arguments in ``SMOKE``
+helper, ``harness.py``, has none). Each must have tiny-size arguments in ``SMOKE``
 (run, exit status 0, outputs written, a CPU run says it is a smoke run and prints no verdicts) or be
 in ``GPU_ONLY`` (on a machine without GPUs it must refuse within seconds, saying what it needs), so a
 new script cannot be forgotten. Also: a bad output path fails before anything is measured, a failing
