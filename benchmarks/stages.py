@@ -48,10 +48,7 @@ say nothing about GPUs, and it says so.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import json
-import math
 import os
 import random
 import statistics
@@ -64,8 +61,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from harness import DTYPES  # noqa: E402
 EPS = 1e-6
 FP8_MAX = 448.0
 AHEAD_CYCLES_PER_METHOD = 2_000_000  # ~1 ms of GPU sleep per method: the host enqueues the round ahead
@@ -521,11 +517,7 @@ def run_size(M: int, args, dev, nsa, hbm_gbps: float, log) -> List[dict]:
               device=dev)
     log(f"M={M}: counts {counts}, this rank's n={s.n}, H={s.hidden} {args.dtype}")
     methods = methods_for(s, nsa, log)
-    if dev.type == "cuda":
-        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
-        nbuf = max(2, min(args.max_bufs, math.ceil(4 * l2 / max(1, set_bytes(s)))))
-    else:
-        nbuf = 2
+    nbuf = harness.rotating_sets(dev, set_bytes(s), args.max_bufs)
     failed, skipped = {}, {}
     for i, m in enumerate(methods):  # each check on a fresh set: a method cannot pass on another's leftovers
         b = make_set(s, args.seed * 1000 + i + 7)
@@ -602,18 +594,6 @@ def format_table(tags: dict, rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(tags, rows, csv_path, json_path):
-    full = [{**tags, **r} for r in rows]
-    if csv_path and full:
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(full[0].keys()))
-            w.writeheader()
-            w.writerows(full)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"rows": full}, f, indent=1)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -644,11 +624,7 @@ def main(argv=None):
     args.M = args.M or ([256, 2048, 8192, 32768] if cuda else [64])
     floor_mib = args.floor_mib if cuda else min(args.floor_mib, 64)
     torch.set_grad_enabled(False)
-    try:
-        import nsa_cp
-    except ImportError:
-        sys.path.insert(0, harness.REPO_ROOT)
-        import nsa_cp
+    nsa_cp = harness.import_nsa_cp()
     tags = harness.env_tags(dev, "none", 1, nsa_cp, "one GPU, one process: stages" if cuda else None)
 
     def log(msg):
@@ -660,10 +636,7 @@ def main(argv=None):
     for M in args.M:
         rows += run_size(M, args, dev, nsa_cp, hbm, log)
     print(format_table(tags, rows), flush=True)  # tables first, files after
-    write_outputs(tags, rows, args.csv, args.json)
-    for path in (args.csv, args.json):
-        if path:
-            print(f"wrote {path}", flush=True)
+    harness.write_rows(tags, rows, args.csv, args.json)
     bad = [r for r in rows if r["check"] != "ok" and not r["check"].startswith("skipped")]
     if bad:
         raise SystemExit(f"{len(bad)} method(s) failed their check (see CHECK FAILED above)")
