@@ -173,6 +173,19 @@ def _equal(what, out, ref) -> Optional[str]:
     return None if torch.equal(out, ref) else f"{what}: differs from the expected rows"
 
 
+def _exact_check(key: str, ref: Callable[[dict], torch.Tensor]):
+    """``chk(fn)``: the check of a method writing buffer ``key``: poisoned first, then equal to ``ref``."""
+
+    def chk(fn):
+        def check(b):
+            _poison(b[key])
+            got = fn(b)
+            return _equal(key, b[key] if got is None else got, ref(b))
+        return check
+
+    return chk
+
+
 def _close(what, out, ref, tol) -> Optional[str]:
     if out.shape != ref.shape:
         return f"{what}: shape {list(out.shape)}, expected {list(ref.shape)}"
@@ -216,12 +229,7 @@ def methods_for(s: Shape, nsa, log) -> List[Method]:
         b["slot"][n:].zero_()
         return b["slot"]
 
-    def chk_slot(fn):
-        def check(b):
-            _poison(b["slot"])
-            got = fn(b)
-            return _equal("slot", b["slot"] if got is None else got, ref_pad(b))
-        return check
+    chk_slot = _exact_check("slot", ref_pad)
 
     out.append(Method("pack / pad", "torch F.pad", ref_pad, chk_slot(ref_pad), baseline=True))
     out.append(Method("pack / pad", "torch copy_ + zero_", copy_zero, chk_slot(copy_zero)))
@@ -365,12 +373,7 @@ def methods_for(s: Shape, nsa, log) -> List[Method]:
     def index_sel(b):
         return torch.index_select(b["padded"], 0, index, out=b["compact"])
 
-    def chk_compact(fn):
-        def check(b):
-            _poison(b["compact"])
-            got = fn(b)
-            return _equal("compact", b["compact"] if got is None else got, ref_compact(b))
-        return check
+    chk_compact = _exact_check("compact", ref_compact)
 
     out.append(Method("compaction", "torch.cat of slices", ref_compact, chk_compact(ref_compact), baseline=True))
     out.append(Method("compaction", "torch index_select(out=)", index_sel, chk_compact(index_sel)))
