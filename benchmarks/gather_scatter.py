@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import fnmatch
 import os
+import subprocess
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -858,13 +859,15 @@ def main(argv=None):
     harness.keep_multicast_off()
     mode, world = choose_mode(args)
     if mode == "stages":
-        import stages  # benchmarks/stages.py
-
         print("one CUDA GPU: no link to time between ranks here (ranks sharing this GPU would move rows through "
               "its own memory, not NVLink), so this run times the stages of the collectives on this GPU against "
               "torch (and flashinfer where installed) and the HBM floor. The collective rows with ranks sharing "
               "the GPU: --shared-gpu N (total work, not latency).", flush=True)
-        stages.main(stage_argv(args))
+        # benchmarks/stages.py in a process of its own (no benchmark imports another); its exit status is ours
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stages.py")
+        code = subprocess.run([sys.executable, script, *stage_argv(args)]).returncode
+        if code:
+            raise SystemExit(code)
         return
     if mode == "nccl":
         args.M = args.M or [256, 2048, 8192, 32768]

@@ -11,6 +11,7 @@ rank ends a spawned run at once with its traceback, and result rows carry no loc
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import os
@@ -224,3 +225,38 @@ def test_shared_gpu_refuses_without_a_gpu_or_past_8_ranks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit, match="2 to 8"):
         gs.choose_mode(gs.parse_args(["--shared-gpu", "9"]))
+
+
+def test_no_benchmark_imports_another():
+    """One file per measured thing over one harness: what scripts share lives in harness.py, so no script
+    imports another (gather_scatter.py runs stages.py, on one GPU, as a process of its own)."""
+    scripts = {p.stem for p in BENCH.glob("*.py")} - {"harness"}
+    found = []
+    for path in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in scripts]
+    assert not found, found
+
+
+def test_gather_scatter_on_one_gpu_runs_the_stages(monkeypatch, tmp_path, capfd):
+    """The one-GPU mode hands its sizes, rounds and outputs to stages.py (here on the CPU: the child
+    process sees no GPU) and exits with its status."""
+    import torch
+
+    gs = _load_benchmark("gather_scatter")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "stages.csv"
+    gs.main(["--M", "16", "--hidden", "256", "--rounds", "1", "--warmup", "0", "--csv", str(out)])
+    text = capfd.readouterr().out
+    assert "one CUDA GPU: no link to time between ranks" in text and f"wrote {out}" in text, text[-2000:]
+    rows = list(csv.DictReader(out.open(newline="")))
+    assert rows and {r["M"] for r in rows} == {"16"} and {r["rounds"] for r in rows} == {"1"}, rows[:2]
