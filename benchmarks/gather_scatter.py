@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fnmatch
 import os
 import subprocess
 import sys
@@ -411,10 +410,7 @@ def select_methods(patterns: Optional[str], process: Optional[str] = None) -> Li
     With ``process``, only that process kind's methods (plus the even references, which every kind
     times so that its ``x even`` compares within its own processes); empty when it has none."""
     if patterns:
-        pats = [p.strip() for p in patterns.split(",") if p.strip()]
-        chosen = {m.name for m in METHODS if any(fnmatch.fnmatchcase(m.name, p) for p in pats)}
-        if not chosen:
-            raise SystemExit(f"--methods {patterns!r} matches none of {[m.name for m in METHODS]}")
+        chosen = harness.match_names(patterns, [m.name for m in METHODS])
     else:
         chosen = {m.name for m in METHODS}
     if process is not None:

@@ -1,5 +1,7 @@
-"""Plumbing every benchmark script shares: spawning ranks, ending a run at its first failure, checking
-output paths before anything is measured, the environment tags of result rows, and smoke-run labels.
+"""What every benchmark script shares (nccl-tests' shape: one harness, one small file per measured thing):
+spawning ranks, ending a run at its first failure, checking output paths before anything is measured,
+seeded inputs, poisoning, the timing protocol, the environment tags of result rows, smoke-run labels,
+and the table helpers and CSV / JSON writers.
 
 * ``spawn(worker, world, args)`` runs ``worker(rank, world, *args)`` in ``world`` fresh processes
   ("spawn" start method) and watches them: the first rank that fails ends the whole run at once (the
@@ -15,7 +17,8 @@ output paths before anything is measured, the environment tags of result rows, a
   rank over NCCL, gloo ranks on the CPU, gloo ranks sharing cuda:0); ``run_ranks``: spawn, then rank 0's
   result file.
 * ``Ctx``, ``seed_of``, ``randn``, ``poison``: what a method sees; inputs from seeds every rank knows
-  (so any rank can rebuild any rank's inputs); outputs filled with NaN before a check.
+  (so any rank can rebuild any rank's inputs); outputs filled with NaN before a check. ``p2p_needs`` /
+  ``p2p_prepare`` / ``with_env``: hooks the P2P and NCCL rows of several scripts share.
 * ``time_methods`` (``time_round``, ``aligner``): the timing protocol of docs/performance.md's
   "Benchmark protocol": warm-up, rounds of interleaved methods in a per-round order, CUDA events after
   an untimed aligner, the host enqueuing ahead, median over rounds, MAX over ranks.
@@ -25,7 +28,7 @@ output paths before anything is measured, the environment tags of result rows, a
 A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these.
 
 This module is a helper, not a script (it has no ``__main__``): tests/test_benchmarks_smoke.py runs
-every benchmark script at a tiny size, and skips the helpers by that rule.
+every benchmark script at a tiny size, and skips this helper by that rule.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import fnmatch
 import json
 import math
 import multiprocessing
@@ -457,6 +461,7 @@ def poison(ctx: Ctx, outputs: Iterable[torch.Tensor]):
 OK, SKIP, BAD = 0, 1, 2  # a method's verdict in the correctness check (MAX over ranks)
 
 
+# ============================================================================ hooks several scripts' rows share
 def with_env(fn, key: str, value: str):
     """``fn`` called with the environment variable ``key`` set to ``value`` (restored after each call;
     setting and restoring it adds ~1 us of host time per call)."""
@@ -473,6 +478,16 @@ def with_env(fn, key: str, value: str):
                 os.environ[key] = saved
 
     return wrapped
+
+
+def match_names(patterns: str, names: Sequence[str]) -> set:
+    """The names matching any of ``--methods``' comma-separated names or globs; SystemExit listing the
+    choices when none does."""
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)}
+    if not chosen:
+        raise SystemExit(f"--methods {patterns!r} matches none of {list(names)}")
+    return chosen
 
 
 def p2p_prepare(c: Ctx):

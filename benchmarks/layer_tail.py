@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fnmatch
 import inspect
 import math
 import os
@@ -581,11 +580,7 @@ def select_rows(patterns: Optional[str], part: str = "tail") -> List[Row]:
     rows = PART_ROWS[part]
     if not patterns:
         return list(rows)
-    pats = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen = {r.name for r in rows if any(fnmatch.fnmatchcase(r.name, p) for p in pats)}
-    if not chosen:
-        raise SystemExit(f"--methods {patterns!r} matches none of {[r.name for r in rows]}")
-    chosen |= PART_KEEP[part]
+    chosen = harness.match_names(patterns, [r.name for r in rows]) | PART_KEEP[part]
     return [r for r in rows if r.name in chosen]
 
 
