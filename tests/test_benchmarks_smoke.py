@@ -260,3 +260,28 @@ def test_gather_scatter_on_one_gpu_runs_the_stages(monkeypatch, tmp_path, capfd)
     assert "one CUDA GPU: no link to time between ranks" in text and f"wrote {out}" in text, text[-2000:]
     rows = list(csv.DictReader(out.open(newline="")))
     assert rows and {r["M"] for r in rows} == {"16"} and {r["rounds"] for r in rows} == {"1"}, rows[:2]
+
+
+def test_the_committed_plot_is_made_for_a_person(monkeypatch, tmp_path):
+    """plot_busbw.py on the committed 2x H200 CSV: one panel per operation, at most six lines each, a legend
+    outside the data (below the axes), a title with the machine and the date; a CPU run's title says smoke."""
+    pytest.importorskip("matplotlib", reason='the plot needs matplotlib (pip install -e ".[bench]")')
+    import matplotlib.pyplot as plt
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import plot_busbw
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    series, tags = plot_busbw.load(str(BENCH / "results" / "2xH200.csv"), 0.2)
+    plot_busbw.plot(series, tags, 0.2, str(tmp_path / "plot.png"))
+    (fig,) = figures
+    axes = fig.get_axes()
+    assert [ax.get_title() for ax in axes] == ["all-gather", "reduce-scatter"]
+    for ax in axes:
+        assert 2 <= len(ax.get_lines()) <= 6, (ax.get_title(), len(ax.get_lines()))
+        legend = ax.get_legend()
+        assert legend is not None and legend.get_bbox_to_anchor().y1 < ax.get_window_extent().y0 + 1
+    title = fig._suptitle.get_text()
+    assert "H200" in title and "2026-12-01" in title and "smoke" not in title
+    assert "smoke" in plot_busbw.title_of({"backend": "gloo", "gpu": "cpu", "world": 2, "date": "2026-12-01"}, 0.2)
