@@ -426,27 +426,19 @@ def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter]):
         return theirs
     from sglang.srt.layers.layer_boundary.contracts import CpMoves
 
-    def gather_(hidden_states, residual, forward_batch, norm, **call):
-        if _in_graph(forward_batch):
-            return theirs.gather(hidden_states, residual, forward_batch, norm, **call)
-        return adapter_of().gather(hidden_states, residual, forward_batch, norm, **call)
+    def routed(name: str) -> Callable:
+        """The move ``name``: SGLang's own for graph-captured batches, else the adapter's."""
+        def move(hidden_states, residual, forward_batch, *args, **kwargs):
+            owner = theirs if _in_graph(forward_batch) else adapter_of()
+            return getattr(owner, name)(hidden_states, residual, forward_batch, *args, **kwargs)
 
-    def take_back_(hidden_states, residual, forward_batch, **kw):
-        if _in_graph(forward_batch):
-            return theirs.take_back(hidden_states, residual, forward_batch, **kw)
-        return adapter_of().take_back(hidden_states, residual, forward_batch, **kw)
+        move.__name__, move._nsa_cp_moves = f"{name}_", True
+        return move
 
-    def reduce_scatter_(hidden_states, residual, forward_batch, **kw):
-        if _in_graph(forward_batch):
-            return theirs.reduce_scatter(hidden_states, residual, forward_batch, **kw)
-        return adapter_of().reduce_scatter(hidden_states, residual, forward_batch, **kw)
-
-    for fn in (gather_, take_back_, reduce_scatter_):
-        fn._nsa_cp_moves = True
     return CpMoves(
-        gather=gather_,
-        take_back=take_back_,
-        reduce_scatter=reduce_scatter_,
+        gather=routed("gather"),
+        take_back=routed("take_back"),
+        reduce_scatter=routed("reduce_scatter"),
         reduce_scatter_group=theirs.reduce_scatter_group or adapter_of().reduce_scatter_group,
     )
 
