@@ -1,5 +1,5 @@
 """The README's quick start runs as printed: its ```python block, written to a file, under
-``torchrun --nproc-per-node 2`` (on this machine's GPUs over NCCL, else on CPU over gloo)."""
+``torchrun --nproc-per-node 2`` (over NCCL where every rank has a GPU of its own, else on CPU over gloo)."""
 
 import os
 import re
