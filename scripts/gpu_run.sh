@@ -180,10 +180,9 @@ fi
 
 # ---------------------------------------------------------------- compute-sanitizer (docs/development.md)
 if want sanitize; then
-  # Each tool over the same tests; a summary with 0 errors from every process is clean. The tools
-  # serialize a process's kernels, so peers are processes (in-process simulated ranks would wait on
-  # kernels that cannot run beside them). -s: pytest's capture would swallow the rank processes' summaries
-  # (they inherit its file descriptors).
+  # Each tool over the same tests; clean is 0 errors in the one summary that --target-processes all
+  # prints for the parent and every rank together. The tools serialize a process's kernels, so peers are
+  # processes (in-process simulated ranks would wait on kernels that cannot run beside them).
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     t=$(date +%s)
     cap=$(budget "${SANITIZE_TIMEOUT_S:-200}" 0)
@@ -193,10 +192,10 @@ if want sanitize; then
       -k "${SANITIZE_K:-(smaller_worlds and gather-double-buffered-2) or production_row_length}" \
       >"$LOGS/sanitize_$tool.log" 2>&1
     rc=$?; [ "$rc" = 124 ] && rc="timeout"
-    # one summary per instrumented process (memcheck / synccheck: "ERROR SUMMARY: N errors"; racecheck:
+    # one summary for all the processes (memcheck / synccheck: "ERROR SUMMARY: N errors"; racecheck:
     # "RACECHECK SUMMARY: ... (N errors, M warnings)")
     errors=$(grep -h "SUMMARY" "$LOGS/sanitize_$tool.log" | grep -o "[0-9]* errors" | awk '{s += $1} END {print s + 0}')
-    note "sanitize $tool" "$rc" $(( $(date +%s) - t )) "$(grep -c '========= [A-Z]* *SUMMARY' "$LOGS/sanitize_$tool.log") processes, $errors errors; $(pytest_line "$LOGS/sanitize_$tool.log")"
+    note "sanitize $tool" "$rc" $(( $(date +%s) - t )) "$errors errors; $(pytest_line "$LOGS/sanitize_$tool.log")"
   done
 fi
 
