@@ -17,7 +17,7 @@ Implementations, chosen per call (the first use of each is logged once on the "n
   the output dtype before its rounding: ``rsqrt`` is the hardware approximation (a few fp32 ulps) and
   the sum of squares is a warp-tree reduction. Its fused kernel writes y into its input, so this module
   hands it a copy of x (x stays unmodified).
-- Triton (``nsa_cp.kernels.norm``) on other CUDA tensors (fp32, a weight of another dtype, strided
+- Triton (``nsa_cp.kernels.norm_rows``) on other CUDA tensors (fp32, a weight of another dtype, strided
   rows): the reference's arithmetic with correctly rounded division and square root; it differs from
   the reference only through the order of the sum of squares.
 - torch (``nsa_cp.reference.fused_add_rmsnorm``) on CPU, and where neither kernel applies.
@@ -92,7 +92,7 @@ def fused_add_rmsnorm_into(x: torch.Tensor, residual: Optional[torch.Tensor], we
             fi.fused_add_rmsnorm(out, residual, weight, eps)  # out <- y, residual <- x + residual
         return out, residual
     if x.is_cuda:
-        from .kernels import norm as norm_kernels
+        from .kernels import norm_rows as norm_kernels
 
         norm_kernels.fused_add_rmsnorm(x, residual, weight, eps, out=None if out is x else out)
         return out, residual
@@ -244,7 +244,7 @@ class RMSNorm(nn.Module):
         return y.view(x.shape)
 
     def _triton(self, x, residual, weight):
-        from .kernels import norm as norm_kernels
+        from .kernels import norm_rows as norm_kernels
 
         x2 = _kernel_rows(x)
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)

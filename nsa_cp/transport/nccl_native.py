@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, envs
-from .nccl import resolve_group
+from .torch_dist import resolve_group
 from .registry import GroupRegistry
 
 __all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_unavailable_reason", "NCCL_DTYPES"]
