@@ -21,7 +21,7 @@ from .layout import ShardLayout
 from .request import Request
 from .wire import FP8_G128, FP8_GROUP
 
-__all__ = ["call"]
+__all__ = ["call", "body"]
 
 # the arguments every op takes after its tensors (the layout, group and choices of the request)
 _TAIL = ("SymInt[] counts, SymInt align, str? group_name, SymInt rank, bool compact, str algo, str backend, "
@@ -121,7 +121,8 @@ def _fake(spec: _Spec):
     return fake
 
 
-_OPS = {}
+_OPS = {}  # (Request.op, quant) -> the op packet
+_BODIES = {}  # op name -> its implementation without the dispatcher (benchmarks/dispatch_overhead.py)
 for _spec in _SPECS:
     _norm = _spec.op in _NORM_OPS
     _schema = f"(Tensor {_spec.tensor}, {_NORM_INPUTS if _norm else ''}{_TAIL}) -> {_spec.returns}"
@@ -135,7 +136,14 @@ for _spec in _SPECS:
     torch.fx.node.has_side_effect(_packet)
     torch.fx.node.has_side_effect(_packet.default)
     _OPS[(_spec.op, _spec.quant)] = _packet
+    _BODIES[_spec.name] = _op._init_fn
 del _spec, _norm, _schema, _op, _packet
+
+
+def body(name: str):
+    """The implementation of ``torch.ops.nsa_cp.<name>`` without the dispatcher (what a call through the
+    op costs beyond it: benchmarks/dispatch_overhead.py)."""
+    return _BODIES[name]
 
 
 def _schema_args(req: Request, out, validate, device_counts, positions) -> tuple:
