@@ -60,9 +60,8 @@ def flashinfer_norm_module():
     return fi_norm
 
 
-# One decoder layer's MoE tail on 2x H200 (bf16, H=7168, eager): copy + flashinfer beat the Triton kernel
-# at 2048 rows per rank (29 MB: 0.419 against 0.475 ms per layer) and lost at 8192 (117 MB: 1.409 against
-# 1.376 ms), where the layer is device-bound.
+# Up to this many bytes a copy + flashinfer's norm beats the one Triton kernel (flashinfer's launch costs
+# less host time); above it the layer is device-bound and the one kernel wins (docs/performance.md).
 _COPY_THEN_NORM_MAX_BYTES = 32 << 20
 
 

@@ -17,7 +17,7 @@ Design record:
 - The sum of squares is taken in fp64 and rounded once to fp32. ``tl.sum`` adds in the order of the
   register layout the compiler picks, and the FP8 variant gets another layout than the plain one (its
   fp8 stores want 16 elements per thread): with an fp32 sum, at H = 7168 the two variants' rstd
-  differed by an fp32 ulp in some rows (on an H200), and the FP8 path's (q, scale) were not the
+  differed by an fp32 ulp in some rows, and the FP8 path's (q, scale) were not the
   quantization of the plain path's y. In fp64 every square is exact and the sum's relative error is
   ~1e-15, so its fp32 rounding (fp32 quanta are ~1e-7 apart) is the same in any order, the
   reference's included, except for a sum within ~1e-15 of a rounding midpoint (about one row in 10^7). The FP8 path quantizes

@@ -1,7 +1,7 @@
 """An NCCL communicator owned by ``nsa_cp._C`` for a process group: ``init_nccl``, ``get_nccl``, ``destroy_nccl``.
 
 Why: torch's c10d op around an NCCL collective (work object, stream bookkeeping, dispatch) costs the
-host 50-110 us per call on 2x H200's CPU (the plain all-gather, bf16, H = 7168), several times the ``ncclAllGather`` call itself. An uneven
+host several times what the ``ncclAllGather`` call itself costs (docs/performance.md). An uneven
 call of the NCCL path adds a pack and a slice to it, so it costs more host time than the plain
 collective however lean the Python around it is. This communicator calls NCCL directly from C++
 (vLLM's and SGLang's pynccl pattern): libnccl is the copy torch loaded (``NSA_CP_NCCL_LIBRARY`` names
