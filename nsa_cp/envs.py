@@ -254,7 +254,7 @@ def machine_report() -> Dict[str, str]:
     elif not _native.available():
         p2p = nccl = f"no: {_native.unavailable_reason()}"
     else:
-        bad = [f"cuda:{i}: {r}" for i in range(gpus) if (r := _native.device_unsupported_reason(i))]
+        bad = [f"cuda:{i}: {r}" for i in range(gpus) if (r := _native.device_support(i).reason)]
         no_peer = [f"{i}->{j}" for i in range(gpus) for j in range(gpus)
                    if i != j and not torch.cuda.can_device_access_peer(i, j)]
         if bad:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import reference
+from .support import Support
 
 __all__ = ["RMSNorm", "flashinfer_norm_module", "fused_add_rmsnorm_into"]
 
@@ -153,54 +154,54 @@ class RMSNorm(nn.Module):
 
     # ---- the choice
 
-    def _flashinfer_no(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
-        """Why flashinfer cannot take this call ("" when it can)."""
+    def _flashinfer_support(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Support:
+        """Whether flashinfer can take this call, and why not."""
         if not x.is_cuda:
-            return "x is not on a CUDA device"
+            return Support.no("x is not on a CUDA device")
         if x.dtype not in (torch.bfloat16, torch.float16):
-            return f"flashinfer's norm takes bf16/fp16, x is {x.dtype}"
+            return Support.no(f"flashinfer's norm takes bf16/fp16, x is {x.dtype}")
         if self.weight.dtype != x.dtype:
-            return f"flashinfer reads the weight as x's dtype; weight is {self.weight.dtype}, x {x.dtype}"
+            return Support.no(f"flashinfer reads the weight as x's dtype; weight is {self.weight.dtype}, x {x.dtype}")
         if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
-            return "x or residual is not contiguous"
+            return Support.no("x or residual is not contiguous")
         if x.numel() == 0:
-            return "x has no rows (flashinfer would launch an empty grid)"
+            return Support.no("x has no rows (flashinfer would launch an empty grid)")
         if flashinfer_norm_module() is None:
-            return "flashinfer does not import (see the log)"
-        return ""
+            return Support.no("flashinfer does not import (see the log)")
+        return Support.yes()
 
-    def _triton_no(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
+    def _triton_support(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Support:
         if not x.is_cuda:
-            return "x is not on a CUDA device"
+            return Support.no("x is not on a CUDA device")
         from .kernels import triton_available
 
         if not triton_available():
-            return "Triton is not installed"
+            return Support.no("Triton is not installed")
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"the Triton kernel takes bf16/fp16/fp32, x is {x.dtype}"
+            return Support.no(f"the Triton kernel takes bf16/fp16/fp32, x is {x.dtype}")
         if self.hidden_size > 65536:
-            return f"rows of {self.hidden_size} elements exceed the Triton kernel's 65536"
+            return Support.no(f"rows of {self.hidden_size} elements exceed the Triton kernel's 65536")
         if _kernel_rows(x) is None or (residual is not None and _kernel_rows(residual) is None):
-            return "x or residual has no [rows, H] view"
-        return ""
+            return Support.no("x or residual has no [rows, H] view")
+        return Support.yes()
 
     def _choose(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
         if self.impl == "torch":
             return "torch"
         if self.impl in ("auto", "flashinfer"):
-            why = self._flashinfer_no(x, residual)
-            if not why:
+            flashinfer = self._flashinfer_support(x, residual)
+            if flashinfer:
                 _log_choice("flashinfer", "CUDA bf16/fp16 contiguous rows")
                 return "flashinfer"
             if self.impl == "flashinfer":
-                raise ValueError(f"impl: 'flashinfer' cannot serve this call: {why}")
-        why_triton = self._triton_no(x, residual)
-        if not why_triton:
+                raise ValueError(f"impl: 'flashinfer' cannot serve this call: {flashinfer.reason}")
+        triton = self._triton_support(x, residual)
+        if triton:
             _log_choice("triton", "CUDA tensors flashinfer does not take")
             return "triton"
         if self.impl == "triton":
-            raise ValueError(f"impl: 'triton' cannot serve this call: {why_triton}")
-        _log_choice("torch", why_triton)
+            raise ValueError(f"impl: 'triton' cannot serve this call: {triton.reason}")
+        _log_choice("torch", triton.reason)
         return "torch"
 
     # ---- the call
