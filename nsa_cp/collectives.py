@@ -223,5 +223,5 @@ def cp_reduce_scatter_buffer(
     When the reduce-scatter will take the P2P transport, this is the transport's symmetric reduce buffer
     (no copy before the pull; valid until the next reduce-scatter on that group); otherwise a fresh tensor.
     """
-    return plan.lookup(Request.of("cp_reduce_scatter_buffer", like, layout, group, compact, "auto", backend, None, None,
-                                  None, positions)).buffer()
+    return plan.buffer(Request.of("cp_reduce_scatter_buffer", like, layout, group, compact, "auto", backend, None, None,
+                                  None, positions), like)

@@ -17,6 +17,7 @@ import math
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from . import checks, dist_path, envs, reference, validation
 from .layout import ShardLayout
@@ -24,7 +25,7 @@ from .request import Request
 from .support import Support
 from .transport import nccl_native, p2p, registry, torch_dist
 
-__all__ = ["call", "lookup", "GatherPlan", "ScatterPlan", "norm_in_place", "clear_cache", "cache_size"]
+__all__ = ["call", "lookup", "buffer", "GatherPlan", "ScatterPlan", "norm_in_place", "clear_cache", "cache_size"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -92,11 +93,20 @@ def call(req: Request, t: torch.Tensor, out=None, device_counts=None, positions=
     if validate:
         plan = _agreed(req, t, out, device_counts, positions, norm_args)
     else:
+        if req.row_shape is None:  # not a tensor of 2+ dims (Request.of)
+            checks.check_tensor(req.input_name, t, "tokens")
         plan = lookup(req)
         plan.check(t, out, device_counts, positions, norm_args)
     if norm_args is not None:
         norm_args = (_values(norm_args[0]), _values(norm_args[1]), float(norm_args[2]))
     return plan.run(_values(t), out, device_counts, positions, norm_args)
+
+
+def buffer(req: Request, like) -> torch.Tensor:
+    """``cp_reduce_scatter_buffer``: where the reduce-scatter of ``req`` wants its input (``ScatterPlan.buffer``)."""
+    if req.row_shape is None:
+        checks.check_tensor(req.input_name, like, "tokens")
+    return lookup(req).buffer()
 
 
 def _agreed(req, t, out, device_counts, positions, norm_args):
@@ -105,6 +115,8 @@ def _agreed(req, t, out, device_counts, positions, norm_args):
     in a collective (nsa_cp/validation.py). Positions are then also checked to be a permutation."""
     rank, size = torch_dist.group_rank_and_size(req.group)
     try:
+        if req.row_shape is None:  # not a tensor of 2+ dims (Request.of)
+            checks.check_tensor(req.input_name, t, "tokens")
         plan, error = lookup(req), None
         plan.check(t, out, device_counts, positions, norm_args)
         if positions is not None:
@@ -112,9 +124,15 @@ def _agreed(req, t, out, device_counts, positions, norm_args):
     except ValueError as err:
         plan, error = None, err
     layout = req.layout if isinstance(req.layout, ShardLayout) else None
-    validation.agree(req.op, layout, req.group, rank, size, req.device, error,
+    validation.agree(req.op, layout, req.group, rank, size, req.device or _comm_device(req.group), error,
                      plan.signature if plan is not None else "")
     return plan
+
+
+def _comm_device(group) -> torch.device:
+    """Where the agreement's all-reduce runs when the call's tensor is not one: the group's device."""
+    nccl = dist.get_backend(torch_dist.resolve_group(group)) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- choices (when a plan is built)
@@ -238,7 +256,8 @@ class GatherPlan(_Plan):
             checks.check_rows("x", x, self.rows, f"this rank's per_rank_actual_token[{self.rank}] rows")
         if out is not None:
             checks.check_outs(out, self.out_shapes, self.out_dtypes, self.device)
-        checks.check_call_tensors(device_counts, positions, self.layout, self.device)
+        if device_counts is not None or positions is not None:
+            checks.check_call_tensors(device_counts, positions, self.layout, self.device)
         if norm_args is not None:
             checks.check_norm_args(x.shape, x.dtype, x.device, *norm_args)
 
@@ -342,7 +361,8 @@ class ScatterPlan(_Plan):
             checks.check_rows(name, y, self.rows, f"the {what}, ...] layout")
         if out is not None:
             checks.check_out("out", out, self.out_shape, self.dtype, self.device)
-        checks.check_call_tensors(device_counts, positions, self.layout, self.device)
+        if device_counts is not None or positions is not None:
+            checks.check_call_tensors(device_counts, positions, self.layout, self.device)
         if norm_args is not None:
             checks.check_norm_args(self.out_shape, self.dtype, self.device, *norm_args)
 

@@ -14,7 +14,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks
 
 __all__ = ["Request", "GATHER_OPS", "SCATTER_OPS"]
 
@@ -48,11 +47,14 @@ class Request(NamedTuple):
     @classmethod
     def of(cls, op: str, t, layout, group, compact=False, algo="auto", backend="auto", quant=None, out=None,
            device_counts=None, positions=None, residual=None) -> "Request":
-        """The request of ``op`` on the tensor ``t`` (x, y, partials or like); ValueError naming ``t`` when
-        it is not a tensor of 2 or more dims."""
-        if not isinstance(t, torch.Tensor) or t.dim() < 2:
-            checks.check_tensor(_INPUT[op], t, "tokens")
-        return cls(op, layout, group, compact, algo, backend, quant, t.shape[1:], t.dtype, t.device, out is not None,
+        """The request of ``op`` on the tensor ``t`` (x, y, partials or like). Never raises: when ``t`` is
+        not a tensor of 2 or more dims, ``row_shape``, ``dtype`` and ``device`` are None and the plan
+        raises the ValueError naming ``t`` (after the rank agreement, when asked: ``plan.call``)."""
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            shape, dtype, device = t.shape[1:], t.dtype, t.device
+        else:
+            shape = dtype = device = None
+        return cls(op, layout, group, compact, algo, backend, quant, shape, dtype, device, out is not None,
                    device_counts is not None, positions is not None, residual is not None)
 
     @property
