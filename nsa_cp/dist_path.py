@@ -145,12 +145,12 @@ def _rows(x: torch.Tensor, row_len: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- gathers
-def gather_runner(
-    coll: Collectives, layout: ShardLayout, rank: int, source: Source, compact: bool, algo: str, ordered: bool,
-    has_device_counts: bool, device: torch.device,
-) -> Callable:
-    """``run(x, outs, device_counts, positions, norm_args) -> [results]``: one result per stream, each
-    ``[global_len or T, *row]``; ``outs`` (or None) are the caller's output tensors (checked)."""
+def gather_runner(coll: Collectives, req, rank: int, source: Source, algo: str) -> Callable:
+    """``run(x, outs, device_counts, positions, norm_args) -> [results]`` for the gather ``req`` (an
+    nsa_cp.request.Request): one result per stream, each ``[global_len or T, *row]``; ``outs`` (or None)
+    are the caller's output tensors (checked)."""
+    layout, compact, ordered, device = req.layout, req.compact, req.ordered, req.device
+    has_device_counts = req.has_device_counts
     streams = source.streams
     size = layout.cp_size
     m, n = layout.max_rank_len, layout.count(rank)
@@ -249,11 +249,10 @@ def gather_runner(
 
 
 # --------------------------------------------------------------------------- reduce-scatters
-def scatter_runner(
-    coll: Collectives, layout: ShardLayout, rank: int, compact: bool, algo: str, ordered: bool,
-) -> Callable:
-    """``run(y, out, positions) -> [n_r, ...]`` (a view of a private ``[M, ...]`` buffer on the padded
-    uneven path without ``out``)."""
+def scatter_runner(coll: Collectives, req, rank: int, algo: str) -> Callable:
+    """``run(y, out, positions) -> [n_r, ...]`` for the reduce-scatter ``req`` (an nsa_cp.request.Request;
+    a view of a private ``[M, ...]`` buffer on the padded uneven path without ``out``)."""
+    layout, compact, ordered = req.layout, req.compact, req.ordered
     m, n = layout.max_rank_len, layout.count(rank)
     total = layout.total_len
 

@@ -246,8 +246,7 @@ class GatherPlan(_Plan):
             self._runner = _p2p_gather(self.transport, mode if self.fused or mode == "copy" else "copy_after_norm", req)
         else:
             coll = self._dist(pg, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
-            self._runner = dist_path.gather_runner(coll, self.layout, self.rank, source, req.compact, self.algo,
-                                                   req.ordered, req.has_device_counts, self.device)
+            self._runner = dist_path.gather_runner(coll, req, self.rank, source, self.algo)
         self._sign()
 
     def check(self, x: torch.Tensor, out, device_counts, positions, norm_args) -> None:
@@ -342,7 +341,7 @@ class ScatterPlan(_Plan):
                                                              ordered=req.ordered, norm=True)
         else:
             coll = self._dist(pg, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
-            dist_move = dist_path.scatter_runner(coll, self.layout, self.rank, req.compact, self.algo, req.ordered)
+            dist_move = dist_path.scatter_runner(coll, req, self.rank, self.algo)
             move, fused = (lambda y, out, dc, pos: dist_move(y, out, pos)), None
         if not req.norm:
             self._runner = lambda y, out, dc, pos, norm_args: move(y, out, dc, pos)

@@ -115,11 +115,13 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
         # with a native communicator the padded reduce-scatter sums each rank's real rows straight into
         # the result (grouped reduces at offsets q * M): against the fp64 sum, NaN-poisoned output
         from nsa_cp import dist_path as algorithms
+        from nsa_cp.request import Request
 
         for counts in ([3, 0, 5, 1, 2, 7, 0, 4][:world], [0] * world, [2] * world, [4] + [0] * (world - 1)):
             layout = nsa_cp.ShardLayout(counts)
             emulated = EmulatedNative(group)
-            run = algorithms.scatter_runner(Collectives(group, emulated), layout, rank, False, "padded", False)
+            req = Request.of("cp_reduce_scatter", torch.empty(0, 1), layout, group)
+            run = algorithms.scatter_runner(Collectives(group, emulated), req, rank, "padded")
             full = [torch.randn((layout.padded_len, 6), generator=torch.Generator().manual_seed(50 + q))
                     for q in range(world)]
             out = torch.full((counts[rank], 6), float("nan"))
