@@ -233,6 +233,7 @@ class GatherPlan(_Plan):
     __slots__ = ("out_shapes", "out_dtypes")
 
     def __init__(self, req: Request, pg):
+        checks.check_choice("quant", req.quant, checks.QUANTS)
         mode = req.mode
         super().__init__(req, pg, checks.GATHER_DTYPES if mode == "copy" else checks.NORM_DTYPES, mode.startswith("norm"))
         if mode != "copy":
