@@ -1,7 +1,7 @@
 // P2PState: one rank's P2P transport state, bound once (the idea of DeepEP's Buffer).
 //
 // The Python transport allocates and maps the buffers (symmetric memory or CUDA IPC), then hands this
-// object every address that stays fixed: the peers' gather buffers (both double buffers), reduce
+// object one P2PConfig (ops.h) naming every address that stays fixed: the peers' gather buffers (both double buffers), reduce
 // buffers and signal pads, the local epoch / arrive / gather-state words, the host-mapped error record,
 // the timeout and the row geometry. Everything about them is checked here, once. A launch passes only
 // what changes per call (source, counts/offsets, max_rank_len, compact, stream, positions), checks only
@@ -31,50 +31,47 @@ int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 }  // namespace
 
-P2PState::P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64_t reduce_ptrs, uint64_t pads,
-                   uint64_t seq, uint64_t arrive, uint64_t gather_state, uint64_t err_host, uint64_t err_dev,
-                   uint64_t timeout_ns, int64_t hidden, int dtype, int sm_count, int64_t max_rows_per_rank,
-                   int64_t double_buffer_rows, bool check_layout)
-    : device_(device),
-      rank_(rank),
-      world_(world),
-      dtype_(dtype),
-      sm_count_(sm_count),
-      gather_ptrs_(gather_ptrs),
-      reduce_ptrs_(reduce_ptrs),
-      pads_(pads),
-      seq_(seq),
-      arrive_(arrive),
-      gather_state_(gather_state),
-      err_host_(err_host),
-      err_dev_(err_dev),
-      timeout_ns_(timeout_ns),
-      hidden_(hidden),
-      max_rows_(max_rows_per_rank),
-      double_rows_(double_buffer_rows),
-      check_layout_(check_layout) {
+P2PState::P2PState(const P2PConfig& c)
+    : device_(c.device),
+      rank_(c.rank),
+      world_(c.world),
+      dtype_(c.dtype),
+      sm_count_(c.sm_count),
+      gather_ptrs_(c.gather_ptrs),
+      reduce_ptrs_(c.reduce_ptrs),
+      pads_(c.pads),
+      seq_(c.seq),
+      arrive_(c.arrive),
+      gather_state_(c.gather_state),
+      err_host_(c.err_host),
+      err_dev_(c.err_dev),
+      timeout_ns_(c.timeout_ns),
+      hidden_(c.hidden),
+      max_rows_(c.max_rows_per_rank),
+      double_rows_(c.double_buffer_rows),
+      check_layout_(c.check_layout) {
   constexpr const char* fn = "P2PState";
-  require(device >= 0, fn, "device must be >= 0, got " + std::to_string(device));
+  require(c.device >= 0, fn, "device must be >= 0, got " + std::to_string(c.device));
   // rank, world, pads, seq, arrive, err: as every signal-protocol launch checks them (both channels)
-  make_signal_args(fn, pads, rank, world, kChannelScatter, seq, arrive, true, timeout_ns, err_dev);
+  make_signal_args(fn, c.pads, c.rank, c.world, kChannelScatter, c.seq, c.arrive, true, c.timeout_ns, c.err_dev);
   require_done_channel(fn, kChannelGather);
-  require_ptr(gather_ptrs, fn, "gather_ptrs (device uint64[2][world]: every rank's gather buffer 0, then 1)");
-  require_ptr(reduce_ptrs, fn, "reduce_ptrs (device uint64[world] of reduce buffer bases)");
-  require_ptr(gather_state, fn, "gather_state (device uint32[2], zero-initialised)");
-  require_ptr(err_host, fn, "err_host (host address of the host-mapped uint32[ERR_RECORD_WORDS] error record)");
-  require(dtype == kBF16 || dtype == kFP16 || dtype == kFP32, fn,
-          "dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(dtype));
-  require(hidden > 0 && hidden <= (int64_t{1} << 40), fn, "hidden must be in [1, 2^40], got " + std::to_string(hidden));
-  require(sm_count >= 1 && sm_count <= kMaxBlocks / kNormBlocksPerSm, fn,
+  require_ptr(c.gather_ptrs, fn, "gather_ptrs (device uint64[2][world]: every rank's gather buffer 0, then 1)");
+  require_ptr(c.reduce_ptrs, fn, "reduce_ptrs (device uint64[world] of reduce buffer bases)");
+  require_ptr(c.gather_state, fn, "gather_state (device uint32[2], zero-initialised)");
+  require_ptr(c.err_host, fn, "err_host (host address of the host-mapped uint32[ERR_RECORD_WORDS] error record)");
+  require(c.dtype == kBF16 || c.dtype == kFP16 || c.dtype == kFP32, fn,
+          "dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(c.dtype));
+  require(c.hidden > 0 && c.hidden <= (int64_t{1} << 40), fn, "hidden must be in [1, 2^40], got " + std::to_string(c.hidden));
+  require(c.sm_count >= 1 && c.sm_count <= kMaxBlocks / kNormBlocksPerSm, fn,
           "sm_count must be in [1, " + std::to_string(kMaxBlocks / kNormBlocksPerSm) + "], got " +
-              std::to_string(sm_count));
-  require(max_rows_per_rank >= 1 && max_rows_per_rank <= INT32_MAX, fn,
-          "max_rows_per_rank must be in [1, 2^31), got " + std::to_string(max_rows_per_rank));
-  require(double_buffer_rows >= 0 && double_buffer_rows <= max_rows_per_rank, fn,
-          "double_buffer_rows must be in [0, max_rows_per_rank=" + std::to_string(max_rows_per_rank) + "], got " +
-              std::to_string(double_buffer_rows));
-  row_bytes_ = hidden * element_bytes(dtype);
-  require(max_rows_per_rank <= INT64_MAX / (static_cast<int64_t>(world) * row_bytes_), fn,
+              std::to_string(c.sm_count));
+  require(c.max_rows_per_rank >= 1 && c.max_rows_per_rank <= INT32_MAX, fn,
+          "max_rows_per_rank must be in [1, 2^31), got " + std::to_string(c.max_rows_per_rank));
+  require(c.double_buffer_rows >= 0 && c.double_buffer_rows <= c.max_rows_per_rank, fn,
+          "double_buffer_rows must be in [0, max_rows_per_rank=" + std::to_string(c.max_rows_per_rank) + "], got " +
+              std::to_string(c.double_buffer_rows));
+  row_bytes_ = c.hidden * element_bytes(c.dtype);
+  require(c.max_rows_per_rank <= INT64_MAX / (static_cast<int64_t>(c.world) * row_bytes_), fn,
           "buffer size in bytes overflows int64");
 }
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 import nsa_cp
 from nsa_cp import reference
-from nsa_cp.transport import p2p, p2p_memory
+from nsa_cp.transport import p2p
+from nsa_cp.transport.p2p import memory as p2p_memory
 
 from dist_cases import _check_sum, _expected_gather, _gen
 from dist_harness import rank_device, rank_log, shared_gpu

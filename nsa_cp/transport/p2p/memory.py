@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _native, envs
+from ... import _native, envs
 
 __all__ = ["p2p_unavailable_reason", "survey", "share_function", "memory_kind"]
 
