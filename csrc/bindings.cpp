@@ -113,7 +113,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("write_u32", &nsa_cp::write_u32, py::arg("host_ptr"), py::arg("index"), py::arg("value"),
         "Write element `index` of a host-mapped uint32 array, e.g. 0 to reset an error record.");
 
-  // ---- kernels --------------------------------------------------------------------------------
+  // ---- stateless launchers --------------------------------------------------------------------------
+  // The library launches through P2PState only. These three stay for the native layer's own tests
+  // (tests/test_native_gpu.py drives the kernels with simulated ranks in one process, the protocol
+  // and timeouts included; tests/test_native_launchers.py checks their arguments without a GPU).
   m.def("barrier", &nsa_cp::barrier, py::arg("pads"), py::arg("rank"), py::arg("world"), py::arg("channel"),
         py::arg("phase"), py::arg("seq"), py::arg("advance"), py::arg("timeout_ns"), py::arg("err"),
         py::arg("stream"), py::call_guard<py::gil_scoped_release>(),

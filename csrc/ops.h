@@ -62,6 +62,8 @@ void barrier(uint64_t pads, int rank, int world, int channel, int phase, uint64_
              uint64_t timeout_ns, uint64_t err, uint64_t stream);
 
 // ---- p2p_gather.cu ----------------------------------------------------------------------------
+// p2p_gather / p2p_reduce_scatter: the stateless launchers, for the native layer's tests only (the
+// transport launches through P2PState); barrier also serves P2PState.
 void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
                 uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
                 int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
@@ -81,6 +83,10 @@ class P2PDeviceError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+struct SignalArgs;  // common.cuh, p2p_kernels.h: what the kernels take
+struct GatherParams;
+struct ReduceParams;
 
 // Everything fixed for the life of one rank's P2P transport, by name (field meanings: bindings.cpp,
 // P2PConfig). The Python transport fills one and hands it to P2PState, which checks it once.
@@ -155,6 +161,12 @@ class P2PState {
                   uint64_t positions, int64_t num_positions) const;
   int next_buffer(int64_t max_rank_len);
   uint32_t fingerprint_flags(bool compact, bool ordered, uint32_t stage) const;  // GatherParams::fp_flags
+  SignalArgs signals(int channel) const;
+  GatherParams gather_params(int buffer, uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact,
+                             uint64_t positions, int64_t num_positions, uint32_t stage) const;
+  ReduceParams reduce_params(uint64_t out, int64_t out_row_stride_bytes, uint64_t counts, uint64_t offsets,
+                             int64_t max_rank_len, bool compact, uint64_t positions, int64_t num_positions,
+                             uint32_t stage) const;
   int data_blocks(int64_t max_rank_len) const;
   int row_blocks(int64_t max_rank_len) const;
   int norm_words_per_thread(const char* fn) const;

@@ -80,6 +80,29 @@ uint32_t P2PState::fingerprint_flags(bool compact, bool ordered, uint32_t stage)
   return kFpOn | (compact ? kFpCompact : 0u) | (ordered ? kFpOrdered : 0u) | stage;
 }
 
+SignalArgs P2PState::signals(int channel) const {
+  // one uint32 of seq and of arrive per channel
+  return SignalArgs{as_ptr<const uint64_t>(pads_), rank_, world_, channel, as_ptr<uint32_t>(seq_) + channel,
+                    as_ptr<uint32_t>(arrive_) + channel, timeout_ns_, as_ptr<uint32_t>(err_dev_)};
+}
+
+GatherParams P2PState::gather_params(int buffer, uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact,
+                                     uint64_t positions, int64_t num_positions, uint32_t stage) const {
+  return GatherParams{row_bytes_, as_ptr<const uint64_t>(gather_ptrs_) + buffer * world_, as_ptr<const int>(counts),
+                      as_ptr<const int>(offsets), max_rank_len, compact, static_cast<uint32_t>(buffer),
+                      as_ptr<uint32_t>(gather_state_), as_ptr<const int64_t>(positions),
+                      positions != 0 ? num_positions : -1, fingerprint_flags(compact, positions != 0, stage)};
+}
+
+ReduceParams P2PState::reduce_params(uint64_t out, int64_t out_row_stride_bytes, uint64_t counts, uint64_t offsets,
+                                     int64_t max_rank_len, bool compact, uint64_t positions, int64_t num_positions,
+                                     uint32_t stage) const {
+  return ReduceParams{as_ptr<char>(out), out_row_stride_bytes, row_bytes_, as_ptr<const uint64_t>(reduce_ptrs_),
+                      as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact,
+                      as_ptr<const int64_t>(positions), positions != 0 ? num_positions : -1,
+                      fingerprint_flags(compact, positions != 0, stage)};
+}
+
 void P2PState::check_error_record(const char* fn) const {
   if (closed_) throw std::runtime_error(std::string(fn) + ": the P2P transport was closed");
   const volatile uint32_t* err = as_ptr<volatile uint32_t>(err_host_);
@@ -167,19 +190,9 @@ int P2PState::gather(uint64_t src, int64_t src_row_stride_bytes, uint64_t counts
   require(src_row_stride_bytes <= INT64_MAX / (max_rank_len + 1), fn, "source size in bytes overflows int64");
   const DeviceGuard guard(device_, fn);
   const int buffer = next_buffer(max_rank_len);
-  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelGather, as_ptr<uint32_t>(seq_),
-                     as_ptr<uint32_t>(arrive_), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
-  const GatherParams p{row_bytes_,
-                       as_ptr<const uint64_t>(gather_ptrs_) + buffer * world_,
-                       as_ptr<const int>(counts),
-                       as_ptr<const int>(offsets),
-                       max_rank_len,
-                       compact,
-                       static_cast<uint32_t>(buffer),
-                       as_ptr<uint32_t>(gather_state_),
-                       as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1,
-                       fingerprint_flags(compact, positions != 0, 0)};
+  const SignalArgs s = signals(kChannelGather);
+  const GatherParams p = gather_params(buffer, counts, offsets, max_rank_len, compact, positions, num_positions,
+                                       0);
   const int vec = common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes_)});
   enqueue_gather_copy(p, CopySource{as_ptr<const char>(src), src_row_stride_bytes}, s, vec,
                       data_blocks(max_rank_len), as_stream(stream));
@@ -210,19 +223,9 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
   }
   const DeviceGuard guard(device_, fn);
   const int buffer = next_buffer(max_rank_len);
-  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelGather, as_ptr<uint32_t>(seq_),
-                     as_ptr<uint32_t>(arrive_), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
-  const GatherParams p{row_bytes_,
-                       as_ptr<const uint64_t>(gather_ptrs_) + buffer * world_,
-                       as_ptr<const int>(counts),
-                       as_ptr<const int>(offsets),
-                       max_rank_len,
-                       compact,
-                       static_cast<uint32_t>(buffer),
-                       as_ptr<uint32_t>(gather_state_),
-                       as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1,
-                       fingerprint_flags(compact, positions != 0, (norm ? kFpNorm : 0u) | (quant != 0 ? kFpQuant : 0u))};
+  const SignalArgs s = signals(kChannelGather);
+  const GatherParams p = gather_params(buffer, counts, offsets, max_rank_len, compact, positions, num_positions,
+                                       (norm ? kFpNorm : 0u) | (quant != 0 ? kFpQuant : 0u));
   const NormSource a{as_ptr<const char>(x),  x_row_stride_bytes, as_ptr<char>(residual), residual_row_stride_bytes,
                      as_ptr<const void>(weight), weight_dtype, static_cast<float>(eps), norm, hidden_,
                      scale_offset(buffer)};
@@ -245,19 +248,9 @@ void P2PState::reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64
   require(out % elem == 0, fn, "out must be aligned to the element size (" + std::to_string(elem) + ")");
   require(out_row_stride_bytes <= INT64_MAX / (max_rank_len + 1), fn, "output size in bytes overflows int64");
   const DeviceGuard guard(device_, fn);
-  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelScatter, as_ptr<uint32_t>(seq_ + 4),
-                     as_ptr<uint32_t>(arrive_ + 4), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
-  const ReduceParams p{as_ptr<char>(out),
-                       out_row_stride_bytes,
-                       row_bytes_,
-                       as_ptr<const uint64_t>(reduce_ptrs_),
-                       as_ptr<const int>(counts),
-                       as_ptr<const int>(offsets),
-                       max_rank_len,
-                       compact,
-                       as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1,
-                       fingerprint_flags(compact, positions != 0, kFpScatter)};
+  const SignalArgs s = signals(kChannelScatter);
+  const ReduceParams p = reduce_params(out, out_row_stride_bytes, counts, offsets, max_rank_len, compact, positions,
+                                       num_positions, kFpScatter);
   const bool vector =
       common_alignment({out, static_cast<uint64_t>(out_row_stride_bytes), static_cast<uint64_t>(row_bytes_)}) == 16;
   enqueue_reduce_scatter(p, s, dtype_, vector, data_blocks(max_rank_len), as_stream(stream));
@@ -280,19 +273,9 @@ void P2PState::reduce_scatter_norm(uint64_t out, int64_t out_row_stride_bytes, u
   check_norm_rows(fn, "residual", residual, residual_row_stride_bytes, max_rank_len);
   check_weight(fn, weight, weight_dtype, eps);
   const DeviceGuard guard(device_, fn);
-  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelScatter, as_ptr<uint32_t>(seq_ + 4),
-                     as_ptr<uint32_t>(arrive_ + 4), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
-  const ReduceParams p{as_ptr<char>(out),
-                       out_row_stride_bytes,
-                       row_bytes_,
-                       as_ptr<const uint64_t>(reduce_ptrs_),
-                       as_ptr<const int>(counts),
-                       as_ptr<const int>(offsets),
-                       max_rank_len,
-                       compact,
-                       as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1,
-                       fingerprint_flags(compact, positions != 0, kFpScatter | kFpNorm)};
+  const SignalArgs s = signals(kChannelScatter);
+  const ReduceParams p = reduce_params(out, out_row_stride_bytes, counts, offsets, max_rank_len, compact, positions,
+                                       num_positions, kFpScatter | kFpNorm);
   const NormEpilogue e{as_ptr<char>(residual), residual_row_stride_bytes, as_ptr<const void>(weight), weight_dtype,
                        static_cast<float>(eps), hidden_};
   enqueue_reduce_scatter_norm(p, e, s, dtype_, words_per_thread, row_blocks(max_rank_len), as_stream(stream));
