@@ -122,7 +122,7 @@ struct CopyStage {
   __device__ static const void* local(const Source& a) { return a.src; }
 
   // Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer. (Before the
-  // pushes, not after: that measured no faster on 2x H200.)
+  // pushes, not after: the other order was no faster.)
   __device__ static void zero_padding(const GatherParams& p, const Source&, const Geometry& g, int rank, int world) {
     char* own = reinterpret_cast<char*>(g.bufs[rank]);
     for (int q = 0; q < world; ++q) {

@@ -137,8 +137,8 @@ int P2PState::next_buffer(int64_t max_rank_len) {
 }
 
 int P2PState::data_blocks(int64_t max_rank_len) const {
-  // Every SM from 4 MB up: a small call is latency-bound, and more blocks keep more 16-byte stores in
-  // flight (28 blocks for 7 MB took 26 us on 2x H200, against ~18 us predicted).
+  // One block per 32 KB moved, every SM from 4 MB up: a small call is latency-bound, and more blocks
+  // keep more 16-byte stores in flight (with fewer, a mid-sized call took well over its bandwidth-predicted time).
   const int64_t moved = max_rank_len * row_bytes_ * world_;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count_, (moved + kBytesPerBlock - 1) / kBytesPerBlock)));
 }
