@@ -182,10 +182,10 @@ def test_memory_kind_rejects_an_unknown_setting(monkeypatch):
 
 
 def test_ranks_that_disagree_on_a_setting_all_raise():
-    import p2p_cases
+    import p2p_fault_cases
     from dist_harness import case_failures, run_world
 
-    failures = case_failures(run_world(2, "gloo", p2p_cases.run_config_mismatch, {}, timeout_s=120), "config-mismatch")
+    failures = case_failures(run_world(2, "gloo", p2p_fault_cases.run_config_mismatch, {}, timeout_s=120), "config-mismatch")
     assert not failures, "\n".join(failures)
 
 
