@@ -59,19 +59,10 @@ class P2PTransport:
             agreement"); False only to measure what it costs.
     """
 
-    def __init__(
-        self,
-        group: Optional[dist.ProcessGroup],
-        max_tokens_per_rank: int,
-        hidden_size: int,
-        dtype: torch.dtype = torch.bfloat16,
-        device=None,
-        *,
-        timeout_ms: Optional[int] = None,
-        workspace_bytes: Optional[int] = None,
-        double_buffer_tokens: Optional[int] = None,
-        check_layout: bool = True,
-    ):
+    def __init__(self, group: Optional[dist.ProcessGroup], max_tokens_per_rank: int, hidden_size: int,
+                 dtype: torch.dtype = torch.bfloat16, device=None, *, timeout_ms: Optional[int] = None,
+                 workspace_bytes: Optional[int] = None, double_buffer_tokens: Optional[int] = None,
+                 check_layout: bool = True):
         self._broken = None  # (exception class, message) once a call failed on the device
         b = self._buffers_ = P2PBuffers(
             group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms,
