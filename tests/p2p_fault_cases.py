@@ -5,6 +5,7 @@ the broken transport refuses further calls, and a new one works."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, Optional
 
@@ -20,30 +21,46 @@ from dist_harness import rank_device, rank_log
 from p2p_common import fault_layout, fault_transport, good_gather, poison, raises, run_gather, run_scatter
 
 
+@contextlib.contextmanager
+def _meeting_then_closing(transport):
+    """Run a check on ``transport``; then, whatever happened, every rank meets and closes it."""
+    try:
+        yield transport
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier()
+        transport.close()
+
+
+def _geometry_error(transport, what: str):
+    """After a call with bad device-side geometry: ``(the P2PError check_error raises, None)``, ``(None,
+    problem)`` when it came as a timeout, ``(None, None)`` when nothing was raised."""
+    torch.cuda.synchronize()
+    try:
+        transport.check_error()
+    except p2p.P2PTimeoutError as err:
+        return None, f"a bad {what} was reported as a timeout: {err}"
+    except p2p.P2PError as err:
+        return err, None
+    return None, None
+
+
 def check_bad_positions(rank, world, device) -> Optional[str]:
     """A position outside [0, T): nothing outside the buffers is touched (the value is clamped) and the
     next check raises P2PError (not a timeout) naming the positions."""
     transport = p2p.P2PTransport(None, 8, 64, torch.bfloat16, device, timeout_ms=20_000)
-    try:
+    with _meeting_then_closing(transport):
         layout = nsa_cp.ShardLayout([4] * world)
         pos = torch.arange(layout.total_len, dtype=torch.int64, device=device)
         pos[0] = layout.total_len + 1000  # out of range: rank 0's first row
         x = torch.randn(4, 64, device=device).bfloat16()
         transport.gather_runner(layout, True, (64,), ordered=True)(x, positions=pos)
-        torch.cuda.synchronize()
-        try:
-            transport.check_error()
-        except p2p.P2PTimeoutError as err:
-            return f"a bad position was reported as a timeout: {err}"
-        except p2p.P2PError as err:
-            if rank == 0 and "positions" not in str(err):
-                return f"the error does not name the positions: {err}"
-            return None
-        return None if rank != 0 else "a position outside [0, T) raised nothing"
-    finally:
-        torch.cuda.synchronize()
-        dist.barrier()
-        transport.close()
+        err, problem = _geometry_error(transport, "position")
+        if problem or err is None:
+            return problem or (None if rank != 0 else "a position outside [0, T) raised nothing")
+        if rank == 0 and "positions" not in str(err):
+            return f"the error does not name the positions: {err}"
+        return None
 
 
 def check_runner_after_close(rank, world, device) -> Optional[str]:
@@ -110,7 +127,7 @@ def check_bad_geometry(rank, world, device) -> Optional[str]:
     next check raises P2PError (not a timeout) naming the rejected geometry. The transport is made with
     device "cuda", which must mean this rank's current device."""
     transport = p2p.P2PTransport(None, 8, 64, torch.bfloat16, "cuda", timeout_ms=20_000)
-    try:
+    with _meeting_then_closing(transport):
         if transport.device != device:
             return f"device 'cuda' became {transport.device}, expected {device}"
         layout = nsa_cp.ShardLayout([8] * world)
@@ -121,20 +138,12 @@ def check_bad_geometry(rank, world, device) -> Optional[str]:
         counts = torch.full((world,), 9, dtype=torch.int32, device=device)
         offsets = torch.arange(world, dtype=torch.int32, device=device) * 8
         run_gather(transport, x, layout, False, "sm", (counts, offsets))
-        torch.cuda.synchronize()
-        try:
-            transport.check_error()
-        except p2p.P2PTimeoutError as err:
-            return f"a bad geometry was reported as a timeout: {err}"
-        except p2p.P2PError as err:
-            if "device_counts" not in str(err) or "No rows were moved" not in str(err):
-                return f"the geometry error does not say what was wrong: {err}"
-            return None
-        return "counts above max_rank_len raised nothing"
-    finally:
-        torch.cuda.synchronize()
-        dist.barrier()
-        transport.close()
+        err, problem = _geometry_error(transport, "geometry")
+        if problem or err is None:
+            return problem or "counts above max_rank_len raised nothing"
+        if "device_counts" not in str(err) or "No rows were moved" not in str(err):
+            return f"the geometry error does not say what was wrong: {err}"
+        return None
 
 
 def _expect_timeout(transport, layout, device, waited_limit_s=30.0) -> Optional[str]:

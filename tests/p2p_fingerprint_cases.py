@@ -71,21 +71,23 @@ def run_fingerprint_checks(rank: int, world: int, payload: dict) -> Dict[str, ob
 
     x = gen(19, rank, mine.count(rank), (256,), torch.bfloat16, "cpu").to(device)
 
-    def gather_double_buffered(transport):  # no entry exchange: compared after the done wait
-        poison(*transport._gathers)
-        got = transport.gather_runner(mine, False, (256,))(x)
-        torch.cuda.synchronize()
-        if not torch.isnan(got.float()).all():
-            return "the disagreeing double-buffered gather left rows that are not NaN"
-        return _mismatch_expect(transport, rank, world, deviant, ["Its result on this rank was overwritten with NaN"])
+    def disagreeing_gather(compact, wrote, says):
+        def check(transport):
+            poison(*transport._gathers)
+            got = transport.gather_runner(mine, compact, (256,))(x)
+            torch.cuda.synchronize()
+            if not torch.isnan(got.float()).all():
+                return wrote
+            return _mismatch_expect(transport, rank, world, deviant, [says])
+        return check
 
-    def gather_entry(transport):  # entry exchange on every call: nothing moves
-        poison(*transport._gathers)
-        got = transport.gather_runner(mine, True, (256,))(x)
-        torch.cuda.synchronize()
-        if not torch.isnan(got.float()).all():
-            return "the disagreeing gather with an entry exchange wrote rows"
-        return _mismatch_expect(transport, rank, world, deviant, ["No row of that call was moved"])
+    # no entry exchange: compared after the done wait
+    gather_double_buffered = disagreeing_gather(
+        False, "the disagreeing double-buffered gather left rows that are not NaN",
+        "Its result on this rank was overwritten with NaN")
+    # entry exchange on every call: nothing moves
+    gather_entry = disagreeing_gather(True, "the disagreeing gather with an entry exchange wrote rows",
+                                      "No row of that call was moved")
 
     def scatter(transport):  # compared before any row is read
         buf = transport.reduce_buffer(mine, True)

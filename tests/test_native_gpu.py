@@ -375,10 +375,12 @@ class _States:
         self.streams = [torch.cuda.Stream() for _ in range(world)]
         code = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[dtype]
         self.states = [
-            _C.P2PState(torch.cuda.current_device(), r, world, self.gather_ptrs.data_ptr(),
-                        self.reduce_ptrs.data_ptr(), self.pad_ptrs.data_ptr(), self.local[r].data_ptr(),
-                        self.local[r].data_ptr() + 8, self.local[r].data_ptr() + 16, self.err[r][0], self.err[r][1],
-                        TIMEOUT_NS, hidden, code, 4, max_rows, double_rows)
+            _C.P2PState(_C.P2PConfig(
+                device=torch.cuda.current_device(), rank=r, world=world, gather_ptrs=self.gather_ptrs.data_ptr(),
+                reduce_ptrs=self.reduce_ptrs.data_ptr(), pads=self.pad_ptrs.data_ptr(), seq=self.local[r].data_ptr(),
+                arrive=self.local[r].data_ptr() + 8, gather_state=self.local[r].data_ptr() + 16,
+                err_host=self.err[r][0], err_dev=self.err[r][1], timeout_ns=TIMEOUT_NS, hidden=hidden, dtype=code,
+                sm_count=4, max_rows_per_rank=max_rows, double_buffer_rows=double_rows))
             for r in range(world)
         ]
         torch.cuda.synchronize()
@@ -390,14 +392,9 @@ class _States:
             _C.free_host_mapped(host)
 
     def each(self, call):
-        """``call(rank, state, stream_int)`` for every rank on its own stream; returns the results."""
-        torch = self.torch
-        torch.cuda.synchronize()
-        out = []
-        for r, state in enumerate(self.states):
-            with torch.cuda.stream(self.streams[r]):
-                out.append(call(r, state, self.streams[r].cuda_stream))
-        torch.cuda.synchronize()
+        """``call(rank, state, stream_int)`` for every rank on its own stream; returns the results, after
+        checking that no error record is set."""
+        out = _launch_all(self, call)
         assert [s.error()[0] for s in self.states] == [0] * self.world, [s.error() for s in self.states]
         return out
 

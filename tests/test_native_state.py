@@ -44,34 +44,35 @@ def state(err):
     s.close()
 
 
+# Valid arguments of each launch: a test overrides the one it checks.
+_CALL = dict(counts=P, offsets=P, max_rank_len=16, compact=False, stream=0, positions=0, num_positions=-1)
+_NORM = dict(residual=P, residual_row_stride_bytes=HIDDEN * 2, weight=P, eps=1e-6)
+_LAUNCH_ARGS = {
+    "gather": dict(src=P, src_row_stride_bytes=HIDDEN * 2, **_CALL),
+    "norm_gather": dict(x=P, x_row_stride_bytes=HIDDEN * 2, **_NORM, weight_dtype=0, norm=True, quant=0, **_CALL),
+    "reduce_scatter": dict(out=P, out_row_stride_bytes=HIDDEN * 2, **_CALL),
+    "reduce_scatter_norm": dict(out=P, out_row_stride_bytes=HIDDEN * 2, **_NORM, weight_dtype=2, **_CALL),
+}
+
+
+def _launch(state, name, **kw):
+    return getattr(state, name)(**{**_LAUNCH_ARGS[name], **kw})
+
+
 def _gather(state, **kw):
-    args = dict(src=P, src_row_stride_bytes=HIDDEN * 2, counts=P, offsets=P, max_rank_len=16, compact=False,
-                stream=0, positions=0, num_positions=-1)
-    args.update(kw)
-    return state.gather(**args)
+    return _launch(state, "gather", **kw)
 
 
 def _norm_gather(state, **kw):
-    args = dict(x=P, x_row_stride_bytes=HIDDEN * 2, residual=P, residual_row_stride_bytes=HIDDEN * 2, weight=P,
-                weight_dtype=0, eps=1e-6, norm=True, quant=0, counts=P, offsets=P, max_rank_len=16, compact=False,
-                stream=0, positions=0, num_positions=-1)
-    args.update(kw)
-    return state.norm_gather(**args)
+    return _launch(state, "norm_gather", **kw)
 
 
 def _reduce_scatter(state, **kw):
-    args = dict(out=P, out_row_stride_bytes=HIDDEN * 2, counts=P, offsets=P, max_rank_len=16, compact=False,
-                stream=0, positions=0, num_positions=-1)
-    args.update(kw)
-    return state.reduce_scatter(**args)
+    return _launch(state, "reduce_scatter", **kw)
 
 
 def _reduce_scatter_norm(state, **kw):
-    args = dict(out=P, out_row_stride_bytes=HIDDEN * 2, residual=P, residual_row_stride_bytes=HIDDEN * 2, weight=P,
-                weight_dtype=2, eps=1e-6, counts=P, offsets=P, max_rank_len=16, compact=False, stream=0, positions=0,
-                num_positions=-1)
-    args.update(kw)
-    return state.reduce_scatter_norm(**args)
+    return _launch(state, "reduce_scatter_norm", **kw)
 
 
 CONSTRUCTOR_BAD = [
