@@ -234,16 +234,7 @@ struct NormStage {
         const int64_t w = t + k * kDataThreads;
         if (w < words) {
           unpack<D>(load_src<uint4>(xr + w * 16), v[k]);
-          if (rr != nullptr) {
-            uint4* rp = reinterpret_cast<uint4*>(rr + w * 16);
-            float r[E];
-            unpack<D>(*rp, r);
-#pragma unroll
-            for (int e = 0; e < E; ++e) v[k][e] += r[e];
-            uint4 o;
-            pack<D>(v[k], o);
-            *rp = o;
-          }
+          if (rr != nullptr) add_residual_in_place<D, false>(v[k], rr + w * 16);
 #pragma unroll
           for (int e = 0; e < E; ++e) ss = fmaf(v[k][e], v[k][e], ss);
         } else {

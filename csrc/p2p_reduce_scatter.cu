@@ -171,17 +171,9 @@ __global__ void __launch_bounds__(kDataThreads)
               for (int e = 0; e < E; ++e) v[k][e] += f[e];
             }
           }
-          uint4* rp = reinterpret_cast<uint4*>(rr + w * 16);
-          float r[E];
-          unpack<D>(*rp, r);
+          add_residual_in_place<D, true>(v[k], rr + w * 16);  // the reduce-scatter's rounded rows + residual
 #pragma unroll
-          for (int e = 0; e < E; ++e) {
-            v[k][e] = Elem<D>::to_f(Elem<D>::from_f(v[k][e])) + r[e];  // the reduce-scatter's rounded rows + residual
-            ss = fmaf(v[k][e], v[k][e], ss);
-          }
-          uint4 o;
-          pack<D>(v[k], o);
-          *rp = o;
+          for (int e = 0; e < E; ++e) ss = fmaf(v[k][e], v[k][e], ss);
         } else {
 #pragma unroll
           for (int e = 0; e < E; ++e) v[k][e] = 0.f;

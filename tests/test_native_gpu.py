@@ -230,21 +230,19 @@ def test_gpu_barrier_and_timeout_record():
         shards = [torch.ones(4, 16, dtype=torch.bfloat16, device="cuda")] * 2
         kw = ranks.sig(0, 0)
         kw["timeout_ns"] = 2_000_000
-        dc = torch.tensor([4, 4], dtype=torch.int32, device="cuda")
-        _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
-                      counts=dc.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
-                      buffer=0, state=ranks.gather_state(0), **kw)
-        torch.cuda.synchronize()
+        def gather_rank0(counts):
+            _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32,
+                          bufs=ranks.buf_ptrs.data_ptr(), counts=counts.data_ptr(), offsets=0, max_rank_len=4,
+                          compact=False, num_blocks=8, stream=0, buffer=0, state=ranks.gather_state(0), **kw)
+            torch.cuda.synchronize()
+
+        gather_rank0(torch.tensor([4, 4], dtype=torch.int32, device="cuda"))
         assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 0, 1, 2]
         assert int(ranks.seq[0][0]) == 2 and int(ranks.arrive[0][0]) == 0
         _C.write_u32(ranks.err[0][0], 0, 0)
 
         # device-side counts out of range: recorded, nothing moved, nobody waits
-        bad = torch.tensor([5, 4], dtype=torch.int32, device="cuda")
-        _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
-                      counts=bad.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
-                      buffer=0, state=ranks.gather_state(0), **kw)
-        torch.cuda.synchronize()
+        gather_rank0(torch.tensor([5, 4], dtype=torch.int32, device="cuda"))
         assert ranks.errors()[0] == [_C.ERR_BAD_DEVICE_ARG, 0, 0, 3]
     finally:
         ranks.close()
