@@ -132,8 +132,8 @@ def current_stream(device) -> int:
     ``_C``'s launchers take.
 
     ``torch._C._cuda_getCurrentRawStream`` (what Triton's launcher uses) returns it without building a
-    ``torch.cuda.Stream``, a large share of a native call's host time otherwise (benchmarks/host_overhead.py;
-    docs/performance.md). The public route is the fallback should it ever go.
+    ``torch.cuda.Stream``: 0.1 against 3.3 us of host time per call on the GPU machine's CPU
+    (benchmarks/host_overhead.py, 2x H200). The public route is the fallback should it ever go.
     """
     if _raw_stream is not None:
         return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
