@@ -17,7 +17,6 @@ calls so the queue never blocks the host); otherwise gloo on CPU with fp32.
 """
 
 import argparse
-import inspect
 import json
 import os
 import statistics
@@ -32,13 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 
-def op_arguments(body, x, counts, group, rank):
-    """The custom op's positional arguments, by name from its signature: a parameter this script does not
+def op_arguments(op, x, counts, group, rank):
+    """The custom op's positional arguments, by name from its schema: a parameter this script does not
     know fails here, naming it, instead of a TypeError deep in the timing loop."""
     known = {"counts": counts, "align": 1, "group_name": group.group_name, "rank": rank, "compact": False,
              "algo": "auto", "backend": "auto", "validate": None, "device_counts": None, "device_offsets": None,
              "positions": None}
-    names = list(inspect.signature(body).parameters)[1:]  # after the tensor
+    names = [a.name for a in op.default._schema.arguments][1:]  # after the tensor
     missing = [n for n in names if n not in known]
     if missing:
         raise SystemExit(f"dispatch_overhead.py: the op takes {missing}, which this script does not set; update "
@@ -60,15 +59,15 @@ def worker(rank, world, args, result_path):
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     m = args.M
-    gather_body = ops._cp_all_gather._init_fn  # the undecorated implementations (no dispatcher)
-    scatter_body = ops._cp_reduce_scatter._init_fn
+    gather_body = ops.body("cp_all_gather")  # the implementations without the dispatcher
+    scatter_body = ops.body("cp_reduce_scatter")
     methods = {("is_compiling()", "eager"): torch.compiler.is_compiling}
     # "empty": every rank holds 0 rows, so no call communicates: host cost alone, no collective noise
     for kind, counts in (("empty", [0] * world), ("uneven", [m] + [int(m * 0.8)] * (world - 1))):
         layout = nsa_cp.ShardLayout(counts)
         x = torch.randn(counts[rank], args.H, device=device, dtype=dtype)
         y = torch.randn(layout.padded_len, args.H, device=device, dtype=dtype)
-        a = op_arguments(gather_body, x, counts, group, rank)
+        a = op_arguments(torch.ops.nsa_cp.cp_all_gather, x, counts, group, rank)
         methods.update({
             (f"cp_all_gather {kind}", "eager"): lambda x=x, layout=layout: nsa_cp.cp_all_gather(x, layout, group),
             (f"cp_all_gather {kind}", "op body"): lambda x=x, a=a: gather_body(x, *a),

@@ -14,6 +14,8 @@ Public API (README.md; docs/design.md for how it works):
 * ``init_p2p``: the intranode P2P transport (symmetric memory + nsa_cp._C) for a group.
 * ``init_nccl``: an NCCL communicator owned by nsa_cp._C, for the NCCL path's uneven calls (less host
   time per call than torch's c10d op).
+* ``nsa_cp.transport``: the transports' other lifecycle helpers (``get_p2p``, ``destroy_p2p``,
+  ``get_nccl``, ``destroy_nccl``, ``workspace_bytes``).
 """
 
 __version__ = "0.2.0"  # the source version: setup.py reads this line and adds +cuXX when it builds nsa_cp._C
@@ -63,11 +65,9 @@ from .moe import mask_padding_topk_ids
 from .norm import RMSNorm
 from .quant import dequant_fp8_g128, quant_fp8_g128
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
-from .support import Support
-from .transport.nccl_native import destroy_nccl, get_nccl, init_nccl, nccl_unavailable_reason
-from .transport.p2p import P2PError, P2PTimeoutError, destroy_p2p, get_p2p, init_p2p, p2p_unavailable_reason
+from .transport import init_nccl, init_p2p, nccl_unavailable_reason, p2p_unavailable_reason
+from .transport.p2p import P2PError, P2PTimeoutError
 from .validation import LayoutMismatchError
-from .workspace import workspace_bytes
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
@@ -92,18 +92,28 @@ __all__ = [
     "in_seq_restore_index",
     "NSACPLayerCommunicator",
     "RMSNorm",
-    "Support",
     "init_p2p",
-    "get_p2p",
-    "destroy_p2p",
     "p2p_unavailable_reason",
     "init_nccl",
-    "get_nccl",
-    "destroy_nccl",
     "nccl_unavailable_reason",
     "P2PError",
     "P2PTimeoutError",
     "LayoutMismatchError",
-    "workspace_bytes",
     "__version__",
 ]
+
+# Names that left the top level (0.2.x: still here, with a DeprecationWarning; gone in 0.3): the
+# transports' lifecycle helpers live in nsa_cp.transport, the availability verdict type in nsa_cp.support.
+_MOVED = {"get_p2p": "nsa_cp.transport", "destroy_p2p": "nsa_cp.transport", "get_nccl": "nsa_cp.transport",
+          "destroy_nccl": "nsa_cp.transport", "workspace_bytes": "nsa_cp.transport", "Support": "nsa_cp.support"}
+
+
+def __getattr__(name: str):
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'nsa_cp' has no attribute {name!r}")
+    import importlib
+
+    _warnings.warn(f"nsa_cp.{name} is deprecated: use {home}.{name} (removed from the top level in 0.3)",
+                   DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(home), name)

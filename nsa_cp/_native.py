@@ -4,8 +4,9 @@
 CUDA runtime statically, so it imports on any machine, GPU or not. Whether its kernels can run is a
 separate question, answered by :func:`available` (a CUDA device must be visible).
 
-Nothing here raises: callers ask :func:`load` (the module or None), :func:`available` and
-:func:`unavailable_reason` (why not, for messages and logs), and take another path when it is missing.
+Nothing here raises: callers ask :func:`load` (the module or None), :func:`support` (a ``Support``
+verdict: truthy, or falsy with why not) or :func:`device_support` (per GPU), and take another path when
+it is missing; :func:`unavailable_reason` is the verdict's sentence for messages (None when available).
 The first :func:`available` call initializes the CUDA driver in this process (``cudaGetDeviceCount``),
 so do not call it in a parent process that will fork CUDA workers.
 """
@@ -21,8 +22,10 @@ from typing import Optional
 
 import torch
 
+from .support import Support
+
 __all__ = [
-    "load", "available", "unavailable_reason", "device_unsupported_reason", "current_stream", "stream_getter",
+    "load", "available", "support", "unavailable_reason", "device_support", "current_stream", "stream_getter",
     "launch_device",
 ]
 
@@ -90,33 +93,36 @@ def available() -> bool:
         return _available
 
 
-def unavailable_reason() -> str:
-    """Why :func:`available` is False (a non-empty sentence); "" when it is True."""
-    available()
-    return _reason
+def support() -> Support:
+    """Whether the kernels of ``nsa_cp._C`` can run in this process (:func:`available`), and why not."""
+    return Support.yes() if available() else Support.no(_reason)
 
 
-def device_unsupported_reason(index: int) -> str:
-    """"" when the kernels of ``nsa_cp._C`` load on ``cuda:index``, else why not (cached per device).
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`available` is False (a sentence), None when it is True: ``support().reason`` for messages."""
+    return support().reason or None
+
+
+def device_support(index: int) -> Support:
+    """Whether the kernels of ``nsa_cp._C`` load on ``cuda:index``, and why not (cached per device).
 
     The module holds machine code for its build's archs (e.g. sm_90a) and PTX of the lowest, so a GPU
     of an older architecture (an A100) has none it can run: loading every kernel once on that device
     (``kernel_info``) says so before any launch would fail, and the callers take another path.
     """
-    reason = _device_reasons.get(index)
-    if reason is not None:
-        return reason
-    if not available():
-        reason = unavailable_reason()
-    else:
+    verdict = _device_verdicts.get(index)
+    if verdict is not None:
+        return verdict
+    verdict = support()
+    if verdict:
         try:
             _load_kernels_on(index)
-            reason = ""
         except RuntimeError as err:
-            reason = f"nsa_cp._C (built for {getattr(_module, 'CUDA_ARCHS', '?')}) has no kernels for cuda:{index}: {err}"
-            logger.info("nsa_cp native kernels unavailable on cuda:%d: %s", index, reason)
-    _device_reasons[index] = reason
-    return reason
+            verdict = Support.no(f"nsa_cp._C (built for {getattr(_module, 'CUDA_ARCHS', '?')}) has no kernels for "
+                                 f"cuda:{index}: {err}")
+            logger.info("nsa_cp native kernels unavailable on cuda:%d: %s", index, verdict.reason)
+    _device_verdicts[index] = verdict
+    return verdict
 
 
 def _load_kernels_on(index: int) -> None:
@@ -124,7 +130,7 @@ def _load_kernels_on(index: int) -> None:
         _module.kernel_info()  # cudaFuncGetAttributes of every kernel: fails without a usable image
 
 
-_device_reasons: dict = {}
+_device_verdicts: dict = {}
 
 
 def current_stream(device) -> int:
@@ -132,8 +138,8 @@ def current_stream(device) -> int:
     ``_C``'s launchers take.
 
     ``torch._C._cuda_getCurrentRawStream`` (what Triton's launcher uses) returns it without building a
-    ``torch.cuda.Stream``: 0.1 against 3.3 us of host time per call on the GPU machine's CPU
-    (benchmarks/host_overhead.py, 2x H200). The public route is the fallback should it ever go.
+    ``torch.cuda.Stream``, a fraction of the public route's host time (docs/performance.md, "Figures
+    behind the code's choices"). The public route is the fallback should it ever go.
     """
     if _raw_stream is not None:
         return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
@@ -166,4 +172,4 @@ def _reset_for_tests() -> None:
     with _lock:
         _loaded, _module, _import_reason = False, None, ""
         _checked, _available, _reason = False, False, ""
-        _device_reasons.clear()
+        _device_verdicts.clear()

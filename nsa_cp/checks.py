@@ -19,10 +19,11 @@ from typing import Optional, Sequence
 import torch
 
 from .layout import ShardLayout
+from .wire import FP8_GROUP, QUANTS  # noqa: F401  (QUANTS: what quant= accepts)
 
 __all__ = [
     "shape_str", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
-    "check_device_counts", "check_positions", "check_permutation", "ordered_rows", "check_norm_args", "SUM_DTYPES", "FP8_DTYPES", "GATHER_DTYPES",
+    "check_device_counts", "check_positions", "check_call_tensors", "check_outs", "check_row_stage", "check_permutation", "ordered_rows", "check_norm_args", "SUM_DTYPES", "FP8_DTYPES", "GATHER_DTYPES",
     "NORM_DTYPES", "QUANTS",
 ]
 
@@ -33,8 +34,6 @@ FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "
                    if hasattr(torch, n))
 GATHER_DTYPES = SUM_DTYPES + FP8_DTYPES + (torch.uint8, torch.int8, torch.int32, torch.int64)
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-QUANTS = (None, "fp8_e4m3_g128")
-FP8_GROUP = 128
 
 
 def shape_str(shape: Sequence[int]) -> str:
@@ -93,15 +92,45 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
-def check_device_counts(device_counts, layout: ShardLayout, device: torch.device, compact: bool) -> None:
-    if compact:
-        raise ValueError("device_counts: supported for the padded layout only (compact shapes depend on the counts), got compact=True")
+def check_device_counts(device_counts, layout: ShardLayout, device: torch.device) -> None:
+    """``device_counts``: a ``(counts, offsets)`` pair of int32 ``[cp_size]`` tensors on ``device``."""
     if not isinstance(device_counts, (tuple, list)) or len(device_counts) != 2:
         raise ValueError(f"device_counts: expected a (counts, offsets) pair of tensors, got {type(device_counts).__name__}")
     for name, t in zip(("device_counts[0]", "device_counts[1]"), device_counts):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (layout.cp_size,) or t.device != device:
             got = f"{t.dtype} {shape_str(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected int32 [{layout.cp_size}] on {device}, got {got}")
+
+
+def check_call_tensors(device_counts, positions, layout: ShardLayout, device: torch.device) -> None:
+    """The optional tensors of a call (call checks): ``device_counts`` and ``positions``, where given."""
+    if device_counts is not None:
+        check_device_counts(device_counts, layout, device)
+    if positions is not None:
+        check_positions(positions, layout, device)
+
+
+def check_outs(out, shapes, dtypes, device: torch.device) -> None:
+    """A gather's ``out``: one tensor, or a ``(q, scale)`` pair for the FP8 wire (``shapes``: one or two)."""
+    if len(shapes) == 1:
+        check_out("out", out, shapes[0], dtypes[0], device)
+        return
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"out: expected a (q, scale) pair of tensors, got {type(out).__name__}")
+    for name, t, shape, dtype in zip(("out[0]", "out[1]"), out, shapes, dtypes):
+        check_out(name, t, shape, dtype, device)
+
+
+def check_row_stage(req) -> None:
+    """Plan check of a gather with a row stage (norm, FP8): rows ``[n_r, H]``, H a multiple of
+    ``FP8_GROUP`` for the FP8 wire (``req``: an nsa_cp.request.Request)."""
+    shape = shape_str(req.row_shape)
+    if len(req.row_shape) != 1:
+        raise ValueError(f"x: expected a 2-D tensor [n_r, hidden], got a tensor of {len(req.row_shape) + 1} dims, "
+                         f"rows of shape {shape}")
+    if req.quant is not None and req.row_shape[0] % FP8_GROUP:
+        raise ValueError(f"x: quant={req.quant!r} needs a hidden size that is a multiple of {FP8_GROUP}, got rows of "
+                         f"shape {shape}")
 
 
 def check_positions(positions, layout: ShardLayout, device: torch.device) -> None:

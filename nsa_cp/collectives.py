@@ -1,11 +1,10 @@
 """The public collectives: ``cp_all_gather``, ``cp_reduce_scatter``, the fused layer boundary
 (``fused_add_rmsnorm_all_gather``, ``reduce_scatter_fused_add_rmsnorm``) and ``cp_reduce_scatter_buffer``.
 
-Each is the first step of the one forward path: ``public function -> (compile branch) -> plan ->
-transport -> kernel``. While torch.compile traces, the call becomes one ``torch.ops.nsa_cp.*`` node
-(nsa_cp/ops.py); otherwise it goes to nsa_cp/eager.py, which looks up the cached plan (nsa_cp/plan.py),
-runs the call checks and the plan's runner. What each path does and why: nsa_cp/algorithms.py (NCCL,
-gloo) and nsa_cp/transport/ (P2P).
+Each builds the call's ``Request`` (nsa_cp/request.py) once and hands it to ``_dispatch``: while
+torch.compile traces, the call becomes one ``torch.ops.nsa_cp.*`` node (nsa_cp/ops.py); otherwise it
+goes straight to ``plan.call`` (nsa_cp/plan.py), which the op also runs when a compiled graph executes.
+One path: ``public function -> plan -> transport -> kernel``.
 
 Even layouts (every rank holds ``max_rank_len`` rows): ``cp_all_gather`` / ``cp_reduce_scatter`` run
 exactly one ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on the caller's tensors, nothing else,
@@ -19,13 +18,24 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import eager
+from . import plan
 from .layout import ShardLayout
+from .request import Request
 
 __all__ = ["cp_all_gather", "cp_reduce_scatter", "fused_add_rmsnorm_all_gather", "reduce_scatter_fused_add_rmsnorm",
            "cp_reduce_scatter_buffer"]
 
 DeviceCounts = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _dispatch(req: Request, t, out, device_counts, positions, norm_args, validate):
+    """The compile / eager branch, written once (QuACK's eager bypass): a traced call is one op node,
+    an eager one never pays the dispatcher."""
+    if torch.compiler.is_compiling():
+        from . import ops
+
+        return ops.call(req, t, out, device_counts, positions, norm_args, validate)
+    return plan.call(req, t, out, device_counts, positions, norm_args, validate)
 
 
 def cp_all_gather(
@@ -85,13 +95,8 @@ def cp_all_gather(
     Raises:
         ValueError (LayoutMismatchError with validation) on bad input; nothing is written to ``out``.
     """
-    if torch.compiler.is_compiling():  # traced: one nsa_cp::cp_all_gather node (nsa_cp/ops.py)
-        from . import ops
-
-        return ops.all_gather(x, layout, group, compact=compact, out=out, algo=algo, backend=backend, validate=validate,
-                              device_counts=device_counts, positions=positions, quant=quant)
-    return eager.all_gather(x, layout, group, compact=compact, out=out, algo=algo, backend=backend, validate=validate,
-                            device_counts=device_counts, positions=positions, quant=quant)
+    req = Request.of("cp_all_gather", x, layout, group, compact, algo, backend, quant, out, device_counts, positions)
+    return _dispatch(req, x, out, device_counts, positions, None, validate)
 
 
 def cp_reduce_scatter(
@@ -124,13 +129,8 @@ def cp_reduce_scatter(
         ``[n_r, ...]``. Without ``out`` on an uneven padded layout this is a view of the first ``n_r``
         rows of an ``[max_rank_len, ...]`` buffer (no copy).
     """
-    if torch.compiler.is_compiling():  # traced: one nsa_cp::cp_reduce_scatter node (nsa_cp/ops.py)
-        from . import ops
-
-        return ops.reduce_scatter(y, layout, group, compact=compact, out=out, algo=algo, backend=backend,
-                                  validate=validate, device_counts=device_counts, positions=positions)
-    return eager.reduce_scatter(y, layout, group, compact=compact, out=out, algo=algo, backend=backend, validate=validate,
-                                device_counts=device_counts, positions=positions)
+    req = Request.of("cp_reduce_scatter", y, layout, group, compact, algo, backend, None, out, device_counts, positions)
+    return _dispatch(req, y, out, device_counts, positions, None, validate)
 
 
 def fused_add_rmsnorm_all_gather(
@@ -171,15 +171,10 @@ def fused_add_rmsnorm_all_gather(
         ``(gathered, residual)``: gathered as ``cp_all_gather`` returns it (padded, compact or batch order;
         padding rows zero; ``(q, scale)`` with quant), residual the updated ``[n_r, H]`` (x when None).
     """
-    if torch.compiler.is_compiling():
-        from . import ops
-
-        return ops.fused_add_rmsnorm_all_gather(x, residual, weight, eps, layout, group, compact=compact, quant=quant,
-                                                out=out, algo=algo, backend=backend, validate=validate,
-                                                device_counts=device_counts, positions=positions)
-    return eager.fused_add_rmsnorm_all_gather(x, residual, weight, eps, layout, group, compact=compact, quant=quant,
-                                              out=out, algo=algo, backend=backend, validate=validate,
-                                              device_counts=device_counts, positions=positions)
+    req = Request.of("fused_add_rmsnorm_all_gather", x, layout, group, compact, algo, backend, quant, out,
+                     device_counts, positions, residual)
+    gathered = _dispatch(req, x, out, device_counts, positions, (residual, weight, eps), validate)
+    return gathered, (x if residual is None else residual)
 
 
 def reduce_scatter_fused_add_rmsnorm(
@@ -207,15 +202,10 @@ def reduce_scatter_fused_add_rmsnorm(
     Returns:
         ``(y, residual)``, both ``[n_r, H]``.
     """
-    if torch.compiler.is_compiling():
-        from . import ops
-
-        return ops.reduce_scatter_fused_add_rmsnorm(partials, residual, weight, eps, layout, group, compact=compact,
-                                                    algo=algo, backend=backend, validate=validate,
-                                                    device_counts=device_counts, positions=positions)
-    return eager.reduce_scatter_fused_add_rmsnorm(partials, residual, weight, eps, layout, group, compact=compact,
-                                                  algo=algo, backend=backend, validate=validate,
-                                                  device_counts=device_counts, positions=positions)
+    req = Request.of("reduce_scatter_fused_add_rmsnorm", partials, layout, group, compact, algo, backend, None, None,
+                     device_counts, positions, residual)
+    y, reduced = _dispatch(req, partials, None, device_counts, positions, (residual, weight, eps), validate)
+    return y, (reduced if residual is None else residual)
 
 
 def cp_reduce_scatter_buffer(
@@ -233,4 +223,5 @@ def cp_reduce_scatter_buffer(
     When the reduce-scatter will take the P2P transport, this is the transport's symmetric reduce buffer
     (no copy before the pull; valid until the next reduce-scatter on that group); otherwise a fresh tensor.
     """
-    return eager.reduce_scatter_buffer(like, layout, group, compact=compact, backend=backend, positions=positions)
+    return plan.lookup(Request.of("cp_reduce_scatter_buffer", like, layout, group, compact, "auto", backend, None, None,
+                                  None, positions)).buffer()

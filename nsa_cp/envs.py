@@ -18,8 +18,8 @@ __all__ = ["ENVIRONMENT_VARIABLES", "PLAN_VARIABLES", "describe", "plan_state", 
 
 _UNSET = object()
 # CPython keeps os.environ's values in a dict (``_data``, encoded keys and values) that every write
-# through os.environ updates. Looking a key up there costs ~0.05 us against ~0.8 for os.environ.get,
-# and the hot path of every collective reads 2-5 variables, so readers use it when it exists.
+# through os.environ updates. Looking a key up there costs a small fraction of os.environ.get, and the
+# hot path of every collective reads 2-5 variables, so readers use it when it exists.
 _ENVIRON_DATA = (
     os.environ._data  # type: ignore[attr-defined]
     if all(hasattr(os.environ, a) for a in ("_data", "encodekey", "decodevalue"))
@@ -97,12 +97,12 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "NSA_CP_COALESCED_GATHER_MIN_BYTES": (
         _int("NSA_CP_COALESCED_GATHER_MIN_BYTES", 16 << 20),
         "with NSA_CP_COMPACT_ALGO=auto: a compact gather whose rank slot (max_rank_len rows) holds at "
-        "least this many bytes takes the coalesced algorithm, smaller ones the padded one (2x H200: "
-        "padded wins at 3.7 MB, coalesced from 29 MB)",
+        "least this many bytes takes the coalesced algorithm, smaller ones the padded one (the crossover "
+        "measured: docs/performance.md)",
     ),
     "NSA_CP_COALESCED_SCATTER_MIN_BYTES": (
         _int("NSA_CP_COALESCED_SCATTER_MIN_BYTES", 0),
-        "the same for the compact reduce-scatter (2x H200: coalesced won at every size measured)",
+        "the same for the compact reduce-scatter (0: coalesced always; docs/performance.md)",
     ),
     "NSA_CP_BACKEND": (
         _choice("NSA_CP_BACKEND", "auto", ("auto", "nccl", "p2p")),
@@ -118,7 +118,7 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "NSA_CP_ROW_KERNELS": (
         _choice("NSA_CP_ROW_KERNELS", "auto", ("auto", "native", "triton")),
         "the NCCL path's pack / compact / expand kernels on CUDA: 'native' (nsa_cp._C), 'triton' (the "
-        "Triton kernels: the same copies, 2-4x the host time per launch on 2x H200's CPU), or 'auto': "
+        "Triton kernels: the same copies, more host time per launch), or 'auto': "
         "native when nsa_cp._C has kernels for the tensors' GPU, else Triton",
     ),
     "NSA_CP_NCCL_CALL": (
@@ -146,7 +146,7 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         _choice("NSA_CP_P2P_MEMORY", "auto", ("auto", "symm_mem", "cuda_ipc")),
         "how the P2P transport maps its peers' buffers: 'symm_mem' (torch symmetric memory, one GPU per "
         "rank), 'cuda_ipc' (CUDA IPC handles of ordinary allocations, as torch.multiprocessing shares "
-        "them; only for ranks that all share one GPU: across GPUs it failed on 2x H200 and is refused), "
+        "them; only for ranks that all share one GPU: across GPUs it is refused), "
         "or 'auto': cuda_ipc when the ranks share a GPU, else symm_mem",
     ),
     "NSA_CP_P2P_DOUBLE_BUFFER_TOKENS": (
@@ -254,7 +254,7 @@ def machine_report() -> Dict[str, str]:
     elif not _native.available():
         p2p = nccl = f"no: {_native.unavailable_reason()}"
     else:
-        bad = [f"cuda:{i}: {r}" for i in range(gpus) if (r := _native.device_unsupported_reason(i))]
+        bad = [f"cuda:{i}: {r}" for i in range(gpus) if (r := _native.device_support(i).reason)]
         no_peer = [f"{i}->{j}" for i in range(gpus) for j in range(gpus)
                    if i != j and not torch.cuda.can_device_access_peer(i, j)]
         if bad:

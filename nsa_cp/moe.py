@@ -17,33 +17,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from .checks import check_device_counts, shape_str
 from .layout import ShardLayout
 
 __all__ = ["mask_padding_topk_ids"]
 
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
-
-
-def _shape(t) -> str:
-    return "[" + ", ".join(str(int(s)) for s in t) + "]"
-
-
-def _check_device_counts(device_counts, layout: ShardLayout, like: torch.Tensor) -> torch.Tensor:
-    if not isinstance(device_counts, (tuple, list)) or len(device_counts) != 2:
-        raise ValueError(
-            f"device_counts: expected a (counts, offsets) pair of int32 [{layout.cp_size}] tensors, "
-            f"got {type(device_counts).__name__}"
-        )
-    for name, t in zip(("device_counts[0]", "device_counts[1]"), device_counts):
-        if (
-            not isinstance(t, torch.Tensor)
-            or t.dtype != torch.int32
-            or tuple(t.shape) != (layout.cp_size,)
-            or t.device != like.device
-        ):
-            got = f"{t.dtype} {_shape(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected int32 [{layout.cp_size}] on {like.device}, got {got}")
-    return device_counts[0]
 
 
 def mask_padding_topk_ids(
@@ -81,7 +60,7 @@ def mask_padding_topk_ids(
     if topk_ids.dim() != 2:
         raise ValueError(
             f"topk_ids: expected a 2-D tensor [{padded}, top_k] (padded layout) or [{compact}, top_k] "
-            f"(compact), got shape {_shape(topk_ids.shape)}"
+            f"(compact), got shape {shape_str(topk_ids.shape)}"
         )
     if topk_ids.dtype not in _ID_DTYPES:
         raise ValueError(
@@ -89,17 +68,18 @@ def mask_padding_topk_ids(
         )
     rows = topk_ids.shape[0]
     if device_counts is not None:
-        counts = _check_device_counts(device_counts, layout, topk_ids)
+        check_device_counts(device_counts, layout, topk_ids.device)
+        counts = device_counts[0]
         if rows != padded:
             raise ValueError(
                 f"topk_ids: expected shape [{padded}, {topk_ids.shape[1]}] (the padded bucket "
-                f"max_rank_len * cp_size; device_counts needs the padded layout), got {_shape(topk_ids.shape)}"
+                f"max_rank_len * cp_size; device_counts needs the padded layout), got {shape_str(topk_ids.shape)}"
             )
     else:
         if rows not in (padded, compact):
             raise ValueError(
                 f"topk_ids: expected shape [{padded}, {topk_ids.shape[1]}] (padded layout) or "
-                f"[{compact}, {topk_ids.shape[1]}] (compact), got {_shape(topk_ids.shape)}"
+                f"[{compact}, {topk_ids.shape[1]}] (compact), got {shape_str(topk_ids.shape)}"
             )
         if rows != padded or layout.padding_rows == 0:
             return topk_ids  # compact, or padded without padding rows: nothing to mask

@@ -17,7 +17,7 @@ Implementations, chosen per call (the first use of each is logged once on the "n
   the output dtype before its rounding: ``rsqrt`` is the hardware approximation (a few fp32 ulps) and
   the sum of squares is a warp-tree reduction. Its fused kernel writes y into its input, so this module
   hands it a copy of x (x stays unmodified).
-- Triton (``nsa_cp.kernels.norm``) on other CUDA tensors (fp32, a weight of another dtype, strided
+- Triton (``nsa_cp.kernels.norm_rows``) on other CUDA tensors (fp32, a weight of another dtype, strided
   rows): the reference's arithmetic with correctly rounded division and square root; it differs from
   the reference only through the order of the sum of squares.
 - torch (``nsa_cp.reference.fused_add_rmsnorm``) on CPU, and where neither kernel applies.
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import reference
+from .support import Support
 
 __all__ = ["RMSNorm", "flashinfer_norm_module", "fused_add_rmsnorm_into"]
 
@@ -60,9 +61,8 @@ def flashinfer_norm_module():
     return fi_norm
 
 
-# One decoder layer's MoE tail on 2x H200 (bf16, H=7168, eager): copy + flashinfer beat the Triton kernel
-# at 2048 rows per rank (29 MB: 0.419 against 0.475 ms per layer) and lost at 8192 (117 MB: 1.409 against
-# 1.376 ms), where the layer is device-bound.
+# Up to this many bytes a copy + flashinfer's norm beats the one Triton kernel (flashinfer's launch costs
+# less host time); above it the layer is device-bound and the one kernel wins (docs/performance.md).
 _COPY_THEN_NORM_MAX_BYTES = 32 << 20
 
 
@@ -92,7 +92,7 @@ def fused_add_rmsnorm_into(x: torch.Tensor, residual: Optional[torch.Tensor], we
             fi.fused_add_rmsnorm(out, residual, weight, eps)  # out <- y, residual <- x + residual
         return out, residual
     if x.is_cuda:
-        from .kernels import norm as norm_kernels
+        from .kernels import norm_rows as norm_kernels
 
         norm_kernels.fused_add_rmsnorm(x, residual, weight, eps, out=None if out is x else out)
         return out, residual
@@ -154,54 +154,54 @@ class RMSNorm(nn.Module):
 
     # ---- the choice
 
-    def _flashinfer_no(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
-        """Why flashinfer cannot take this call ("" when it can)."""
+    def _flashinfer_support(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Support:
+        """Whether flashinfer can take this call, and why not."""
         if not x.is_cuda:
-            return "x is not on a CUDA device"
+            return Support.no("x is not on a CUDA device")
         if x.dtype not in (torch.bfloat16, torch.float16):
-            return f"flashinfer's norm takes bf16/fp16, x is {x.dtype}"
+            return Support.no(f"flashinfer's norm takes bf16/fp16, x is {x.dtype}")
         if self.weight.dtype != x.dtype:
-            return f"flashinfer reads the weight as x's dtype; weight is {self.weight.dtype}, x {x.dtype}"
+            return Support.no(f"flashinfer reads the weight as x's dtype; weight is {self.weight.dtype}, x {x.dtype}")
         if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
-            return "x or residual is not contiguous"
+            return Support.no("x or residual is not contiguous")
         if x.numel() == 0:
-            return "x has no rows (flashinfer would launch an empty grid)"
+            return Support.no("x has no rows (flashinfer would launch an empty grid)")
         if flashinfer_norm_module() is None:
-            return "flashinfer does not import (see the log)"
-        return ""
+            return Support.no("flashinfer does not import (see the log)")
+        return Support.yes()
 
-    def _triton_no(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
+    def _triton_support(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Support:
         if not x.is_cuda:
-            return "x is not on a CUDA device"
+            return Support.no("x is not on a CUDA device")
         from .kernels import triton_available
 
         if not triton_available():
-            return "Triton is not installed"
+            return Support.no("Triton is not installed")
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"the Triton kernel takes bf16/fp16/fp32, x is {x.dtype}"
+            return Support.no(f"the Triton kernel takes bf16/fp16/fp32, x is {x.dtype}")
         if self.hidden_size > 65536:
-            return f"rows of {self.hidden_size} elements exceed the Triton kernel's 65536"
+            return Support.no(f"rows of {self.hidden_size} elements exceed the Triton kernel's 65536")
         if _kernel_rows(x) is None or (residual is not None and _kernel_rows(residual) is None):
-            return "x or residual has no [rows, H] view"
-        return ""
+            return Support.no("x or residual has no [rows, H] view")
+        return Support.yes()
 
     def _choose(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
         if self.impl == "torch":
             return "torch"
         if self.impl in ("auto", "flashinfer"):
-            why = self._flashinfer_no(x, residual)
-            if not why:
+            flashinfer = self._flashinfer_support(x, residual)
+            if flashinfer:
                 _log_choice("flashinfer", "CUDA bf16/fp16 contiguous rows")
                 return "flashinfer"
             if self.impl == "flashinfer":
-                raise ValueError(f"impl: 'flashinfer' cannot serve this call: {why}")
-        why_triton = self._triton_no(x, residual)
-        if not why_triton:
+                raise ValueError(f"impl: 'flashinfer' cannot serve this call: {flashinfer.reason}")
+        triton = self._triton_support(x, residual)
+        if triton:
             _log_choice("triton", "CUDA tensors flashinfer does not take")
             return "triton"
         if self.impl == "triton":
-            raise ValueError(f"impl: 'triton' cannot serve this call: {why_triton}")
-        _log_choice("torch", why_triton)
+            raise ValueError(f"impl: 'triton' cannot serve this call: {triton.reason}")
+        _log_choice("torch", triton.reason)
         return "torch"
 
     # ---- the call
@@ -244,7 +244,7 @@ class RMSNorm(nn.Module):
         return y.view(x.shape)
 
     def _triton(self, x, residual, weight):
-        from .kernels import norm as norm_kernels
+        from .kernels import norm_rows as norm_kernels
 
         x2 = _kernel_rows(x)
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)

@@ -1,26 +1,12 @@
 """Plans: everything about a call that does not change from call to call, resolved once and cached.
 
-Design record
--------------
-A public call is ``public function -> (compile branch: nsa_cp/ops.py) -> plan -> transport -> kernel``.
-The plan of a call is looked up by its *key*: the operation, the layout (by value: an equal layout built
-anew finds the same plan), the trailing row shape, dtype and device of the input, compact, whether
-``out`` / ``device_counts`` / ``positions`` are given, the algorithm and backend requests, the
-quantization, the process group, and the raw values of the environment variables that steer choices
-(``envs.PLAN_VARIABLES``). ``init_p2p`` / ``destroy_p2p`` and ``init_nccl`` / ``destroy_nccl`` empty
-the cache (the registries' generation changes), so no plan outlives the transport or communicator it
-holds.
-
-Building a plan runs the *plan checks* (nsa_cp/checks.py) and every choice: backend (P2P or
-NCCL/gloo, one ``Support`` verdict with its reason), algorithm (even / padded / padded+compact /
-coalesced / ordered), the source stage (copy, FP8 quantization, fused add + RMSNorm) and the runner
-that moves the bytes (a P2P runner bound to the transport's native state, or an NCCL/gloo runner of
-nsa_cp/algorithms.py bound to the process group). A cached plan then costs a key, a dict lookup and
-the *call checks*: the row count of the input, ``out``, ``device_counts``, ``positions`` and the
-norm's tensors, which differ from call to call and are never trusted from an earlier call.
-
-The collectives are not differentiable: inputs with autograd history are used by value (detached);
-results carry no history.
+``call(request, ...)`` is the one eager entry point (the public functions when not compiling, and the
+torch.library ops of nsa_cp/ops.py when a compiled graph runs): it finds the cached plan of the
+``Request`` (built on a miss), runs the call checks, the rank agreement when asked, and the plan's one
+runner. A plan holds the choices (backend, algorithm, source stage) and a runner bound to its
+transport: a P2P runner of the transport's native state, or an NCCL/gloo runner of nsa_cp/dist_path.py
+bound to the process group. ``init_p2p`` / ``init_nccl`` and their ``destroy_*`` empty the cache.
+docs/design.md ("Plans") has the design record.
 """
 
 from __future__ import annotations
@@ -28,17 +14,17 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-from typing import Any, Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from . import algorithms, checks, envs, reference
+from . import checks, dist_path, envs, reference, validation
 from .layout import ShardLayout
+from .request import Request
 from .support import Support
-from .transport import nccl, nccl_native, registry
-from .transport import p2p
+from .transport import nccl_native, p2p, registry, torch_dist
 
-__all__ = ["GatherPlan", "ScatterPlan", "gather_plan", "scatter_plan", "clear_cache", "cache_size"]
+__all__ = ["call", "lookup", "GatherPlan", "ScatterPlan", "norm_in_place", "clear_cache", "cache_size"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -47,6 +33,7 @@ _BACKENDS = ("auto", "nccl", "p2p")
 _CACHE: dict = {}
 _CACHE_LIMIT = 1024
 _state = {"generation": None}
+_VALIDATE = envs.reader("NSA_CP_VALIDATE")
 
 
 def clear_cache() -> None:
@@ -69,225 +56,232 @@ def _transport_generation():
     return registry.latest_generation()  # P2P transports and native NCCL communicators alike
 
 
-def _lookup(key) -> Optional[Any]:
+def lookup(req: Request):
+    """The cached plan of ``req`` (its key: the request, the resolved group, ``envs.plan_state()``);
+    built, running the plan checks, on a miss."""
+    pg = torch_dist.resolve_group(req.group)
     generation = _transport_generation()
     if generation != _state["generation"]:
         _CACHE.clear()  # a transport came or went: drop every plan (and the references they hold)
         _state["generation"] = generation
-    return _CACHE.get(key)
+    key = (req, pg, envs.plan_state())
+    try:
+        plan = _CACHE.get(key)
+    except TypeError:  # an unhashable layout: the plan checks say what is wrong with it
+        plan, key = None, None
+    if plan is None:
+        plan = (GatherPlan if req.is_gather else ScatterPlan)(req, pg)
+        if key is not None:
+            if len(_CACHE) >= _CACHE_LIMIT:
+                del _CACHE[next(iter(_CACHE))]  # the oldest: plans are cheap to rebuild
+            _CACHE[key] = plan
+    return plan
 
 
-def _store(key, plan) -> None:
-    if len(_CACHE) >= _CACHE_LIMIT:
-        del _CACHE[next(iter(_CACHE))]  # the oldest: plans are cheap to rebuild
-    _CACHE[key] = plan
+def _values(t):
+    """The collectives are not differentiable: they work on values and return tensors without history."""
+    return t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
 
 
-# --------------------------------------------------------------------------- backend choice
-def _transport(backend: str, group, layout: ShardLayout, row_shape, dtype, device, name: str, quant=None,
-               norm: bool = False):
+def call(req: Request, t: torch.Tensor, out=None, device_counts=None, positions=None, norm_args=None,
+         validate: Optional[bool] = None):
+    """Run one public call: plan, call checks (and with ``validate`` the rank agreement), the runner.
+    ``norm_args``: ``(residual, weight, eps)`` of the norm ops. Returns what the plan's runner returns."""
+    if validate is None:
+        validate = _VALIDATE()
+    if validate:
+        plan = _agreed(req, t, out, device_counts, positions, norm_args)
+    else:
+        plan = lookup(req)
+        plan.check(t, out, device_counts, positions, norm_args)
+    if norm_args is not None:
+        norm_args = (_values(norm_args[0]), _values(norm_args[1]), float(norm_args[2]))
+    return plan.run(_values(t), out, device_counts, positions, norm_args)
+
+
+def _agreed(req, t, out, device_counts, positions, norm_args):
+    """The plan after every rank's checks agreed: one small all-reduce whatever this rank's own checks
+    said, so a rank with bad input or another layout makes every rank raise instead of leaving the others
+    in a collective (nsa_cp/validation.py). Positions are then also checked to be a permutation."""
+    rank, size = torch_dist.group_rank_and_size(req.group)
+    try:
+        plan, error = lookup(req), None
+        plan.check(t, out, device_counts, positions, norm_args)
+        if positions is not None:
+            checks.check_permutation(positions, req.layout.total_len)
+    except ValueError as err:
+        plan, error = None, err
+    layout = req.layout if isinstance(req.layout, ShardLayout) else None
+    validation.agree(req.op, layout, req.group, rank, size, req.device, error,
+                     plan.signature if plan is not None else "")
+    return plan
+
+
+# --------------------------------------------------------------------------- choices (when a plan is built)
+def _transport(req: Request, norm: bool) -> Tuple[object, bool]:
     """``(transport, fused)``: the P2P transport this plan uses (None for NCCL/gloo; the same answer on
-    every rank), and whether it runs the plan's fused stage in its own kernel.
+    every rank), and whether it runs the plan's fused stage (norm, FP8) in its own kernel.
 
-    ``quant`` / ``norm``: the fused stage the plan asks of it (the transport's ``support`` says whether it
-    serves it). A norm it cannot fuse (rows of an odd byte size) runs as a kernel of its own before the
-    P2P move (``fused`` False); a quantization it cannot serve, or rows it cannot move at all, take NCCL
-    under backend "auto" and raise, saying why, under "p2p"."""
-    if backend == "auto":
-        backend = envs.NSA_CP_BACKEND
-    if backend == "nccl" or (backend == "auto" and (device.type != "cuda" or not p2p.any_registered())):
+    A norm it cannot fuse (rows of an odd byte size) runs as a kernel of its own before the P2P move
+    (``fused`` False); a quantization it cannot serve, or rows it cannot move at all, take NCCL under
+    backend "auto" and raise, saying why, under "p2p"."""
+    backend = envs.NSA_CP_BACKEND if req.backend == "auto" else req.backend
+    if backend == "nccl" or (backend == "auto" and (req.device.type != "cuda" or not p2p.any_registered())):
         return None, False
-    transport = p2p.get_p2p(group)
-    fused = norm or quant is not None
+    transport = p2p.get_p2p(req.group)
+    row_shape, fused = tuple(req.row_shape), norm or req.quant is not None
     if transport is None:
         verdict = Support.no("'p2p' needs nsa_cp.init_p2p(group, max_tokens_per_rank, hidden_size, dtype) first")
     else:
-        verdict = transport.support(layout, row_shape, dtype, device, quant=quant, norm=norm)
-        if not verdict and norm and quant is None:
-            plain = transport.support(layout, row_shape, dtype, device)
+        verdict = transport.support(req.layout, row_shape, req.dtype, req.device, quant=req.quant, norm=norm)
+        if not verdict and norm and req.quant is None:
+            plain = transport.support(req.layout, row_shape, req.dtype, req.device)
             if plain:
                 verdict, fused = plain, False
     if backend == "p2p":
         if not verdict:
-            raise ValueError(f"backend: 'p2p' cannot serve this call ({name}): {verdict.reason}")
+            raise ValueError(f"backend: 'p2p' cannot serve this call ({req.input_name}): {verdict.reason}")
         return transport, fused
     # auto: the even layout keeps the plain NCCL collective (the contract); P2P where it serves
-    if layout.is_even or not verdict:
+    if req.layout.is_even or not verdict:
         return None, False
     return transport, fused
 
 
-def _collectives(pg, device: torch.device, algo: str) -> nccl.Collectives:
+def _collectives(pg, device: torch.device, algo: str) -> torch_dist.Collectives:
     """The plan's collectives: with the group's native NCCL communicator (``init_nccl``) for an uneven
     movement on its device; the even movement always keeps torch's collective."""
     native = nccl_native.get_nccl(pg) if device.type == "cuda" and algo != "even" else None
     if native is not None and (native.device != device or native.closed):
         native = None
-    return nccl.Collectives(pg, native)
+    return torch_dist.Collectives(pg, native)
 
 
-def _algo(algo: str, layout: ShardLayout, compact: bool, on_cuda: bool, slot_bytes: int, min_bytes: int,
-          has_device_counts: bool) -> str:
-    """The NCCL/gloo movement: even, padded, padded+compact or coalesced (nsa_cp/algorithms.py)."""
-    if layout.is_even and not has_device_counts:
+def _algo(req: Request, min_bytes: int) -> str:
+    """The NCCL/gloo movement: even, padded, padded+compact or coalesced (nsa_cp/dist_path.py)."""
+    layout = req.layout
+    if layout.is_even and not req.has_device_counts:
         return "even"
-    if not compact:
+    if not (req.compact or req.ordered):
         return "padded"
-    if algo == "auto":
-        algo = envs.NSA_CP_COMPACT_ALGO
-    if not on_cuda:
+    algo = envs.NSA_CP_COMPACT_ALGO if req.algo == "auto" else req.algo
+    if req.device.type != "cuda":
         return "padded+compact"  # gloo has no uneven-list collectives
     if algo == "auto":
+        slot_bytes = layout.max_rank_len * math.prod(req.row_shape) * req.dtype.itemsize
         algo = "coalesced" if slot_bytes >= min_bytes else "padded"
     return "coalesced" if algo == "coalesced" else "padded+compact"
 
 
-# --------------------------------------------------------------------------- gathers
-class GatherPlan:
-    """A resolved gather: ``check`` (call checks) then ``run``.
+# --------------------------------------------------------------------------- plans
+class _Plan:
+    """What gathers and reduce-scatters share: the plan checks of the request and the backend choice."""
 
-    ``mode``: copy (``cp_all_gather``), quant (``quant=``), norm / norm_quant
-    (``fused_add_rmsnorm_all_gather``). Results: one tensor, or ``(q, scale)`` for the quant modes.
-    """
+    __slots__ = ("request", "rank", "rows", "layout", "device", "signature", "backend", "algo", "transport", "fused",
+                 "_runner")
 
-    __slots__ = ("op", "mode", "rank", "rows", "layout", "device", "out_shapes", "out_dtypes", "signature",
-                 "backend", "algo", "_run", "_p2p")
+    def __init__(self, req: Request, pg, dtypes, norm: bool):
+        layout = req.layout
+        checks.check_layout(layout, pg.size())
+        checks.check_choice("algo", req.algo, _ALGOS)
+        checks.check_choice("backend", req.backend, _BACKENDS)
+        checks.check_dtype(req.input_name, req, dtypes)
+        if req.has_device_counts and (req.compact or req.ordered):
+            raise ValueError("device_counts: supported for the padded layout only (compact and ordered shapes depend "
+                             f"on the counts), got compact={req.compact}, "
+                             f"positions={'given' if req.ordered else None}")
+        self.request, self.rank, self.layout, self.device = req, pg.rank(), layout, req.device
+        self.transport, self.fused = _transport(req, norm)
+        if self.transport is not None and not layout.total_len:
+            self.transport = None  # nothing moves: the NCCL/gloo runner returns empty results
+        if self.transport is not None:
+            self.backend, self.algo = "p2p", "ordered" if req.ordered else ("compact" if req.compact else "padded")
 
-    def check(self, x: torch.Tensor, out, device_counts, positions) -> None:
+    def _dist(self, pg, min_bytes: int) -> torch_dist.Collectives:
+        self.algo = _algo(self.request, min_bytes)
+        coll = _collectives(pg, self.device, self.algo)
+        self.backend = "nccl+native" if coll.native is not None else ("nccl" if self.device.type == "cuda" else "gloo")
+        return coll
+
+    def _sign(self) -> None:
+        self.signature = f"{self.request.describe()}|backend={self.backend}|algo={self.algo}"
+        logger.debug("nsa_cp plan: %s on %r", self.signature, self.layout)
+
+
+class GatherPlan(_Plan):
+    """A resolved gather (``request.mode``: copy, quant, norm, norm_quant): ``check`` then ``run``.
+    Results: one tensor, or ``(q, scale)`` for the quant modes."""
+
+    __slots__ = ("out_shapes", "out_dtypes")
+
+    def __init__(self, req: Request, pg):
+        mode = req.mode
+        super().__init__(req, pg, checks.GATHER_DTYPES if mode == "copy" else checks.NORM_DTYPES, mode.startswith("norm"))
+        if mode != "copy":
+            checks.check_row_stage(req)
+        source = dist_path.Source(mode, tuple(req.row_shape), req.dtype)
+        rows = req.result_rows
+        self.rows = self.layout.count(self.rank)
+        self.out_shapes = tuple((rows, *shape) for shape, _, _ in source.streams)
+        self.out_dtypes = tuple(dtype for _, dtype, _ in source.streams)
+        if self.transport is not None:
+            self._runner = _p2p_gather(self.transport, mode if self.fused or mode == "copy" else "copy_after_norm", req)
+        else:
+            coll = self._dist(pg, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
+            self._runner = dist_path.gather_runner(coll, self.layout, self.rank, source, req.compact, self.algo,
+                                                   req.ordered, req.has_device_counts, self.device)
+        self._sign()
+
+    def check(self, x: torch.Tensor, out, device_counts, positions, norm_args) -> None:
+        """The call checks (what differs from call to call with this plan); ValueError before any write."""
         if x.shape[0] != self.rows:
             checks.check_rows("x", x, self.rows, f"this rank's per_rank_actual_token[{self.rank}] rows")
         if out is not None:
-            self._check_out(out)
-        if device_counts is not None:
-            checks.check_device_counts(device_counts, self.layout, self.device, False)
-        if positions is not None:
-            checks.check_positions(positions, self.layout, self.device)
+            checks.check_outs(out, self.out_shapes, self.out_dtypes, self.device)
+        checks.check_call_tensors(device_counts, positions, self.layout, self.device)
+        if norm_args is not None:
+            checks.check_norm_args(x.shape, x.dtype, x.device, *norm_args)
 
-    def _check_out(self, out) -> None:
-        if len(self.out_shapes) == 1:
-            checks.check_out("out", out, self.out_shapes[0], self.out_dtypes[0], self.device)
-            return
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError(f"out: expected a (q, scale) pair of tensors, got {type(out).__name__}")
-        for name, t, shape, dtype in zip(("out[0]", "out[1]"), out, self.out_shapes, self.out_dtypes):
-            checks.check_out(name, t, shape, dtype, self.device)
-
-    def run(self, x, out, device_counts, positions, norm_args=None):
+    def run(self, x, out, device_counts, positions, norm_args):
         """The result (``out`` when given): a tensor, or ``(q, scale)``."""
         if positions is not None:  # always a permutation from here on: every result row written once
             positions = checks.ordered_rows(positions, self.layout.total_len)
-        if self._p2p is not None:
-            results = self._p2p(x, device_counts, positions, norm_args)
-            if out is not None:
-                outs = (out,) if len(self.out_shapes) == 1 else tuple(out)
-                for o, r in zip(outs, results):
-                    o.copy_(r)
-                results = outs
-        else:
-            outs = None if out is None else ((out,) if len(self.out_shapes) == 1 else tuple(out))
-            results = self._run(x, outs, device_counts, positions, norm_args)
+        outs = None if out is None else ((out,) if len(self.out_shapes) == 1 else tuple(out))
+        results = self._runner(x, outs, device_counts, positions, norm_args)
         return results[0] if len(results) == 1 else (results[0], results[1])
 
 
-def gather_plan(op: str, mode: str, x: torch.Tensor, layout, group, compact: bool, out, algo: str, backend: str,
-                device_counts, positions, quant) -> GatherPlan:
-    """The cached plan of a gather (``mode``: copy, quant, norm, norm_quant); builds it on a miss."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        checks.check_tensor("x", x, "tokens")
-    pg = nccl.resolve_group(group)
-    key = (op, mode, layout, x.shape[1:], x.dtype, x.device, compact, out is None, algo, backend,
-           device_counts is None, positions is None, quant, pg, envs.plan_state())
-    try:
-        plan = _lookup(key)
-    except TypeError:  # an unhashable layout: the plan checks say what is wrong with it
-        plan, key = None, None
-    if plan is None:
-        plan = _build_gather(op, mode, x, layout, pg, group, compact, algo, backend, device_counts is not None,
-                             positions is not None, quant)
-        if key is not None:
-            _store(key, plan)
-    return plan
-
-
-def _build_gather(op, mode, x, layout, pg, group, compact, algo, backend, has_dc, ordered, quant) -> GatherPlan:
-    rank, size = pg.rank(), pg.size()
-    checks.check_layout(layout, size)
-    checks.check_choice("algo", algo, _ALGOS)
-    checks.check_choice("backend", backend, _BACKENDS)
-    checks.check_choice("quant", quant, checks.QUANTS)
-    if mode == "copy":
-        checks.check_dtype("x", x, checks.GATHER_DTYPES)
-    else:
-        checks.check_dtype("x", x, checks.NORM_DTYPES)
-        if x.dim() != 2:
-            raise ValueError(f"x: expected a 2-D tensor [n_r, hidden], got shape {checks.shape_str(x.shape)}")
-        if quant is not None and x.shape[1] % checks.FP8_GROUP:
-            raise ValueError(f"x: quant={quant!r} needs a hidden size that is a multiple of {checks.FP8_GROUP}, "
-                             f"got shape {checks.shape_str(x.shape)}")
-    if has_dc and (compact or ordered):
-        raise ValueError("device_counts: supported for the padded layout only (compact and ordered shapes depend "
-                         f"on the counts), got compact={compact}, positions={'given' if ordered else None}")
-    row_shape = tuple(x.shape[1:])
-    result_len = layout.total_len if (compact or ordered) else layout.padded_len
-    source = algorithms.Source(mode, row_shape, x.dtype)
-
-    plan = GatherPlan()
-    plan.op, plan.mode, plan.rank, plan.layout, plan.device = op, mode, rank, layout, x.device
-    plan.rows = layout.count(rank)
-    plan.out_shapes = tuple((result_len, *shape) for shape, _, _ in source.streams)
-    plan.out_dtypes = tuple(dtype for _, dtype, _ in source.streams)
-    transport, fused = _transport(backend, group, layout, row_shape, x.dtype, x.device, "x", quant,
-                                  mode.startswith("norm"))
-    plan._p2p, plan._run = None, None
-    if transport is not None and layout.total_len:
-        plan.backend, plan.algo = "p2p", "ordered" if ordered else ("compact" if compact else "padded")
-        plan._p2p = _p2p_gather(transport, mode if fused or mode == "copy" else "copy_after_norm", layout, compact,
-                                row_shape, quant, ordered)
-    else:
-        row_bytes = math.prod(row_shape) * x.element_size()
-        chosen = _algo(algo, layout, compact or ordered, x.is_cuda, layout.max_rank_len * row_bytes,
-                       envs.NSA_CP_COALESCED_GATHER_MIN_BYTES, has_dc)
-        plan.backend, plan.algo = ("nccl" if x.is_cuda else "gloo"), chosen
-        coll = _collectives(pg, x.device, chosen)
-        plan.backend = "nccl+native" if coll.native is not None else plan.backend
-        plan._run = algorithms.gather_runner(coll, layout, rank, source, compact, chosen, ordered,
-                                             has_dc, x.device)
-    plan.signature = (f"{op}|{mode}|compact={compact}|dtype={x.dtype}|row={row_shape}|backend={plan.backend}|"
-                      f"algo={plan.algo}|device_counts={has_dc}|ordered={ordered}|quant={quant}")
-    logger.debug("nsa_cp plan: %s on %r", plan.signature, layout)
-    return plan
-
-
-def _p2p_gather(transport, mode, layout, compact, row_shape, quant, ordered) -> Callable:
-    """The P2P runner wrapped to the plan's ``(x, device_counts, positions, norm_args) -> results``."""
-    if mode in ("copy", "quant"):
+def _p2p_gather(transport, mode: str, req: Request):
+    """The P2P runner as ``run(x, outs, device_counts, positions, norm_args) -> results`` (a tuple)."""
+    layout, compact, row_shape, quant, ordered = req.layout, req.compact, tuple(req.row_shape), req.quant, req.ordered
+    if mode in ("copy", "quant", "copy_after_norm"):
         runner = transport.gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
-        if quant is None:
-            return lambda x, dc, pos, norm_args: (runner(x, dc, pos),)
-        return lambda x, dc, pos, norm_args: runner(x, dc, pos)
-    if mode == "copy_after_norm":  # the transport cannot fuse this row size: the norm kernel, then the move
-        runner = transport.gather_runner(layout, compact, row_shape, ordered=ordered)
 
-        def run_after_norm(x, dc, pos, norm_args):
-            from .norm import fused_add_rmsnorm_into
+        def move(x, dc, pos, norm_args):
+            if mode == "copy_after_norm":  # the transport cannot fuse this row size: the norm kernel, then the move
+                from .norm import fused_add_rmsnorm_into
 
-            y, _ = fused_add_rmsnorm_into(x, *norm_args, out=torch.empty_like(x))
-            return (runner(y, dc, pos),)
-        return run_after_norm
-    runner = transport.norm_gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
+                x, _ = fused_add_rmsnorm_into(x, *norm_args, out=torch.empty_like(x))
+            result = runner(x, dc, pos)
+            return (result,) if quant is None else result
+    else:
+        runner = transport.norm_gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
 
-    def run(x, dc, pos, norm_args):
-        residual, weight, eps = norm_args
-        # the fused kernel moves 16-byte words: an unaligned view (rare: a slice) goes through an aligned copy
-        if _unaligned(x):
-            x = x.clone()
-        if residual is not None and _unaligned(residual):
-            staged = residual.clone()
-            result = runner(x, staged, weight, eps, dc, pos)
-            residual.copy_(staged)
-        else:
-            result = runner(x, residual, weight, eps, dc, pos)
-        return (result,) if quant is None else result
+        def move(x, dc, pos, norm_args):
+            residual, weight, eps = norm_args
+            # the fused kernel moves 16-byte words: an unaligned view (rare: a slice) goes through an aligned copy
+            if _unaligned(x):
+                x = x.clone()
+            result = _staged(residual, lambda r: runner(x, r, weight, eps, dc, pos))
+            return (result,) if quant is None else result
+
+    def run(x, outs, dc, pos, norm_args):
+        results = move(x, dc, pos, norm_args)
+        if outs is None:
+            return results  # views of the transport's gather buffer
+        for o, r in zip(outs, results):
+            o.copy_(r)
+        return outs
     return run
 
 
@@ -295,108 +289,75 @@ def _unaligned(t: torch.Tensor) -> bool:
     return bool((t.data_ptr() | (t.stride(0) * t.element_size())) & 15) if t.shape[0] else False
 
 
-# --------------------------------------------------------------------------- reduce-scatters
-class ScatterPlan:
-    """A resolved reduce-scatter: ``check`` then ``run``; ``buffer`` hands out where to write partials."""
+def _staged(residual, fn):
+    """``fn(residual)``, through an aligned copy of a residual the fused P2P kernels cannot update in place."""
+    if residual is None or not _unaligned(residual):
+        return fn(residual)
+    staged = residual.clone()
+    result = fn(staged)
+    residual.copy_(staged)
+    return result
 
-    __slots__ = ("op", "rank", "rows", "layout", "device", "dtype", "row_shape", "out_shape", "signature", "backend",
-                 "algo", "compact", "_run", "_transport", "_p2p", "_p2p_norm")
 
-    def check(self, y: torch.Tensor, out, device_counts, positions, name: str = "y") -> None:
+class ScatterPlan(_Plan):
+    """A resolved reduce-scatter (with ``reduce_scatter_fused_add_rmsnorm``: then the add + RMSNorm):
+    ``check`` then ``run``; ``buffer`` hands out where to write partials."""
+
+    __slots__ = ("dtype", "row_shape", "out_shape", "compact")
+
+    def __init__(self, req: Request, pg):
+        super().__init__(req, pg, checks.SUM_DTYPES, req.norm and req.residual)
+        if req.norm:  # plan checks of the norm: 2-D rows of a norm dtype
+            if len(req.row_shape) != 1:
+                raise ValueError(f"partials: expected a 2-D tensor [rows, hidden], got shape "
+                                 f"{checks.shape_str((req.result_rows, *req.row_shape))}")
+            checks.check_dtype("partials", req, checks.NORM_DTYPES)
+        self.dtype, self.row_shape, self.compact = req.dtype, tuple(req.row_shape), req.compact or req.ordered
+        self.rows = req.result_rows
+        self.out_shape = (self.layout.count(self.rank), *self.row_shape)
+        if self.transport is not None:
+            move = self.transport.reduce_scatter_runner(self.layout, req.compact, self.row_shape, ordered=req.ordered)
+            fused = None
+            if req.norm and self.fused:  # one kernel: the pull's rows are normed before they are stored
+                fused = self.transport.reduce_scatter_runner(self.layout, req.compact, self.row_shape,
+                                                             ordered=req.ordered, norm=True)
+        else:
+            coll = self._dist(pg, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
+            dist_move = dist_path.scatter_runner(coll, self.layout, self.rank, req.compact, self.algo, req.ordered)
+            move, fused = (lambda y, out, dc, pos: dist_move(y, out, pos)), None
+        if not req.norm:
+            self._runner = lambda y, out, dc, pos, norm_args: move(y, out, dc, pos)
+        elif fused is not None:
+            self._runner = lambda y, out, dc, pos, norm_args: _staged(
+                norm_args[0], lambda r: fused(y, r, norm_args[1], norm_args[2], None, dc, pos))
+        else:
+            self._runner = lambda y, out, dc, pos, norm_args: norm_in_place(move(y, None, dc, pos), *norm_args)
+        self._sign()
+
+    def check(self, y: torch.Tensor, out, device_counts, positions, norm_args) -> None:
+        name = self.request.input_name
         if y.shape[0] != self.rows:
-            what = "batch order [total_len" if positions is not None else (
+            what = "batch order [total_len" if self.request.ordered else (
                 "compact [total_len" if self.compact else "padded [max_rank_len * cp_size")
             checks.check_rows(name, y, self.rows, f"the {what}, ...] layout")
         if out is not None:
             checks.check_out("out", out, self.out_shape, self.dtype, self.device)
-        if device_counts is not None:
-            checks.check_device_counts(device_counts, self.layout, self.device, False)
-        if positions is not None:
-            checks.check_positions(positions, self.layout, self.device)
+        checks.check_call_tensors(device_counts, positions, self.layout, self.device)
+        if norm_args is not None:
+            checks.check_norm_args(self.out_shape, self.dtype, self.device, *norm_args)
 
-    def run(self, y, out, device_counts, positions):
+    def run(self, y, out, device_counts, positions, norm_args):
+        """``[n_r, ...]`` (``out`` when given), or with the norm ``(normed, residual)``."""
         if positions is not None:  # the inverse of the ordered gather's rows (checks.ordered_rows)
             positions = checks.ordered_rows(positions, self.layout.total_len)
-        if self._p2p is not None:
-            return self._p2p(y, out, device_counts, positions)
-        return self._run(y, out, positions)
-
-    def run_norm(self, y, residual, weight, eps, device_counts, positions):
-        """The reduce-scatter, then the add + RMSNorm on this rank's rows: ``(normed, residual)``."""
-        if self._p2p_norm is not None:  # one kernel: the pull's rows are normed before they are stored
-            if positions is not None:
-                positions = checks.ordered_rows(positions, self.layout.total_len)
-            if _unaligned(residual):
-                staged = residual.clone()
-                out, _ = self._p2p_norm(y, staged, weight, eps, None, device_counts, positions)
-                residual.copy_(staged)
-                return out, residual
-            return self._p2p_norm(y, residual, weight, eps, None, device_counts, positions)
-        return norm_in_place(self.run(y, None, device_counts, positions), residual, weight, eps)
+        return self._runner(y, out, device_counts, positions, norm_args)
 
     def buffer(self) -> torch.Tensor:
         """Where the MoE writes its partials ``[rows, *row]``: the P2P transport's reduce buffer (no copy
         in before the pull), else a fresh tensor (NCCL reads any tensor)."""
-        if self._transport is not None:
-            return self._transport.reduce_buffer(self.layout, self.compact, self.row_shape)
+        if self.transport is not None:
+            return self.transport.reduce_buffer(self.layout, self.compact, self.row_shape)
         return torch.empty((self.rows, *self.row_shape), dtype=self.dtype, device=self.device)
-
-
-def scatter_plan(op: str, y: torch.Tensor, layout, group, compact: bool, out, algo: str, backend: str, device_counts,
-                 positions, norm: bool = False, name: str = "y") -> ScatterPlan:
-    """The cached plan of a reduce-scatter; ``norm``: followed by the add + RMSNorm with a residual.
-    ``name``: what the caller called ``y`` (``partials``, ``like``), for the error messages."""
-    if not isinstance(y, torch.Tensor) or y.dim() < 2:
-        checks.check_tensor(name, y, "tokens")
-    pg = nccl.resolve_group(group)
-    key = (op, layout, y.shape[1:], y.dtype, y.device, compact, out is None, algo, backend, device_counts is None,
-           positions is None, norm, pg, envs.plan_state())
-    try:
-        plan = _lookup(key)
-    except TypeError:
-        plan, key = None, None
-    if plan is None:
-        plan = _build_scatter(op, y, layout, pg, group, compact, algo, backend, device_counts is not None,
-                              positions is not None, norm, name)
-        if key is not None:
-            _store(key, plan)
-    return plan
-
-
-def _build_scatter(op, y, layout, pg, group, compact, algo, backend, has_dc, ordered, norm, name="y") -> ScatterPlan:
-    rank, size = pg.rank(), pg.size()
-    checks.check_layout(layout, size)
-    checks.check_choice("algo", algo, _ALGOS)
-    checks.check_choice("backend", backend, _BACKENDS)
-    checks.check_dtype(name, y, checks.SUM_DTYPES)
-    if has_dc and (compact or ordered):
-        raise ValueError("device_counts: supported for the padded layout only (compact and ordered shapes depend "
-                         f"on the counts), got compact={compact}, positions={'given' if ordered else None}")
-    row_shape = tuple(y.shape[1:])
-    plan = ScatterPlan()
-    plan.op, plan.rank, plan.layout, plan.device, plan.dtype = op, rank, layout, y.device, y.dtype
-    plan.compact, plan.row_shape = compact or ordered, row_shape
-    plan.rows = layout.global_len(compact or ordered)
-    plan.out_shape = (layout.count(rank), *row_shape)
-    transport, fused = _transport(backend, group, layout, row_shape, y.dtype, y.device, name, norm=norm)
-    plan._transport, plan._p2p, plan._p2p_norm, plan._run = None, None, None, None
-    if transport is not None and layout.total_len:
-        plan.backend, plan.algo, plan._transport = "p2p", "ordered" if ordered else ("compact" if compact else "padded"), transport
-        plan._p2p = transport.reduce_scatter_runner(layout, compact, row_shape, ordered=ordered)
-        if norm and fused:
-            plan._p2p_norm = transport.reduce_scatter_runner(layout, compact, row_shape, ordered=ordered, norm=True)
-    else:
-        row_bytes = math.prod(row_shape) * y.element_size()
-        chosen = _algo(algo, layout, compact or ordered, y.is_cuda, layout.max_rank_len * row_bytes,
-                       envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES, has_dc)
-        plan.backend, plan.algo = ("nccl" if y.is_cuda else "gloo"), chosen
-        coll = _collectives(pg, y.device, chosen)
-        plan.backend = "nccl+native" if coll.native is not None else plan.backend
-        plan._run = algorithms.scatter_runner(coll, layout, rank, compact, chosen, ordered)
-    plan.signature = (f"{op}|compact={compact}|dtype={y.dtype}|row={row_shape}|backend={plan.backend}|"
-                      f"algo={plan.algo}|device_counts={has_dc}|ordered={ordered}")
-    logger.debug("nsa_cp plan: %s on %r", plan.signature, layout)
-    return plan
 
 
 def norm_in_place(h: torch.Tensor, residual, weight, eps) -> Tuple[torch.Tensor, torch.Tensor]:

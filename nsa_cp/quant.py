@@ -8,7 +8,7 @@ scales): per row and group of 128 columns, ``amax = max |x|`` in fp32 clamped to
 ``scale = 1e-10/448`` (``reference.FP8_PAD_SCALE``), which is what quantizing a zero row gives. The
 quantization is per row, so quantizing before the gather equals quantizing the gathered rows.
 
-Exactness: on CPU, and on GPUs through ``nsa_cp.kernels.norm`` (``div_rn``: correctly rounded fp32
+Exactness: on CPU, and on GPUs through ``nsa_cp.kernels.norm_rows`` (``div_rn``: correctly rounded fp32
 division), the result is bitwise that of ``nsa_cp.reference.quant_fp8_g128``. SGLang's Triton quantizer
 writes ``y / y_s`` and ``amax / 448``, which Triton lowers to the approximate ``div.full.f32`` on NVIDIA
 GPUs: its ``scale`` can differ from ours in the last fp32 bit, and its ``q`` by one FP8 ulp where
@@ -57,8 +57,7 @@ __all__ = [
     "FP8_PAD_SCALE",
 ]
 
-FP8_GROUP = reference.FP8_GROUP
-FP8_PAD_SCALE = reference.FP8_PAD_SCALE
+from .wire import FP8_GROUP, FP8_PAD_SCALE  # noqa: E402  re-exported
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -95,7 +94,7 @@ def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """
     check_fp8_g128_input(x)
     if _triton_on(x):
-        from .kernels import norm as norm_kernels
+        from .kernels import norm_rows as norm_kernels
 
         return norm_kernels.quant_fp8_g128(x.detach())
     return reference.quant_fp8_g128(x)

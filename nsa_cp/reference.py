@@ -10,7 +10,7 @@ forms) follow DESIGN.md's conventions, written so that every step is one IEEE fp
 order a kernel can reproduce: the mean is ``sum(s^2) / H`` (the sum of squares in fp64 rounded once to
 fp32, then one fp32 division; CUDA's ``mean`` multiplies by 1/H, and so does CUDA's division by a Python
 scalar, so the divisors here are tensors), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
-rounded steps), ``y = (s * rstd) * w``. The Triton kernels in ``nsa_cp.kernels.norm`` follow that order;
+rounded steps), ``y = (s * rstd) * w``. The Triton kernels in ``nsa_cp.kernels.norm_rows`` follow that order;
 the fp64 sum rounds to the same fp32 total in any summation order (but for ~1 row in 10^7), so they
 match this oracle almost always bit for bit (see tests/test_norm_kernels.py).
 """
@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from .layout import ShardLayout
+from .wire import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX, FP8_PAD_SCALE  # noqa: F401  re-exported
 
 __all__ = [
     "pack_into_slot",
@@ -40,11 +41,6 @@ __all__ = [
     "FP8_PAD_SCALE",
 ]
 
-FP8_GROUP = 128  # columns per scale (DeepSeek-V3's activation block, SGLang's group_size)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_AMAX_FLOOR = 1e-10  # SGLang's eps for the group amax: an all-zero group gets a tiny, finite scale
-# The scale of an all-zero group (and of every padding row): 1e-10 rounded to fp32, divided by 448 in fp32.
-FP8_PAD_SCALE = float(torch.tensor(FP8_AMAX_FLOOR, dtype=torch.float32) / FP8_MAX)
 
 
 def pack_into_slot(x: torch.Tensor, slot: torch.Tensor) -> None:
@@ -77,7 +73,7 @@ def rmsnorm_fp32(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     """``s [rows, H]`` (fp32) -> ``s * rstd * weight`` in fp32, ``rstd = 1 / sqrt(sum(s^2) / H + eps)``."""
     h = s.shape[-1]
     # the sum of squares in fp64, rounded once to fp32: exact squares, an error far below fp32's quantum, so
-    # the same fp32 total whatever order a kernel (or torch) sums in (nsa_cp/kernels/norm.py)
+    # the same fp32 total whatever order a kernel (or torch) sums in (nsa_cp/kernels/norm_rows.py)
     total = s.double().square().sum(dim=-1, keepdim=True).float()
     # a tensor divisor: on CUDA, torch divides by a Python scalar as a product with its reciprocal, which
     # is not the correctly rounded quotient the kernels compute (div_rn); a tensor gets a true division

@@ -151,27 +151,23 @@ def _unused_gather(x, y, layout, group):
 
 def _run_unused(case, rank, world, group, device, dtype) -> Optional[str]:
     """Dead-code elimination must keep a gather whose result is unused and a zero-row reduce-scatter."""
-    from nsa_cp import eager
+    from nsa_cp import plan
 
     torch._dynamo.reset()
     layout, x = _inputs(case, rank, device, dtype)
     y = torch.ones(layout.padded_len, HIDDEN, dtype=dtype, device=device)
     calls = []
-    originals = {name: getattr(eager, name) for name in ("all_gather", "reduce_scatter")}
+    original = plan.call
 
-    def spy(name):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return originals[name](*args, **kwargs)
-        return wrapper
+    def spy(req, *args, **kwargs):
+        calls.append({"cp_all_gather": "all_gather", "cp_reduce_scatter": "reduce_scatter"}.get(req.op, req.op))
+        return original(req, *args, **kwargs)
 
-    try:  # the ops' real implementations look these up on the module at every call
-        for name in originals:
-            setattr(eager, name, spy(name))
+    try:  # the ops' real implementations look plan.call up on the module at every call
+        plan.call = spy
         mine = torch.compile(_unused_gather, backend=case["backend"], fullgraph=True)(x, y, layout, group)
     finally:
-        for name, original in originals.items():
-            setattr(eager, name, original)
+        plan.call = original
     if calls != ["all_gather", "reduce_scatter"]:
         return f"the compiled function ran {calls}, expected one gather then one reduce-scatter"
     if not torch.equal(mine, torch.full_like(mine, world)):
@@ -258,13 +254,13 @@ def _run_bypass(case, rank, world, group, device, dtype) -> Optional[str]:
     def forbidden(*args, **kwargs):
         raise AssertionError("an eager call went through nsa_cp.ops")
 
-    saved = ops.all_gather, ops.reduce_scatter
-    ops.all_gather = ops.reduce_scatter = forbidden
+    saved = ops.call
+    ops.call = forbidden
     try:
         layout, x = _inputs(case, rank, device, dtype)
         _model(x, layout, group, case["compact"], 1.0)
     finally:
-        ops.all_gather, ops.reduce_scatter = saved
+        ops.call = saved
     return None
 
 

@@ -160,8 +160,8 @@ def _run_even_direct(case, rank, world, group, device, nsa_cp) -> Optional[str]:
     """An even layout makes exactly one equal-shard collective on the caller's tensor, no kernel, and the
     result is bitwise torch.distributed's own collective's."""
     import torch.distributed as dist
-    from nsa_cp import algorithms
-    from nsa_cp.transport.nccl import Collectives
+    from nsa_cp import dist_path as algorithms
+    from nsa_cp.transport.torch_dist import Collectives
 
     dtype = DTYPES[case["dtype"]]
     layout = nsa_cp.ShardLayout(case["counts"])
@@ -502,24 +502,23 @@ def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
 def _native_plans(rank, world, group, device, nsa_cp) -> Optional[str]:
     """After init_nccl: every uneven movement's plan holds the native communicator, the even one never."""
     from nsa_cp import plan
+    from nsa_cp.request import Request
 
     even = nsa_cp.ShardLayout([4] * world)
     uneven = nsa_cp.ShardLayout([5 + q for q in range(world)]) if world > 1 else None
     x = torch.randn(4, 8, device=device)
-    got = {"even gather": plan.gather_plan("g", "copy", x, even, group, False, None, "auto", "nccl", None, None,
-                                           None).backend}
+    got = {"even gather": plan.lookup(Request.of("cp_all_gather", x, even, group, backend="nccl")).backend}
     want = {"even gather": "nccl"}
     if uneven is not None:
         x = torch.randn(uneven.count(rank), 8, device=device)
         for compact in (False, True):
             for algo in ("padded", "coalesced"):
                 name = f"uneven gather compact={compact} algo={algo}"
-                got[name] = plan.gather_plan("g", "copy", x, uneven, group, compact, None, algo, "nccl", None, None,
-                                             None).backend
+                got[name] = plan.lookup(Request.of("cp_all_gather", x, uneven, group, compact, algo, "nccl")).backend
                 want[name] = "nccl+native"
                 y = torch.randn(uneven.global_len(compact), 8, device=device)
                 name = f"uneven scatter compact={compact} algo={algo}"
-                got[name] = plan.scatter_plan("s", y, uneven, group, compact, None, algo, "nccl", None, None).backend
+                got[name] = plan.lookup(Request.of("cp_reduce_scatter", y, uneven, group, compact, algo, "nccl")).backend
                 want[name] = "nccl+native"
     wrong = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     return f"plan backends (got, want): {wrong}" if wrong else None

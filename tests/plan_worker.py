@@ -89,8 +89,9 @@ def handle(rank: int, world: int, payload: dict) -> List[Optional[str]]:
 # --------------------------------------------------------------------------- named checks
 def _plan_of(x, layout, group, compact=False, out=None):
     from nsa_cp import plan
+    from nsa_cp.request import Request
 
-    return plan.gather_plan("cp_all_gather", "copy", x, layout, group, compact, out, "auto", "auto", None, None, None)
+    return plan.lookup(Request.of("cp_all_gather", x, layout, group, compact, out=out))
 
 
 def _check_keys(rank, world, group, device) -> Optional[str]:
@@ -139,7 +140,7 @@ def _check_keys(rank, world, group, device) -> Optional[str]:
     if _plan_of(x, layout, group) is not first:
         return "the variable's old value did not find its plan again"
     # and the new value takes effect: NSA_CP_NCCL_CALL=public routes the collective through torch's function
-    from nsa_cp.transport import nccl
+    from nsa_cp.transport import torch_dist as nccl
 
     public, seen = nccl._all_gather_single, []
     nccl._all_gather_single = lambda *a, **k: (seen.append(1), public(*a, **k))[1]

@@ -12,6 +12,7 @@ import pytest
 
 import nsa_cp
 from nsa_cp import _native, envs
+from nsa_cp.support import Support
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +70,7 @@ def test_report_where_the_extension_serves(monkeypatch, opens):
 
     monkeypatch.setattr(_native, "load", lambda: FakeC)
     monkeypatch.setattr(_native, "available", lambda: True)
-    monkeypatch.setattr(_native, "device_unsupported_reason", lambda i: None)
+    monkeypatch.setattr(_native, "device_support", lambda i: Support.yes())
     monkeypatch.setenv("NSA_CP_NCCL_LIBRARY", "libnccl.so.2")
     report = envs.machine_report()
     assert seen == ["libnccl.so.2"]  # the variable's value reaches the loader

@@ -13,6 +13,7 @@ import torch
 
 import nsa_cp
 from nsa_cp import _native, reference
+from nsa_cp.support import Support
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -161,7 +162,7 @@ def test_row_kernels_fall_back_to_triton_on_a_gpu_without_native_code(monkeypatc
 
     from nsa_cp.kernels import _rows
 
-    monkeypatch.setattr(_native, "device_unsupported_reason", lambda index: f"no kernels for cuda:{index}")
+    monkeypatch.setattr(_native, "device_support", lambda index: Support.no(f"no kernels for cuda:{index}"))
     gpu_tensor = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=3))  # all native_module reads
     assert _rows.native_module(gpu_tensor, "auto") is None
     with pytest.raises(ValueError, match="cannot run here: no kernels for cuda:3"):
@@ -266,7 +267,7 @@ with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
     pack.pack_into_slot(x, slot, count[0])  # the first native launch of this process, inside the capture
     compact.padded_to_compact(padded, layout, out)
 from nsa_cp import _native
-assert _native.device_unsupported_reason(0) == "", _native.device_unsupported_reason(0)
+assert _native.device_support(0), _native.device_support(0).reason
 for n in (4, 0, 5):
     count.fill_(n)
     graph.replay()

@@ -1,4 +1,4 @@
-"""The fused add + RMSNorm (+ FP8) row kernels (nsa_cp.kernels.norm) against nsa_cp.reference.
+"""The fused add + RMSNorm (+ FP8) row kernels (nsa_cp.kernels.norm_rows) against nsa_cp.reference.
 
 Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (conftest sets it); with one,
 the same tests run on CUDA. Checks, per the house rules:
@@ -22,7 +22,7 @@ from nsa_cp import reference
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
-from nsa_cp.kernels import norm as K  # noqa: E402
+from nsa_cp.kernels import norm_rows as K  # noqa: E402
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

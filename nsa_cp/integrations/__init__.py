@@ -1,5 +1,6 @@
 """Adapters to serving frameworks. None imports its framework at load: ``nsa_cp.integrations.sglang``
-works on duck-typed objects with SGLang's field names and touches SGLang only in ``install()``."""
+works on duck-typed objects with SGLang's field names and touches SGLang only when its plugin registers,
+in ``install()``, and in runtime lookups when the moves run."""
 
 from . import sglang
 

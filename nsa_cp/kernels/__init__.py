@@ -4,7 +4,7 @@
   kernel and dispatches to its native twin in ``nsa_cp._C`` (csrc/row_copy.cu) where that is available for
   the tensors' GPU (``_rows.native_module``, NSA_CP_ROW_KERNELS): the same copies for a fraction of the
   host time per launch.
-- ``norm``: fused residual add + RMSNorm, optionally quantized to FP8 (groups of 128), into a padded slot
+- ``norm_rows``: fused residual add + RMSNorm, optionally quantized to FP8 (groups of 128), into a padded slot
   with a device-side row count, and the quant-only and local in-place forms (Triton only).
 Triton is imported lazily: a CPU-only install without Triton still imports nsa_cp and uses the
 pure-torch path. ``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors (the tests do).

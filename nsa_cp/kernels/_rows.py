@@ -38,7 +38,7 @@ def native_module(t: torch.Tensor, impl: Optional[str]) -> Optional[ModuleType]:
     """``nsa_cp._C`` when this call on ``t`` takes the native kernel, None for the Triton one.
 
     ``impl``: "native", "triton" or "auto" (native for CUDA tensors when ``nsa_cp._C`` is available and
-    has kernels for their device: see ``_native.device_unsupported_reason``);
+    has kernels for their device: see ``_native.device_support``);
     None reads NSA_CP_ROW_KERNELS. "native" where it cannot run raises ValueError saying why.
     """
     if impl is None:
@@ -48,9 +48,10 @@ def native_module(t: torch.Tensor, impl: Optional[str]) -> Optional[ModuleType]:
     if impl not in _IMPLS:
         raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")
     if t.is_cuda:
-        why = _native.device_unsupported_reason(t.device.index)
-        if not why:
+        verdict = _native.device_support(t.device.index)
+        if verdict:
             return _native.load()
+        why = verdict.reason
     else:
         why = "the tensors are not on a CUDA device"
     if impl == "native":

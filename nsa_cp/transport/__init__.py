@@ -1,2 +1,18 @@
-"""How bytes move between ranks: nccl.py (NCCL/gloo through torch.distributed), p2p.py (intranode
-symmetric memory + the nsa_cp._C kernels)."""
+"""How bytes move between ranks, and the transports' lifecycle.
+
+- ``torch_dist``: NCCL / gloo through torch.distributed's process groups (the path every call can take);
+- ``nccl_native``: nsa_cp's own NCCL communicator for a group's uneven calls (``init_nccl``);
+- ``p2p``: the intranode P2P transport (peer memory + the nsa_cp._C kernels; ``init_p2p``).
+
+The lifecycle helpers live here: ``init_p2p`` / ``get_p2p`` / ``destroy_p2p`` /
+``p2p_unavailable_reason``, ``init_nccl`` / ``get_nccl`` / ``destroy_nccl`` / ``nccl_unavailable_reason``
+and ``workspace_bytes`` (what ``init_p2p`` allocates). ``nsa_cp`` itself keeps ``init_p2p``, ``init_nccl``
+and the two ``*_unavailable_reason`` (the use cases); its other lifecycle names are deprecated aliases.
+"""
+
+from ..workspace import workspace_bytes
+from .nccl_native import destroy_nccl, get_nccl, init_nccl, nccl_unavailable_reason
+from .p2p import destroy_p2p, get_p2p, init_p2p, p2p_unavailable_reason
+
+__all__ = ["init_p2p", "get_p2p", "destroy_p2p", "p2p_unavailable_reason", "init_nccl", "get_nccl", "destroy_nccl",
+           "nccl_unavailable_reason", "workspace_bytes"]

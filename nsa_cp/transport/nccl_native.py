@@ -1,7 +1,7 @@
 """An NCCL communicator owned by ``nsa_cp._C`` for a process group: ``init_nccl``, ``get_nccl``, ``destroy_nccl``.
 
 Why: torch's c10d op around an NCCL collective (work object, stream bookkeeping, dispatch) costs the
-host 50-110 us per call on 2x H200's CPU (the plain all-gather, bf16, H = 7168), several times the ``ncclAllGather`` call itself. An uneven
+host several times what the ``ncclAllGather`` call itself costs (docs/performance.md). An uneven
 call of the NCCL path adds a pack and a slice to it, so it costs more host time than the plain
 collective however lean the Python around it is. This communicator calls NCCL directly from C++
 (vLLM's and SGLang's pynccl pattern): libnccl is the copy torch loaded (``NSA_CP_NCCL_LIBRARY`` names
@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _native, envs
-from .nccl import resolve_group
+from ..support import Support
+from .torch_dist import resolve_group
 from .registry import GroupRegistry
 
-__all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_unavailable_reason", "NCCL_DTYPES"]
+__all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_support", "nccl_unavailable_reason", "NCCL_DTYPES"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -45,21 +46,27 @@ _NCCL_UINT8 = 1
 _REGISTRY = GroupRegistry()
 
 
-def nccl_unavailable_reason(group: Optional[dist.ProcessGroup] = None) -> str:
-    """"" when ``init_nccl(group)`` can work here, else why not (a sentence)."""
+def nccl_support(group: Optional[dist.ProcessGroup] = None) -> Support:
+    """Whether ``init_nccl(group)`` can work here, and why not."""
     mod = _native.load()
     if mod is None or not hasattr(mod, "NcclComm"):
-        return _native.unavailable_reason() or "nsa_cp._C has no NcclComm (built before it existed)"
+        return Support.no(_native.unavailable_reason() or "nsa_cp._C has no NcclComm (built before it existed)")
     if not _native.available():
-        return _native.unavailable_reason()
+        return _native.support()
     backend = dist.get_backend(resolve_group(group))
     if "nccl" not in str(backend).lower():
-        return f"the group's backend is {backend!r}, not NCCL"
+        return Support.no(f"the group's backend is {backend!r}, not NCCL")
     try:
         mod.nccl_library(envs.NSA_CP_NCCL_LIBRARY)
     except (RuntimeError, ValueError) as err:
-        return str(err)
-    return ""
+        return Support.no(str(err))
+    return Support.yes()
+
+
+def nccl_unavailable_reason(group: Optional[dist.ProcessGroup] = None) -> Optional[str]:
+    """None when ``init_nccl(group)`` can work here, else why not (a sentence): ``nccl_support``'s reason,
+    as ``p2p_unavailable_reason`` for the P2P transport."""
+    return nccl_support(group).reason or None
 
 
 class NativeNccl:
@@ -70,9 +77,9 @@ class NativeNccl:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, device=None):
-        reason = nccl_unavailable_reason(group)
-        if reason:
-            raise RuntimeError(f"nsa_cp.init_nccl: {reason}")
+        verdict = nccl_support(group)
+        if not verdict:
+            raise RuntimeError(f"nsa_cp.init_nccl: {verdict.reason}")
         pg = resolve_group(group)
         mod = _native.load()
         self.group, self.rank, self.world = pg, pg.rank(), pg.size()

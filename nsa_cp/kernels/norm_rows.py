@@ -17,7 +17,7 @@ Design record:
 - The sum of squares is taken in fp64 and rounded once to fp32. ``tl.sum`` adds in the order of the
   register layout the compiler picks, and the FP8 variant gets another layout than the plain one (its
   fp8 stores want 16 elements per thread): with an fp32 sum, at H = 7168 the two variants' rstd
-  differed by an fp32 ulp in some rows (on an H200), and the FP8 path's (q, scale) were not the
+  differed by an fp32 ulp in some rows, and the FP8 path's (q, scale) were not the
   quantization of the plain path's y. In fp64 every square is exact and the sum's relative error is
   ~1e-15, so its fp32 rounding (fp32 quanta are ~1e-7 apart) is the same in any order, the
   reference's included, except for a sum within ~1e-15 of a rounding midpoint (about one row in 10^7). The FP8 path quantizes
@@ -38,13 +38,14 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from ..wire import FP8_G128, FP8_GROUP
 
 __all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_fp8_g128_into", "quant_fp8_g128", "QUANT_MODES"]
 
-QUANT_MODES = ("fp8_e4m3_g128",)
+QUANT_MODES = (FP8_G128,)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_ROW = 65536  # elements a program holds in registers; longer rows are refused (ValueError)
-_GROUP = reference.FP8_GROUP
+_GROUP = FP8_GROUP
 
 
 @triton.jit
@@ -300,9 +301,9 @@ def quant_fp8_g128_into(x: torch.Tensor, dst: torch.Tensor, dst_scale: torch.Ten
     ``dst_scale [M, H/128]`` (fp32); rows ``[n, M)``: q = 0, scale = 1e-10/448. n read from ``count``
     (int32 device scalar) as for ``fused_add_rmsnorm_into``; for ``cp_all_gather(x, quant=...)``."""
     h = _check_x(x)
-    _check_quant("fp8_e4m3_g128", h, x)
+    _check_quant(FP8_G128, h, x)
     _check_count(count, x.device)
-    _write_slot(_input_rows(x), None, None, 0.0, dst, dst_scale, count, "fp8_e4m3_g128", norm=False)
+    _write_slot(_input_rows(x), None, None, 0.0, dst, dst_scale, count, FP8_G128, norm=False)
 
 
 def _write_slot(x, residual, weight, eps, dst, dst_scale, count, quant, norm: bool) -> None:
@@ -349,7 +350,7 @@ def fused_add_rmsnorm(
 def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x [rows, H]`` -> new ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``, every row."""
     h = _check_x(x)
-    _check_quant("fp8_e4m3_g128", h, x)
+    _check_quant(FP8_G128, h, x)
     rows = x.shape[0]
     q = torch.empty((rows, h), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, h // _GROUP), dtype=torch.float32, device=x.device)

@@ -1,4 +1,5 @@
-"""The NCCL / gloo paths: how a plan moves rows through torch.distributed when no P2P transport serves it.
+"""The torch.distributed path (NCCL on GPUs, gloo on CPU): how a plan moves rows when no P2P transport
+serves it.
 
 Every gather is one *source stage* then one *movement*:
 
@@ -37,11 +38,11 @@ import torch
 
 from . import checks, reference
 from .layout import ShardLayout
-from .transport.nccl import Collectives
+from .transport.torch_dist import Collectives
+from .wire import FP8_DTYPE, FP8_G128, FP8_GROUP
 
 __all__ = ["Source", "gather_runner", "scatter_runner"]
 
-_FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
 class Source:
@@ -54,7 +55,7 @@ class Source:
         if mode in ("quant", "norm_quant"):
             hidden = row_shape[-1]
             # (row shape, dtype of the result, dtype on the wire)
-            self.streams = (((hidden,), _FP8, torch.uint8), ((hidden // checks.FP8_GROUP,), torch.float32, torch.float32))
+            self.streams = (((hidden,), FP8_DTYPE, torch.uint8), ((hidden // FP8_GROUP,), torch.float32, torch.float32))
         else:
             wire = torch.uint8 if dtype in checks.FP8_DTYPES else dtype
             self.streams = ((row_shape, dtype, wire),)
@@ -104,14 +105,14 @@ def _fill_cuda(mode: str, slots, x: torch.Tensor, count: torch.Tensor, norm_args
 
         pack.pack_into_slot(x, slots[0], count)
         return
-    from .kernels import norm as kernels  # the fused source stages: one Triton kernel each
+    from .kernels import norm_rows as kernels  # the fused source stages: one Triton kernel each
 
     if mode == "quant":
         kernels.quant_fp8_g128_into(x, slots[0], slots[1], count)
     elif mode == "norm":
         kernels.fused_add_rmsnorm_into(x, *norm_args, slots[0], count)
     else:
-        kernels.fused_add_rmsnorm_into(x, *norm_args, slots[0], count, quant="fp8_e4m3_g128", dst_scale=slots[1])
+        kernels.fused_add_rmsnorm_into(x, *norm_args, slots[0], count, quant=FP8_G128, dst_scale=slots[1])
 
 
 def _padded_to_compact(padded: torch.Tensor, layout: ShardLayout, compact: torch.Tensor) -> None:

@@ -1,0 +1,59 @@
+"""SGLang's runtime state, looked up when asked (never at import), for the adapter and the plugin.
+
+Contract: every function answers without raising where SGLang is not installed or not set up yet (the
+plugin loads before SGLang's distributed init):
+
+* :func:`attn_cp_group` -> SGLang's attention-CP ``GroupCoordinator``, or None;
+* :func:`attn_dp_size` -> ``get_parallel().attn_dp_size``, or 1 (no attention DP);
+* :func:`sglang_version` -> the installed SGLang's version string, or None;
+* :func:`warn_if_untested` logs a warning when that version is not :data:`TESTED_SGLANG`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Optional
+
+logger = logging.getLogger("nsa_cp")
+
+TESTED_SGLANG = "0.5.23"
+
+
+def _parallel() -> Any:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel()
+
+
+def attn_cp_group():
+    """SGLang's attention-CP GroupCoordinator, or None where SGLang is not importable or not set up."""
+    try:
+        return _parallel().attn_cp_group
+    except Exception:  # noqa: BLE001  not installed, not initialised: the caller falls back
+        return None
+
+
+def attn_dp_size() -> int:
+    """SGLang's attention-DP size; 1 where SGLang is not importable or has not published it."""
+    try:
+        return int(_parallel().attn_dp_size)
+    except Exception:  # noqa: BLE001  not SGLang, or not published: no attention DP
+        return 1
+
+
+def sglang_version() -> Optional[str]:
+    """The installed distribution's version, else the imported module's ``__version__``, else None."""
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001
+        return getattr(sys.modules.get("sglang"), "__version__", None)
+
+
+def warn_if_untested(version: Optional[str]) -> None:
+    """The CpMoves signatures are SGLang's private API: say so when another version is found."""
+    if version is not None and not str(version).startswith(TESTED_SGLANG):
+        logger.warning("nsa_cp: written against SGLang %s's layer_boundary, found %s; check the CpMoves "
+                       "signatures", TESTED_SGLANG, version)

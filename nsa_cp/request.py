@@ -1,0 +1,88 @@
+"""What one public call asks for, described once: the ``Request`` record.
+
+Every public collective builds one ``Request`` from its arguments (``Request.of``) and hands it on
+unchanged: it is the plan-cache key (with the resolved process group and the environment that steers
+choices: nsa_cp/plan.py), the one argument the plan constructors take, and what the torch.library ops'
+schema arguments are derived from (nsa_cp/ops.py). Its fields are the call's choices and the facts about
+its input that a plan depends on; the tensors themselves (and ``validate``, ``eps``) travel beside it.
+docs/design.md ("A call, described once") has the design record.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import checks
+
+__all__ = ["Request", "GATHER_OPS", "SCATTER_OPS"]
+
+GATHER_OPS = ("cp_all_gather", "fused_add_rmsnorm_all_gather")
+SCATTER_OPS = ("cp_reduce_scatter", "reduce_scatter_fused_add_rmsnorm", "cp_reduce_scatter_buffer")
+# what each public function calls its tensor, for the error messages
+_INPUT = {"cp_all_gather": "x", "fused_add_rmsnorm_all_gather": "x", "cp_reduce_scatter": "y",
+          "reduce_scatter_fused_add_rmsnorm": "partials", "cp_reduce_scatter_buffer": "like"}
+
+
+class Request(NamedTuple):
+    """One call: ``op`` (the public function's name), the layout and group as passed, the choices
+    (compact, algo, backend, quant), the input's row shape ``x.shape[1:]``, dtype and device, and which
+    optional tensors are given (``out``, ``device_counts``, ``positions``, a norm ``residual``)."""
+
+    op: str
+    layout: object  # a ShardLayout once the plan checks passed
+    group: object  # Optional[ProcessGroup]: None is the default group
+    compact: bool
+    algo: str
+    backend: str
+    quant: Optional[str]
+    row_shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    has_out: bool
+    has_device_counts: bool
+    ordered: bool  # positions given: batch order
+    residual: bool  # a norm's residual given (a first layer's is None)
+
+    @classmethod
+    def of(cls, op: str, t, layout, group, compact=False, algo="auto", backend="auto", quant=None, out=None,
+           device_counts=None, positions=None, residual=None) -> "Request":
+        """The request of ``op`` on the tensor ``t`` (x, y, partials or like); ValueError naming ``t`` when
+        it is not a tensor of 2 or more dims."""
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            checks.check_tensor(_INPUT[op], t, "tokens")
+        return cls(op, layout, group, compact, algo, backend, quant, t.shape[1:], t.dtype, t.device, out is not None,
+                   device_counts is not None, positions is not None, residual is not None)
+
+    @property
+    def input_name(self) -> str:
+        return _INPUT[self.op]
+
+    @property
+    def is_gather(self) -> bool:
+        return self.op in GATHER_OPS
+
+    @property
+    def norm(self) -> bool:
+        """The fused add + RMSNorm is part of the call."""
+        return self.op in ("fused_add_rmsnorm_all_gather", "reduce_scatter_fused_add_rmsnorm")
+
+    @property
+    def mode(self) -> str:
+        """A gather's source stage: copy, quant (FP8), norm, norm_quant."""
+        if self.op == "fused_add_rmsnorm_all_gather":
+            return "norm" if self.quant is None else "norm_quant"
+        return "copy" if self.quant is None else "quant"
+
+    @property
+    def result_rows(self) -> int:
+        """Rows of the gathered result / the reduce-scatter's input: padded, compact or batch order."""
+        return self.layout.global_len(self.compact or self.ordered)
+
+    def describe(self) -> str:
+        """What the ranks must agree on, as text (the plan's signature, validation's fingerprint)."""
+        quant = f"|quant={self.quant}" if self.quant is not None or self.is_gather else ""
+        return (f"{self.op}|compact={self.compact}|dtype={self.dtype}|row={tuple(self.row_shape)}|"
+                f"device_counts={self.has_device_counts}|ordered={self.ordered}{quant}")
+
