@@ -53,7 +53,8 @@ def survey(group, device, config: Optional[dict] = None) -> Tuple[Optional[str],
     if index is None:  # no device, or "cuda": the current one
         index = torch.cuda.current_device() if local is None else -1
     if local is None:
-        local = _native.device_unsupported_reason(index) or None
+        verdict = _native.device_support(index)
+        local = None if verdict else verdict.reason
     everyone = [None] * world
     dist.all_gather_object(everyone, (socket.gethostname(), index, local, config), group=group)
     for key in config or {}:

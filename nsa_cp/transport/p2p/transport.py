@@ -24,15 +24,15 @@ import torch.distributed as dist
 from ... import _native, envs
 from ...layout import ShardLayout
 from ...support import Support
+from ...wire import FP8_G128, FP8_GROUP
 from .buffers import DTYPE_CODES, P2PBuffers
 from .errors import error_from_record
 
 __all__ = ["P2PTransport", "QUANT_FP8"]
 
-QUANT_FP8 = "fp8_e4m3_g128"
+QUANT_FP8 = FP8_G128  # the one quantized wire format (nsa_cp/wire.py)
 _ENGINES = ("auto", "sm", "ce")
 _NORM_MAX_WORDS = 4 * 512  # 16-byte words of one row the norm stage holds (csrc: 4 per thread, 512 threads)
-_FP8_GROUP = 128
 _VIEW_CACHE_LIMIT = 256
 
 
@@ -107,8 +107,8 @@ class P2PTransport:
         if quant is not None:
             if quant != QUANT_FP8:
                 return Support.no(f"quant {quant!r}: the P2P transport knows None and {QUANT_FP8!r}")
-            if self.hidden_size % _FP8_GROUP:
-                return Support.no(f"{QUANT_FP8} needs hidden_size to be a multiple of 128, got {self.hidden_size}")
+            if self.hidden_size % FP8_GROUP:
+                return Support.no(f"{QUANT_FP8} needs hidden_size to be a multiple of {FP8_GROUP}, got {self.hidden_size}")
         if norm or quant is not None:
             if self._row_bytes % 16:
                 return Support.no(f"the fused norm/quant stage needs rows of a multiple of 16 bytes, got {self._row_bytes}")
@@ -147,7 +147,7 @@ class P2PTransport:
         """``(q [rows, H] float8_e4m3fn, scale [rows, H/128] float32)`` over gather buffer ``buffer``
         (docs/design.md, "FP8 layout")."""
         raw = self._gathers[buffer].view(-1).view(torch.uint8)
-        h, groups = self.hidden_size, self.hidden_size // _FP8_GROUP
+        h, groups = self.hidden_size, self.hidden_size // FP8_GROUP
         q = raw[: rows * h].view(torch.float8_e4m3fn).view(rows, h)
         start = self._state.scale_offset(buffer)
         scale = raw[start: start + rows * groups * 4].view(torch.float32).view(rows, groups)
