@@ -64,7 +64,7 @@ class P2PTransport:
                  workspace_bytes: Optional[int] = None, double_buffer_tokens: Optional[int] = None,
                  check_layout: bool = True):
         self._broken = None  # (exception class, message) once a call failed on the device
-        b = self._buffers_ = P2PBuffers(
+        b = self._buffers = P2PBuffers(
             group, max_tokens_per_rank, hidden_size, dtype, device, timeout_ms=timeout_ms,
             workspace_bytes=workspace_bytes, double_buffer_tokens=double_buffer_tokens, check_layout=check_layout,
         )
@@ -261,7 +261,7 @@ class P2PTransport:
         view = self._reduce_views.get(key)
         if view is None:
             self.support(layout, rest, self.dtype, self.device).require("reduce_buffer")
-            view = self._rows_view(self._buffers_.reduce, layout.global_len(compact), rest)
+            view = self._rows_view(self._buffers.reduce, layout.global_len(compact), rest)
             if len(self._reduce_views) >= _VIEW_CACHE_LIMIT:
                 self._reduce_views.clear()
             self._reduce_views[key] = view
@@ -352,7 +352,7 @@ class P2PTransport:
         start, stop = layout.rows(self.rank, compact)
         n = stop - start
         result = self._rows_view(self._gathers[0], layout.global_len(compact), row_shape)
-        targets = [peer[start:stop].view(n, *row_shape) for peer in self._buffers_.peer_gather] if n else []
+        targets = [peer[start:stop].view(n, *row_shape) for peer in self._buffers.peer_gather] if n else []
         padding = []
         if not compact:
             m, flat = layout.max_rank_len, self._gathers[0].view(-1)
@@ -387,8 +387,8 @@ class P2PTransport:
 
     def close(self) -> None:
         """Refuse every later call (runners included), then free the host-mapped error record."""
-        if getattr(self, "_buffers_", None) is not None:
-            self._buffers_.close()
+        if getattr(self, "_buffers", None) is not None:
+            self._buffers.close()
 
     def __del__(self):
         try:
