@@ -222,10 +222,17 @@ def _native_nccl_needs(c: Ctx) -> Optional[str]:
 
 
 def p2p_ag(compact: bool, engine: str):
-    """The P2P transport's gather with a forced engine; returns the view of its gather buffer."""
+    """The P2P transport's gather with a forced engine; returns the view of its gather buffer (its runner
+    built once per transport, layout and row shape, as the plan caches it)."""
+    runners = {}
 
     def fn(c: Ctx, b: Bufs):
-        return c.nsa.get_p2p(c.group).all_gather(b.x, c.layout, compact=compact, engine=engine)
+        transport, key = c.nsa.get_p2p(c.group), (c.layout, tuple(b.x.shape[1:]))
+        built = runners.get(key)
+        if built is None or built[0] is not transport:
+            runners.clear()  # a new transport: the old runners point into freed buffers
+            built = runners[key] = (transport, transport.gather_runner(c.layout, compact, key[1], engine=engine))
+        return built[1](b.x)
 
     return fn
 

@@ -113,7 +113,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("write_u32", &nsa_cp::write_u32, py::arg("host_ptr"), py::arg("index"), py::arg("value"),
         "Write element `index` of a host-mapped uint32 array, e.g. 0 to reset an error record.");
 
-  // ---- kernels --------------------------------------------------------------------------------
+  // ---- stateless launchers --------------------------------------------------------------------------
+  // The library launches through P2PState only. These three stay for the native layer's own tests
+  // (tests/test_native_gpu.py drives the kernels with simulated ranks in one process, the protocol
+  // and timeouts included; tests/test_native_launchers.py checks their arguments without a GPU).
   m.def("barrier", &nsa_cp::barrier, py::arg("pads"), py::arg("rank"), py::arg("world"), py::arg("channel"),
         py::arg("phase"), py::arg("seq"), py::arg("advance"), py::arg("timeout_ns"), py::arg("err"),
         py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
@@ -185,13 +188,8 @@ element at a time. rank, world, pads, channel, seq, arrive, timeout_ns, err: the
 
   // ---- the P2P transport's state, bound once ------------------------------------------------------
   py::register_exception<nsa_cp::P2PDeviceError>(m, "P2PDeviceError", PyExc_RuntimeError);
-  py::class_<nsa_cp::P2PState>(m, "P2PState", R"doc(One rank's P2P transport state, bound once (DeepEP's Buffer idea).
-
-Constructed once per transport with every address and size that stays fixed, all checked here
-(ValueError). Its launch methods take only what changes per call, check only that (ValueError, before
-any CUDA call), read the host-mapped error record first (P2PDeviceError, a RuntimeError, when an
-earlier call failed on the device: nothing is enqueued), make `device` current for the launch and
-restore the caller's device after. The GIL is released while they enqueue.
+  using nsa_cp::P2PConfig;
+  py::class_<P2PConfig>(m, "P2PConfig", R"doc(Everything a P2PState is built from, by name (all keyword arguments).
 
 device: CUDA device index the launches go to. rank, world: 0 <= rank < world <= MAX_WORLD.
 gather_ptrs: device uint64[2][world], every rank's gather buffer 0 (row 0) and 1 (row 1; row 0's
@@ -205,15 +203,41 @@ gather buffer 0 and of the reduce buffer (the capacity). double_buffer_rows: row
 buffer 1 (0: none). check_layout: every launch carries a fingerprint of what it assumes (layout
 counts, max_rank_len, row bytes, compact / ordered / norm / fp8, epoch) in the signals it exchanges
 anyway, and compares every peer's with its own (ERR_LAYOUT_MISMATCH; no extra signal or wait).
+Values are checked by P2PState (ValueError); a negative address is a TypeError here.)doc")
+      .def(py::init([](int device, int rank, int world, uint64_t gather_ptrs, uint64_t reduce_ptrs, uint64_t pads,
+                       uint64_t seq, uint64_t arrive, uint64_t gather_state, uint64_t err_host, uint64_t err_dev,
+                       uint64_t timeout_ns, int64_t hidden, int dtype, int sm_count, int64_t max_rows_per_rank,
+                       int64_t double_buffer_rows, bool check_layout) {
+             return P2PConfig{device,  rank,         world,      gather_ptrs, reduce_ptrs, pads,
+                              seq,     arrive,       gather_state, err_host,  err_dev,     timeout_ns,
+                              hidden,  dtype,        sm_count,   max_rows_per_rank, double_buffer_rows,
+                              check_layout};
+           }),
+           py::kw_only(), py::arg("device"), py::arg("rank"), py::arg("world"), py::arg("gather_ptrs"),
+           py::arg("reduce_ptrs"), py::arg("pads"), py::arg("seq"), py::arg("arrive"), py::arg("gather_state"),
+           py::arg("err_host"), py::arg("err_dev"), py::arg("timeout_ns"), py::arg("hidden"), py::arg("dtype"),
+           py::arg("sm_count"), py::arg("max_rows_per_rank"), py::arg("double_buffer_rows"),
+           py::arg("check_layout") = true)
+      .def_readonly("device", &P2PConfig::device)
+      .def_readonly("rank", &P2PConfig::rank)
+      .def_readonly("world", &P2PConfig::world)
+      .def_readonly("hidden", &P2PConfig::hidden)
+      .def_readonly("dtype", &P2PConfig::dtype)
+      .def_readonly("sm_count", &P2PConfig::sm_count)
+      .def_readonly("max_rows_per_rank", &P2PConfig::max_rows_per_rank)
+      .def_readonly("double_buffer_rows", &P2PConfig::double_buffer_rows)
+      .def_readonly("check_layout", &P2PConfig::check_layout);
+  py::class_<nsa_cp::P2PState>(m, "P2PState", R"doc(One rank's P2P transport state, bound once (DeepEP's Buffer idea).
+
+P2PState(config): built once per transport from a P2PConfig (every address and size that stays
+fixed), all checked here (ValueError). Its launch methods take only what changes per call, check only
+that (ValueError, before any CUDA call), read the host-mapped error record first (P2PDeviceError, a
+RuntimeError, when an earlier call failed on the device: nothing is enqueued), make `device` current
+for the launch and restore the caller's device after. The GIL is released while they enqueue.
 
 Double buffering: a gather whose max_rank_len fits gather buffer 1 writes the other buffer than the
 previous gather did; a larger one writes buffer 0. The gathers return the buffer they wrote.)doc")
-      .def(py::init<int, int, int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
-                    uint64_t, int64_t, int, int, int64_t, int64_t, bool>(),
-           py::arg("device"), py::arg("rank"), py::arg("world"), py::arg("gather_ptrs"), py::arg("reduce_ptrs"),
-           py::arg("pads"), py::arg("seq"), py::arg("arrive"), py::arg("gather_state"), py::arg("err_host"),
-           py::arg("err_dev"), py::arg("timeout_ns"), py::arg("hidden"), py::arg("dtype"), py::arg("sm_count"),
-           py::arg("max_rows_per_rank"), py::arg("double_buffer_rows"), py::arg("check_layout") = true)
+      .def(py::init<const P2PConfig&>(), py::arg("config"))
       .def("gather", &nsa_cp::P2PState::gather, py::arg("src"), py::arg("src_row_stride_bytes"), py::arg("counts"),
            py::arg("offsets"), py::arg("max_rank_len"), py::arg("compact"), py::arg("stream"), py::arg("positions") = 0,
            py::arg("num_positions") = -1, py::call_guard<py::gil_scoped_release>(),

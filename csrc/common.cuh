@@ -39,6 +39,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -330,24 +331,27 @@ __device__ __forceinline__ int grid_done_counters(const SignalArgs& s, uint32_t 
 
 // ---- row-chunk iteration ---------------------------------------------------------------------------
 
-// Unsigned word of VEC bytes: the unit of every load and store of the data-movement kernels.
+// The RMS factor 1 / sqrt(mean(x^2) + eps) of a row of `hidden` elements held across the block:
+// `ss` is this thread's partial sum of squares, `red` a shared float[kDataThreads / 32] (callers
+// alternate two by row parity, so no barrier is needed between one row's reads and the next's writes).
+__device__ __forceinline__ float block_rstd(float ss, float* red, int64_t hidden, float eps) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kDataThreads / 32; ++i) total += red[i];
+  return 1.0f / sqrtf(total / static_cast<float>(hidden) + eps);
+}
+
+// Unsigned word of VEC bytes (16, 4, 2 or 1): the unit of every load and store of the data-movement
+// kernels.
 template <int VEC>
-struct Word;
-template <>
-struct Word<16> {
-  using type = uint4;
-};
-template <>
-struct Word<4> {
-  using type = uint32_t;
-};
-template <>
-struct Word<2> {
-  using type = uint16_t;
-};
-template <>
-struct Word<1> {
-  using type = uint8_t;
+struct Word {
+  static_assert(VEC == 16 || VEC == 4 || VEC == 2 || VEC == 1, "words are 16, 4, 2 or 1 bytes");
+  using type = std::conditional_t<VEC == 16, uint4,
+                                  std::conditional_t<VEC == 4, uint32_t, std::conditional_t<VEC == 2, uint16_t, uint8_t>>>;
 };
 
 // Grid-stride walk over (row, chunk) pairs of a [rows, chunks] work grid without a division per step:

@@ -70,6 +70,21 @@ __device__ __forceinline__ void pack(const float (&f)[1], S& v) {
   v = static_cast<S>(Elem<D>::from_f(f[0]));
 }
 
+// The norm stages' residual step on one 16-byte word of a row: v <- v + residual in fp32 (ROUND_FIRST:
+// v rounded to the dtype first, as the reduce-scatter returns it), and the residual word <- v rounded,
+// in place.
+template <int D, bool ROUND_FIRST, int N>
+__device__ __forceinline__ void add_residual_in_place(float (&v)[N], char* word) {
+  uint4* rp = reinterpret_cast<uint4*>(word);
+  float r[N];
+  unpack<D>(*rp, r);
+#pragma unroll
+  for (int e = 0; e < N; ++e) v[e] = (ROUND_FIRST ? Elem<D>::to_f(Elem<D>::from_f(v[e])) : v[e]) + r[e];
+  uint4 o;
+  pack<D>(v, o);
+  *rp = o;
+}
+
 // Element `col` of a bf16 / fp16 / fp32 vector as fp32 (the dtype a runtime code: the norm's weight).
 __device__ __forceinline__ float load_as_float(const void* base, int dtype, int64_t col) {
   if (dtype == kFP32) return __ldg(static_cast<const float*>(base) + col);

@@ -253,15 +253,21 @@ bool check_v(const char* fn, uint64_t send, uint64_t recv, const std::vector<int
   return any;
 }
 
-// One NCCL call per rank q with elements, rooted at q, grouped into one launch (what torch does for an
-// uneven list collective on NCCL). The group is always closed, even after a failed call inside it.
+// The uneven collectives: check the arguments, then one NCCL call per rank q with elements, rooted at
+// q, grouped into one launch (what torch does for an uneven list collective on NCCL). The group is
+// always closed, even after a failed call inside it. gather: all_gather_v (any dtype) or
+// reduce_scatter_v (a sum: floating dtypes).
 template <typename Call>
-void per_root_grouped(const NcclApi& a, ncclComm_t comm, const std::vector<int64_t>& counts, const char* fn,
-                      const char* what, Call call) {
+void per_root_grouped(const char* fn, const char* what, ncclComm_t comm, uint64_t send, uint64_t recv,
+                      const std::vector<int64_t>& counts, const std::vector<int64_t>& offsets, int dtype,
+                      int64_t elem_bytes, int world, int rank, bool gather, Call call) {
+  check_dtype(fn, dtype, !gather);
+  if (!check_v(fn, send, recv, counts, offsets, world, rank, elem_bytes, gather)) return;
+  const NcclApi& a = g_api;
   check_nccl(a, a.GroupStart(), comm, fn, "ncclGroupStart");
   ncclResult_t r = kNcclSuccess;
   for (int q = 0; q < static_cast<int>(counts.size()) && r == kNcclSuccess; ++q) {
-    if (counts[q] > 0) r = call(q);
+    if (counts[q] > 0) r = call(a, q);
   }
   ncclResult_t end = a.GroupEnd();
   check_nccl(a, r, comm, fn, what);
@@ -273,26 +279,24 @@ void NcclComm::all_gather_v(uint64_t send, uint64_t recv, const std::vector<int6
                             const std::vector<int64_t>& offsets, int dtype, int64_t elem_bytes, uint64_t stream) {
   const char* fn = "NcclComm.all_gather_v";
   ncclComm_t comm = live(fn);
-  check_dtype(fn, dtype, false);
-  if (!check_v(fn, send, recv, counts, offsets, world_, rank_, elem_bytes, true)) return;
-  const NcclApi& a = g_api;
-  per_root_grouped(a, comm, counts, fn, "ncclBroadcast", [&](int q) {
-    return a.Broadcast(as_ptr<void>(send), as_ptr<void>(recv + static_cast<uint64_t>(offsets[q] * elem_bytes)),
-                       static_cast<size_t>(counts[q]), dtype, q, comm, as_ptr<void>(stream));
-  });
+  per_root_grouped(fn, "ncclBroadcast", comm, send, recv, counts, offsets, dtype, elem_bytes, world_, rank_, true,
+                   [&](const NcclApi& a, int q) {
+                     return a.Broadcast(as_ptr<void>(send),
+                                        as_ptr<void>(recv + static_cast<uint64_t>(offsets[q] * elem_bytes)),
+                                        static_cast<size_t>(counts[q]), dtype, q, comm, as_ptr<void>(stream));
+                   });
 }
 
 void NcclComm::reduce_scatter_v(uint64_t send, uint64_t recv, const std::vector<int64_t>& counts,
                                 const std::vector<int64_t>& offsets, int dtype, int64_t elem_bytes, uint64_t stream) {
   const char* fn = "NcclComm.reduce_scatter_v";
   ncclComm_t comm = live(fn);
-  check_dtype(fn, dtype, true);
-  if (!check_v(fn, send, recv, counts, offsets, world_, rank_, elem_bytes, false)) return;
-  const NcclApi& a = g_api;
-  per_root_grouped(a, comm, counts, fn, "ncclReduce", [&](int q) {
-    return a.Reduce(as_ptr<void>(send + static_cast<uint64_t>(offsets[q] * elem_bytes)), as_ptr<void>(recv),
-                    static_cast<size_t>(counts[q]), dtype, kNcclSum, q, comm, as_ptr<void>(stream));
-  });
+  per_root_grouped(fn, "ncclReduce", comm, send, recv, counts, offsets, dtype, elem_bytes, world_, rank_, false,
+                   [&](const NcclApi& a, int q) {
+                     return a.Reduce(as_ptr<void>(send + static_cast<uint64_t>(offsets[q] * elem_bytes)),
+                                     as_ptr<void>(recv), static_cast<size_t>(counts[q]), dtype, kNcclSum, q, comm,
+                                     as_ptr<void>(stream));
+                   });
 }
 
 std::string NcclComm::async_error() const {

@@ -62,6 +62,8 @@ void barrier(uint64_t pads, int rank, int world, int channel, int phase, uint64_
              uint64_t timeout_ns, uint64_t err, uint64_t stream);
 
 // ---- p2p_gather.cu ----------------------------------------------------------------------------
+// p2p_gather / p2p_reduce_scatter: the stateless launchers, for the native layer's tests only (the
+// transport launches through P2PState); barrier also serves P2PState.
 void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, uint64_t bufs, uint64_t counts,
                 uint64_t offsets, int64_t max_rank_len, bool compact, int rank, int world, uint64_t pads,
                 int channel, uint64_t seq, uint64_t arrive, uint64_t timeout_ns, uint64_t err, int num_blocks,
@@ -82,15 +84,38 @@ class P2PDeviceError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Everything fixed for the life of one rank's P2P transport (DeepEP's Buffer idea): checked once at
-// construction; a launch then passes only what changes per call and checks only that. The gather's
-// double-buffer choice lives here. Argument meanings: bindings.cpp.
+struct SignalArgs;  // common.cuh, p2p_kernels.h: what the kernels take
+struct GatherParams;
+struct ReduceParams;
+
+// Everything fixed for the life of one rank's P2P transport, by name (field meanings: bindings.cpp,
+// P2PConfig). The Python transport fills one and hands it to P2PState, which checks it once.
+struct P2PConfig {
+  int device = 0;
+  int rank = 0;
+  int world = 0;
+  uint64_t gather_ptrs = 0;   // device uint64[2][world]: every rank's gather buffer 0, then 1
+  uint64_t reduce_ptrs = 0;   // device uint64[world]: every rank's reduce buffer
+  uint64_t pads = 0;          // device uint64[world]: every rank's signal pad
+  uint64_t seq = 0;           // device uint32[2] epochs (gather, reduce-scatter channel)
+  uint64_t arrive = 0;        // device uint32[2] finished-block counters
+  uint64_t gather_state = 0;  // device uint32[2]: the buffer the last gather wrote, done total consumed
+  uint64_t err_host = 0;      // the host-mapped error record, host and device address
+  uint64_t err_dev = 0;
+  uint64_t timeout_ns = 0;    // 0: wait forever
+  int64_t hidden = 0;         // elements per row
+  int dtype = 0;              // kBF16 / kFP16 / kFP32
+  int sm_count = 0;           // block policy
+  int64_t max_rows_per_rank = 0;   // rows per rank of gather buffer 0 and the reduce buffer
+  int64_t double_buffer_rows = 0;  // rows per rank of gather buffer 1 (0: none)
+  bool check_layout = true;        // carry and compare the call fingerprint (common.cuh)
+};
+
+// One rank's P2P transport state (DeepEP's Buffer idea): checked once at construction; a launch then
+// passes only what changes per call and checks only that. The gather's double-buffer choice lives here.
 class P2PState {
  public:
-  P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64_t reduce_ptrs, uint64_t pads,
-           uint64_t seq, uint64_t arrive, uint64_t gather_state, uint64_t err_host, uint64_t err_dev,
-           uint64_t timeout_ns, int64_t hidden, int dtype, int sm_count, int64_t max_rows_per_rank,
-           int64_t double_buffer_rows, bool check_layout = true);
+  explicit P2PState(const P2PConfig& config);
 
   // Each returns the gather buffer it wrote (0 or 1).
   int gather(uint64_t src, int64_t src_row_stride_bytes, uint64_t counts, uint64_t offsets, int64_t max_rank_len,
@@ -136,6 +161,12 @@ class P2PState {
                   uint64_t positions, int64_t num_positions) const;
   int next_buffer(int64_t max_rank_len);
   uint32_t fingerprint_flags(bool compact, bool ordered, uint32_t stage) const;  // GatherParams::fp_flags
+  SignalArgs signals(int channel) const;
+  GatherParams gather_params(int buffer, uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact,
+                             uint64_t positions, int64_t num_positions, uint32_t stage) const;
+  ReduceParams reduce_params(uint64_t out, int64_t out_row_stride_bytes, uint64_t counts, uint64_t offsets,
+                             int64_t max_rank_len, bool compact, uint64_t positions, int64_t num_positions,
+                             uint32_t stage) const;
   int data_blocks(int64_t max_rank_len) const;
   int row_blocks(int64_t max_rank_len) const;
   int norm_words_per_thread(const char* fn) const;

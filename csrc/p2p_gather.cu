@@ -122,7 +122,7 @@ struct CopyStage {
   __device__ static const void* local(const Source& a) { return a.src; }
 
   // Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer. (Before the
-  // pushes, not after: that measured no faster on 2x H200.)
+  // pushes, not after: the other order was no faster.)
   __device__ static void zero_padding(const GatherParams& p, const Source&, const Geometry& g, int rank, int world) {
     char* own = reinterpret_cast<char*>(g.bufs[rank]);
     for (int q = 0; q < world; ++q) {
@@ -216,7 +216,7 @@ struct NormStage {
   __device__ static void push(const GatherParams& p, const Source& a, const Geometry& g, const SignalArgs& s,
                               uint32_t epoch, int64_t n) {
     __shared__ float s_red[2][kDataThreads / 32];  // by row parity: no barrier between one row's reads and the next's writes
-    const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
+    const int t = static_cast<int>(threadIdx.x);
     const int rank = s.rank, world = s.world;
     const int64_t dst0 = p.compact ? g.offsets[rank] : rank * p.M;
     char* dst[kMaxWorld];
@@ -234,16 +234,7 @@ struct NormStage {
         const int64_t w = t + k * kDataThreads;
         if (w < words) {
           unpack<D>(load_src<uint4>(xr + w * 16), v[k]);
-          if (rr != nullptr) {
-            uint4* rp = reinterpret_cast<uint4*>(rr + w * 16);
-            float r[E];
-            unpack<D>(*rp, r);
-#pragma unroll
-            for (int e = 0; e < E; ++e) v[k][e] += r[e];
-            uint4 o;
-            pack<D>(v[k], o);
-            *rp = o;
-          }
+          if (rr != nullptr) add_residual_in_place<D, false>(v[k], rr + w * 16);
 #pragma unroll
           for (int e = 0; e < E; ++e) ss = fmaf(v[k][e], v[k][e], ss);
         } else {
@@ -253,14 +244,7 @@ struct NormStage {
       }
       float rstd = 1.f;
       if (a.norm) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) s_red[parity][warp] = ss;
-        __syncthreads();
-        float total = 0.f;
-#pragma unroll
-        for (int i = 0; i < kDataThreads / 32; ++i) total += s_red[parity][i];
-        rstd = 1.0f / sqrtf(total / static_cast<float>(a.hidden) + a.eps);
+        rstd = block_rstd(ss, s_red[parity], a.hidden, a.eps);
       }
       const int64_t drow = dest_row(p, dst0, row, s, epoch);
 #pragma unroll
@@ -446,22 +430,25 @@ void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, u
   check_launch(fn);
 }
 
+namespace {
+// The norm and fp8 stages of one dtype, 2 and 4 words per thread: "p2p_gather<norm,bf16,2>" and so on.
+template <int D>
+void append_norm_kernel_info(std::vector<KernelInfo>& out, const std::string& dtype) {
+  const std::string norm = "p2p_gather<norm," + dtype, fp8 = "p2p_gather<fp8," + dtype;
+  append_kernel_info(out, (norm + ",2>").c_str(), p2p_gather_kernel<NormStage<D, 2, false>>);
+  append_kernel_info(out, (norm + ",4>").c_str(), p2p_gather_kernel<NormStage<D, 4, false>>);
+  append_kernel_info(out, (fp8 + ",2>").c_str(), p2p_gather_kernel<NormStage<D, 2, true>>);
+  append_kernel_info(out, (fp8 + ",4>").c_str(), p2p_gather_kernel<NormStage<D, 4, true>>);
+}
+}  // namespace
+
 void append_kernel_info_gather(std::vector<KernelInfo>& out) {
   append_kernel_info(out, "p2p_gather<copy16>", p2p_gather_kernel<CopyStage<16>>);
   append_kernel_info(out, "p2p_gather<copy4>", p2p_gather_kernel<CopyStage<4>>);
   append_kernel_info(out, "p2p_gather<copy1>", p2p_gather_kernel<CopyStage<1>>);
-  append_kernel_info(out, "p2p_gather<norm,bf16,2>", p2p_gather_kernel<NormStage<kBF16, 2, false>>);
-  append_kernel_info(out, "p2p_gather<norm,bf16,4>", p2p_gather_kernel<NormStage<kBF16, 4, false>>);
-  append_kernel_info(out, "p2p_gather<norm,fp16,2>", p2p_gather_kernel<NormStage<kFP16, 2, false>>);
-  append_kernel_info(out, "p2p_gather<norm,fp16,4>", p2p_gather_kernel<NormStage<kFP16, 4, false>>);
-  append_kernel_info(out, "p2p_gather<norm,fp32,2>", p2p_gather_kernel<NormStage<kFP32, 2, false>>);
-  append_kernel_info(out, "p2p_gather<norm,fp32,4>", p2p_gather_kernel<NormStage<kFP32, 4, false>>);
-  append_kernel_info(out, "p2p_gather<fp8,bf16,2>", p2p_gather_kernel<NormStage<kBF16, 2, true>>);
-  append_kernel_info(out, "p2p_gather<fp8,bf16,4>", p2p_gather_kernel<NormStage<kBF16, 4, true>>);
-  append_kernel_info(out, "p2p_gather<fp8,fp16,2>", p2p_gather_kernel<NormStage<kFP16, 2, true>>);
-  append_kernel_info(out, "p2p_gather<fp8,fp16,4>", p2p_gather_kernel<NormStage<kFP16, 4, true>>);
-  append_kernel_info(out, "p2p_gather<fp8,fp32,2>", p2p_gather_kernel<NormStage<kFP32, 2, true>>);
-  append_kernel_info(out, "p2p_gather<fp8,fp32,4>", p2p_gather_kernel<NormStage<kFP32, 4, true>>);
+  append_norm_kernel_info<kBF16>(out, "bf16");
+  append_norm_kernel_info<kFP16>(out, "fp16");
+  append_norm_kernel_info<kFP32>(out, "fp32");
 }
 
 }  // namespace nsa_cp

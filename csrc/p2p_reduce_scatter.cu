@@ -38,6 +38,32 @@ __device__ __forceinline__ CallFingerprint own_fingerprint(const ReduceParams& p
                           epoch);
 }
 
+// The entry phase both kernels share. Block 0 signals every rank that this rank entered: our partials
+// (written earlier on our stream) are complete and may be read by peers; the call's fingerprint rides
+// on that signal (common.cuh). Then every block stages the geometry (`local`: this rank's output, null
+// only without rows; `vec`: its alignment), waits for every rank's entry and compares their
+// fingerprints. Returns whether this rank's rows may be read (false: no row of the call is read), and
+// the peers' reduce buffers in `src`.
+__device__ __forceinline__ bool enter(const ReduceParams& p, const SignalArgs& s, Geometry& g, uint32_t epoch, int vec,
+                                      const void* local, const char* (&src)[kMaxWorld]) {
+  const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
+  if (blockIdx.x == 0) {
+    if (p.fp_flags != 0) {
+      publish_fingerprint(s, call_fingerprint(entry.count, s.world, p.M, p.num_positions, p.row_bytes, p.fp_flags,
+                                              epoch));
+    }
+    block_signal_all(s, 0, epoch);
+  }
+  const int bad = stage_geometry(g, entry, p.M, p.compact, vec, local, s, epoch,
+                                 p.positions == nullptr ? -1 : p.num_positions);
+  bool ok = bad < 0;
+  if (ok) ok = block_wait_all(s, 0, epoch);
+  if (ok && p.fp_flags != 0) ok = fingerprints_agree(s, own_fingerprint(p, g, s, epoch), 0);
+#pragma unroll
+  for (int q = 0; q < kMaxWorld; ++q) src[q] = q < s.world ? reinterpret_cast<const char*>(g.bufs[q]) : nullptr;
+  return ok;
+}
+
 template <int D, bool VECTOR>
 __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const ReduceParams p, const SignalArgs s) {
   constexpr int kWordBytes = VECTOR ? 16 : Elem<D>::kBytes;
@@ -45,34 +71,14 @@ __global__ void __launch_bounds__(kDataThreads) p2p_reduce_scatter_kernel(const 
   using W = typename Word<kWordBytes>::type;
   __shared__ Geometry g;
 
-  const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
   const uint32_t epoch = read_epoch(s);
-  // The call's fingerprint rides on the entry signal (common.cuh).
-  const bool check = p.fp_flags != 0;
-  // Entered: our partials (written earlier on our stream) are complete and may be read by peers.
-  if (blockIdx.x == 0) {
-    if (check) publish_fingerprint(s, call_fingerprint(entry.count, s.world, p.M, p.num_positions, p.row_bytes,
-                                                       p.fp_flags, epoch));
-    block_signal_all(s, 0, epoch);
-  }
-
+  const char* src[kMaxWorld];
+  const bool ok = enter(p, s, g, epoch, kWordBytes, p.out, src);
   const int rank = s.rank, world = s.world;
-  const int bad = stage_geometry(g, entry, p.M, p.compact, kWordBytes, p.out, s, epoch,
-                                 p.positions == nullptr ? -1 : p.num_positions);
   const int64_t n = g.counts[rank];
-
-  bool ok = bad < 0;
-  if (ok) ok = block_wait_all(s, 0, epoch);
-  // A peer that disagrees on the call: no row of it is read.
-  if (ok && check) ok = fingerprints_agree(s, own_fingerprint(p, g, s, epoch), 0);
 
   if (ok && n > 0) {
     const int64_t src0 = p.compact ? g.offsets[rank] : rank * p.M;
-    const char* src[kMaxWorld];
-#pragma unroll
-    for (int q = 0; q < kMaxWorld; ++q) {
-      src[q] = q < world ? reinterpret_cast<const char*>(g.bufs[q]) : nullptr;
-    }
     RowChunkCursor c(global_thread(), grid_threads(), p.row_bytes / kWordBytes);
     while (c.row < n) {
       W x[kUnroll][kMaxWorld];
@@ -127,32 +133,16 @@ __global__ void __launch_bounds__(kDataThreads)
   __shared__ Geometry g;
   __shared__ float s_red[2][kDataThreads / 32];
 
-  const GeometryEntry entry = load_geometry_entry(p.bufs, p.counts, p.offsets, p.compact, s.world);
   const uint32_t epoch = read_epoch(s);
-  const bool check = p.fp_flags != 0;
-  if (blockIdx.x == 0) {
-    if (check) publish_fingerprint(s, call_fingerprint(entry.count, s.world, p.M, p.num_positions, p.row_bytes,
-                                                       p.fp_flags, epoch));
-    block_signal_all(s, 0, epoch);
-  }
-
-  const int rank = s.rank, world = s.world;
+  const char* src[kMaxWorld];
   // this rank's rows need both an output and a residual (either may be null only without rows)
-  const void* local = ep.residual == nullptr ? nullptr : p.out;
-  const int bad = stage_geometry(g, entry, p.M, p.compact, 16, local, s, epoch,
-                                 p.positions == nullptr ? -1 : p.num_positions);
+  const bool ok = enter(p, s, g, epoch, 16, ep.residual == nullptr ? nullptr : p.out, src);
+  const int rank = s.rank, world = s.world;
   const int64_t n = g.counts[rank];
-
-  bool ok = bad < 0;
-  if (ok) ok = block_wait_all(s, 0, epoch);
-  if (ok && check) ok = fingerprints_agree(s, own_fingerprint(p, g, s, epoch), 0);
 
   if (ok && n > 0) {
     const int64_t src0 = p.compact ? g.offsets[rank] : rank * p.M;
-    const char* src[kMaxWorld];
-#pragma unroll
-    for (int q = 0; q < kMaxWorld; ++q) src[q] = q < world ? reinterpret_cast<const char*>(g.bufs[q]) : nullptr;
-    const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5;
+    const int t = static_cast<int>(threadIdx.x);
     const int64_t words = ep.hidden / E;
     int parity = 0;
     for (int64_t row = blockIdx.x; row < n; row += gridDim.x, parity ^= 1) {
@@ -181,30 +171,15 @@ __global__ void __launch_bounds__(kDataThreads)
               for (int e = 0; e < E; ++e) v[k][e] += f[e];
             }
           }
-          uint4* rp = reinterpret_cast<uint4*>(rr + w * 16);
-          float r[E];
-          unpack<D>(*rp, r);
+          add_residual_in_place<D, true>(v[k], rr + w * 16);  // the reduce-scatter's rounded rows + residual
 #pragma unroll
-          for (int e = 0; e < E; ++e) {
-            v[k][e] = Elem<D>::to_f(Elem<D>::from_f(v[k][e])) + r[e];  // the reduce-scatter's rounded rows + residual
-            ss = fmaf(v[k][e], v[k][e], ss);
-          }
-          uint4 o;
-          pack<D>(v[k], o);
-          *rp = o;
+          for (int e = 0; e < E; ++e) ss = fmaf(v[k][e], v[k][e], ss);
         } else {
 #pragma unroll
           for (int e = 0; e < E; ++e) v[k][e] = 0.f;
         }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (lane == 0) s_red[parity][warp] = ss;
-      __syncthreads();
-      float total = 0.f;
-#pragma unroll
-      for (int i = 0; i < kDataThreads / 32; ++i) total += s_red[parity][i];
-      const float rstd = 1.0f / sqrtf(total / static_cast<float>(ep.hidden) + ep.eps);
+      const float rstd = block_rstd(ss, s_red[parity], ep.hidden, ep.eps);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int64_t w = t + k * kDataThreads;

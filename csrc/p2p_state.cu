@@ -1,7 +1,7 @@
 // P2PState: one rank's P2P transport state, bound once (the idea of DeepEP's Buffer).
 //
 // The Python transport allocates and maps the buffers (symmetric memory or CUDA IPC), then hands this
-// object every address that stays fixed: the peers' gather buffers (both double buffers), reduce
+// object one P2PConfig (ops.h) naming every address that stays fixed: the peers' gather buffers (both double buffers), reduce
 // buffers and signal pads, the local epoch / arrive / gather-state words, the host-mapped error record,
 // the timeout and the row geometry. Everything about them is checked here, once. A launch passes only
 // what changes per call (source, counts/offsets, max_rank_len, compact, stream, positions), checks only
@@ -31,56 +31,76 @@ int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 }  // namespace
 
-P2PState::P2PState(int device, int rank, int world, uint64_t gather_ptrs, uint64_t reduce_ptrs, uint64_t pads,
-                   uint64_t seq, uint64_t arrive, uint64_t gather_state, uint64_t err_host, uint64_t err_dev,
-                   uint64_t timeout_ns, int64_t hidden, int dtype, int sm_count, int64_t max_rows_per_rank,
-                   int64_t double_buffer_rows, bool check_layout)
-    : device_(device),
-      rank_(rank),
-      world_(world),
-      dtype_(dtype),
-      sm_count_(sm_count),
-      gather_ptrs_(gather_ptrs),
-      reduce_ptrs_(reduce_ptrs),
-      pads_(pads),
-      seq_(seq),
-      arrive_(arrive),
-      gather_state_(gather_state),
-      err_host_(err_host),
-      err_dev_(err_dev),
-      timeout_ns_(timeout_ns),
-      hidden_(hidden),
-      max_rows_(max_rows_per_rank),
-      double_rows_(double_buffer_rows),
-      check_layout_(check_layout) {
+P2PState::P2PState(const P2PConfig& c)
+    : device_(c.device),
+      rank_(c.rank),
+      world_(c.world),
+      dtype_(c.dtype),
+      sm_count_(c.sm_count),
+      gather_ptrs_(c.gather_ptrs),
+      reduce_ptrs_(c.reduce_ptrs),
+      pads_(c.pads),
+      seq_(c.seq),
+      arrive_(c.arrive),
+      gather_state_(c.gather_state),
+      err_host_(c.err_host),
+      err_dev_(c.err_dev),
+      timeout_ns_(c.timeout_ns),
+      hidden_(c.hidden),
+      max_rows_(c.max_rows_per_rank),
+      double_rows_(c.double_buffer_rows),
+      check_layout_(c.check_layout) {
   constexpr const char* fn = "P2PState";
-  require(device >= 0, fn, "device must be >= 0, got " + std::to_string(device));
+  require(c.device >= 0, fn, "device must be >= 0, got " + std::to_string(c.device));
   // rank, world, pads, seq, arrive, err: as every signal-protocol launch checks them (both channels)
-  make_signal_args(fn, pads, rank, world, kChannelScatter, seq, arrive, true, timeout_ns, err_dev);
+  make_signal_args(fn, c.pads, c.rank, c.world, kChannelScatter, c.seq, c.arrive, true, c.timeout_ns, c.err_dev);
   require_done_channel(fn, kChannelGather);
-  require_ptr(gather_ptrs, fn, "gather_ptrs (device uint64[2][world]: every rank's gather buffer 0, then 1)");
-  require_ptr(reduce_ptrs, fn, "reduce_ptrs (device uint64[world] of reduce buffer bases)");
-  require_ptr(gather_state, fn, "gather_state (device uint32[2], zero-initialised)");
-  require_ptr(err_host, fn, "err_host (host address of the host-mapped uint32[ERR_RECORD_WORDS] error record)");
-  require(dtype == kBF16 || dtype == kFP16 || dtype == kFP32, fn,
-          "dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(dtype));
-  require(hidden > 0 && hidden <= (int64_t{1} << 40), fn, "hidden must be in [1, 2^40], got " + std::to_string(hidden));
-  require(sm_count >= 1 && sm_count <= kMaxBlocks / kNormBlocksPerSm, fn,
+  require_ptr(c.gather_ptrs, fn, "gather_ptrs (device uint64[2][world]: every rank's gather buffer 0, then 1)");
+  require_ptr(c.reduce_ptrs, fn, "reduce_ptrs (device uint64[world] of reduce buffer bases)");
+  require_ptr(c.gather_state, fn, "gather_state (device uint32[2], zero-initialised)");
+  require_ptr(c.err_host, fn, "err_host (host address of the host-mapped uint32[ERR_RECORD_WORDS] error record)");
+  require(c.dtype == kBF16 || c.dtype == kFP16 || c.dtype == kFP32, fn,
+          "dtype must be 0 (bfloat16), 1 (float16) or 2 (float32), got " + std::to_string(c.dtype));
+  require(c.hidden > 0 && c.hidden <= (int64_t{1} << 40), fn, "hidden must be in [1, 2^40], got " + std::to_string(c.hidden));
+  require(c.sm_count >= 1 && c.sm_count <= kMaxBlocks / kNormBlocksPerSm, fn,
           "sm_count must be in [1, " + std::to_string(kMaxBlocks / kNormBlocksPerSm) + "], got " +
-              std::to_string(sm_count));
-  require(max_rows_per_rank >= 1 && max_rows_per_rank <= INT32_MAX, fn,
-          "max_rows_per_rank must be in [1, 2^31), got " + std::to_string(max_rows_per_rank));
-  require(double_buffer_rows >= 0 && double_buffer_rows <= max_rows_per_rank, fn,
-          "double_buffer_rows must be in [0, max_rows_per_rank=" + std::to_string(max_rows_per_rank) + "], got " +
-              std::to_string(double_buffer_rows));
-  row_bytes_ = hidden * element_bytes(dtype);
-  require(max_rows_per_rank <= INT64_MAX / (static_cast<int64_t>(world) * row_bytes_), fn,
+              std::to_string(c.sm_count));
+  require(c.max_rows_per_rank >= 1 && c.max_rows_per_rank <= INT32_MAX, fn,
+          "max_rows_per_rank must be in [1, 2^31), got " + std::to_string(c.max_rows_per_rank));
+  require(c.double_buffer_rows >= 0 && c.double_buffer_rows <= c.max_rows_per_rank, fn,
+          "double_buffer_rows must be in [0, max_rows_per_rank=" + std::to_string(c.max_rows_per_rank) + "], got " +
+              std::to_string(c.double_buffer_rows));
+  row_bytes_ = c.hidden * element_bytes(c.dtype);
+  require(c.max_rows_per_rank <= INT64_MAX / (static_cast<int64_t>(c.world) * row_bytes_), fn,
           "buffer size in bytes overflows int64");
 }
 
 uint32_t P2PState::fingerprint_flags(bool compact, bool ordered, uint32_t stage) const {
   if (!check_layout_) return 0;
   return kFpOn | (compact ? kFpCompact : 0u) | (ordered ? kFpOrdered : 0u) | stage;
+}
+
+SignalArgs P2PState::signals(int channel) const {
+  // one uint32 of seq and of arrive per channel
+  return SignalArgs{as_ptr<const uint64_t>(pads_), rank_, world_, channel, as_ptr<uint32_t>(seq_) + channel,
+                    as_ptr<uint32_t>(arrive_) + channel, timeout_ns_, as_ptr<uint32_t>(err_dev_)};
+}
+
+GatherParams P2PState::gather_params(int buffer, uint64_t counts, uint64_t offsets, int64_t max_rank_len, bool compact,
+                                     uint64_t positions, int64_t num_positions, uint32_t stage) const {
+  return GatherParams{row_bytes_, as_ptr<const uint64_t>(gather_ptrs_) + buffer * world_, as_ptr<const int>(counts),
+                      as_ptr<const int>(offsets), max_rank_len, compact, static_cast<uint32_t>(buffer),
+                      as_ptr<uint32_t>(gather_state_), as_ptr<const int64_t>(positions),
+                      positions != 0 ? num_positions : -1, fingerprint_flags(compact, positions != 0, stage)};
+}
+
+ReduceParams P2PState::reduce_params(uint64_t out, int64_t out_row_stride_bytes, uint64_t counts, uint64_t offsets,
+                                     int64_t max_rank_len, bool compact, uint64_t positions, int64_t num_positions,
+                                     uint32_t stage) const {
+  return ReduceParams{as_ptr<char>(out), out_row_stride_bytes, row_bytes_, as_ptr<const uint64_t>(reduce_ptrs_),
+                      as_ptr<const int>(counts), as_ptr<const int>(offsets), max_rank_len, compact,
+                      as_ptr<const int64_t>(positions), positions != 0 ? num_positions : -1,
+                      fingerprint_flags(compact, positions != 0, stage)};
 }
 
 void P2PState::check_error_record(const char* fn) const {
@@ -117,8 +137,8 @@ int P2PState::next_buffer(int64_t max_rank_len) {
 }
 
 int P2PState::data_blocks(int64_t max_rank_len) const {
-  // Every SM from 4 MB up: a small call is latency-bound, and more blocks keep more 16-byte stores in
-  // flight (28 blocks for 7 MB took 26 us on 2x H200, against ~18 us predicted).
+  // One block per 32 KB moved, every SM from 4 MB up: a small call is latency-bound, and more blocks
+  // keep more 16-byte stores in flight (with fewer, a mid-sized call took well over its bandwidth-predicted time).
   const int64_t moved = max_rank_len * row_bytes_ * world_;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count_, (moved + kBytesPerBlock - 1) / kBytesPerBlock)));
 }
@@ -170,19 +190,9 @@ int P2PState::gather(uint64_t src, int64_t src_row_stride_bytes, uint64_t counts
   require(src_row_stride_bytes <= INT64_MAX / (max_rank_len + 1), fn, "source size in bytes overflows int64");
   const DeviceGuard guard(device_, fn);
   const int buffer = next_buffer(max_rank_len);
-  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelGather, as_ptr<uint32_t>(seq_),
-                     as_ptr<uint32_t>(arrive_), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
-  const GatherParams p{row_bytes_,
-                       as_ptr<const uint64_t>(gather_ptrs_) + buffer * world_,
-                       as_ptr<const int>(counts),
-                       as_ptr<const int>(offsets),
-                       max_rank_len,
-                       compact,
-                       static_cast<uint32_t>(buffer),
-                       as_ptr<uint32_t>(gather_state_),
-                       as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1,
-                       fingerprint_flags(compact, positions != 0, 0)};
+  const SignalArgs s = signals(kChannelGather);
+  const GatherParams p = gather_params(buffer, counts, offsets, max_rank_len, compact, positions, num_positions,
+                                       0);
   const int vec = common_alignment({src, static_cast<uint64_t>(src_row_stride_bytes), static_cast<uint64_t>(row_bytes_)});
   enqueue_gather_copy(p, CopySource{as_ptr<const char>(src), src_row_stride_bytes}, s, vec,
                       data_blocks(max_rank_len), as_stream(stream));
@@ -213,19 +223,9 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
   }
   const DeviceGuard guard(device_, fn);
   const int buffer = next_buffer(max_rank_len);
-  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelGather, as_ptr<uint32_t>(seq_),
-                     as_ptr<uint32_t>(arrive_), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
-  const GatherParams p{row_bytes_,
-                       as_ptr<const uint64_t>(gather_ptrs_) + buffer * world_,
-                       as_ptr<const int>(counts),
-                       as_ptr<const int>(offsets),
-                       max_rank_len,
-                       compact,
-                       static_cast<uint32_t>(buffer),
-                       as_ptr<uint32_t>(gather_state_),
-                       as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1,
-                       fingerprint_flags(compact, positions != 0, (norm ? kFpNorm : 0u) | (quant != 0 ? kFpQuant : 0u))};
+  const SignalArgs s = signals(kChannelGather);
+  const GatherParams p = gather_params(buffer, counts, offsets, max_rank_len, compact, positions, num_positions,
+                                       (norm ? kFpNorm : 0u) | (quant != 0 ? kFpQuant : 0u));
   const NormSource a{as_ptr<const char>(x),  x_row_stride_bytes, as_ptr<char>(residual), residual_row_stride_bytes,
                      as_ptr<const void>(weight), weight_dtype, static_cast<float>(eps), norm, hidden_,
                      scale_offset(buffer)};
@@ -248,19 +248,9 @@ void P2PState::reduce_scatter(uint64_t out, int64_t out_row_stride_bytes, uint64
   require(out % elem == 0, fn, "out must be aligned to the element size (" + std::to_string(elem) + ")");
   require(out_row_stride_bytes <= INT64_MAX / (max_rank_len + 1), fn, "output size in bytes overflows int64");
   const DeviceGuard guard(device_, fn);
-  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelScatter, as_ptr<uint32_t>(seq_ + 4),
-                     as_ptr<uint32_t>(arrive_ + 4), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
-  const ReduceParams p{as_ptr<char>(out),
-                       out_row_stride_bytes,
-                       row_bytes_,
-                       as_ptr<const uint64_t>(reduce_ptrs_),
-                       as_ptr<const int>(counts),
-                       as_ptr<const int>(offsets),
-                       max_rank_len,
-                       compact,
-                       as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1,
-                       fingerprint_flags(compact, positions != 0, kFpScatter)};
+  const SignalArgs s = signals(kChannelScatter);
+  const ReduceParams p = reduce_params(out, out_row_stride_bytes, counts, offsets, max_rank_len, compact, positions,
+                                       num_positions, kFpScatter);
   const bool vector =
       common_alignment({out, static_cast<uint64_t>(out_row_stride_bytes), static_cast<uint64_t>(row_bytes_)}) == 16;
   enqueue_reduce_scatter(p, s, dtype_, vector, data_blocks(max_rank_len), as_stream(stream));
@@ -283,19 +273,9 @@ void P2PState::reduce_scatter_norm(uint64_t out, int64_t out_row_stride_bytes, u
   check_norm_rows(fn, "residual", residual, residual_row_stride_bytes, max_rank_len);
   check_weight(fn, weight, weight_dtype, eps);
   const DeviceGuard guard(device_, fn);
-  const SignalArgs s{as_ptr<const uint64_t>(pads_), rank_, world_, kChannelScatter, as_ptr<uint32_t>(seq_ + 4),
-                     as_ptr<uint32_t>(arrive_ + 4), timeout_ns_, as_ptr<uint32_t>(err_dev_)};
-  const ReduceParams p{as_ptr<char>(out),
-                       out_row_stride_bytes,
-                       row_bytes_,
-                       as_ptr<const uint64_t>(reduce_ptrs_),
-                       as_ptr<const int>(counts),
-                       as_ptr<const int>(offsets),
-                       max_rank_len,
-                       compact,
-                       as_ptr<const int64_t>(positions),
-                       positions != 0 ? num_positions : -1,
-                       fingerprint_flags(compact, positions != 0, kFpScatter | kFpNorm)};
+  const SignalArgs s = signals(kChannelScatter);
+  const ReduceParams p = reduce_params(out, out_row_stride_bytes, counts, offsets, max_rank_len, compact, positions,
+                                       num_positions, kFpScatter | kFpNorm);
   const NormEpilogue e{as_ptr<char>(residual), residual_row_stride_bytes, as_ptr<const void>(weight), weight_dtype,
                        static_cast<float>(eps), hidden_};
   enqueue_reduce_scatter_norm(p, e, s, dtype_, words_per_thread, row_blocks(max_rank_len), as_stream(stream));

@@ -2,8 +2,8 @@
 // whose row counts come from device memory (CUDA-graph replays may change them; the host never syncs).
 //
 // They exist because of host time, not device time: the same copies as the Triton kernels of
-// nsa_cp/kernels, but one launch through pybind11 costs a few microseconds of CPU where Triton's
-// launcher costs 20-45 us (benchmarks/host_overhead.py on 2x H200), and the NCCL path runs one or two
+// nsa_cp/kernels, but one launch through pybind11 costs far less CPU time than Triton's launcher
+// (benchmarks/host_overhead.py; figures in docs/performance.md), and the NCCL path runs one or two
 // of them per collective. Without nsa_cp._C the Triton kernels do the same work.
 //
 //   pack_rows:      dst[r] = src[r] for r < n, dst[r] = 0 for n <= r < dst_rows, n = clamp(*count, 0,
@@ -20,7 +20,7 @@ namespace {
 
 constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;        // independent loads in flight per thread
-constexpr int64_t kMaxCopyBlocks = 4096;  // grid-stride beyond this (~31 per SM on an H200)
+constexpr int64_t kMaxCopyBlocks = 4096;  // grid-stride beyond this (tens of blocks per SM on any current GPU)
 
 __device__ __forceinline__ int64_t clamp_count(int c, int64_t hi) {
   return c < 0 ? 0 : (c > hi ? hi : static_cast<int64_t>(c));

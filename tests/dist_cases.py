@@ -2,7 +2,7 @@
 
 The parent builds a list of case dicts (``make_cases``); every rank runs all of them (``run_cases``)
 and reports ``{case_id: None | error}``. Every rank derives every rank's inputs from the case seed, so
-expected results come from an independent oracle written here with plain torch.cat / fp64 sums, not
+expected results come from an independent oracle (tests/oracles.py: plain torch.cat / fp64 sums), not
 from nsa_cp.reference. Outputs handed in are poisoned with NaN first, so an unwritten row fails.
 """
 
@@ -13,6 +13,8 @@ import traceback
 from typing import Dict, List, Optional
 
 import torch
+
+from oracles import check_sum as _check_sum, expected_gather as _expected_gather, gen as _gen
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -102,11 +104,6 @@ def make_cases(
 
 
 # --------------------------------------------------------------------------- helpers
-def _gen(seed: int, rank: int, rows: int, rest, dtype, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 131 + rank)
-    return torch.randn((rows, *rest), generator=g, dtype=torch.float32).to(dtype).to(device)
-
-
 def _poison(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
@@ -116,31 +113,6 @@ def _poison_allocator(device) -> None:
     if device.type == "cuda":
         junk = torch.full((64 << 20,), float("nan"), dtype=torch.float32, device=device)
         del junk
-
-
-def _expected_gather(shards, layout, compact: bool) -> torch.Tensor:
-    if compact:
-        return torch.cat(shards)
-    m = layout.max_rank_len
-    pieces = []
-    for shard in shards:
-        pieces.append(shard)
-        pieces.append(torch.zeros((m - shard.shape[0], *shard.shape[1:]), dtype=shard.dtype))
-    return torch.cat(pieces)
-
-
-def _check_sum(result: torch.Tensor, partials: List[torch.Tensor], dtype) -> Optional[str]:
-    exact = torch.stack([p.double() for p in partials]).sum(0)
-    magnitude = torch.stack([p.double().abs() for p in partials]).sum(0)
-    eps = torch.finfo(dtype).eps
-    bound = len(partials) * eps * magnitude + 1e-30
-    got = result.double().cpu()
-    if not torch.isfinite(got).all():
-        return "reduce-scatter output holds NaN/inf (unwritten rows?)"
-    err = (got - exact).abs()
-    if (err > bound).any():
-        return f"reduce-scatter error {err.max().item():.3g} exceeds bound {bound.max().item():.3g}"
-    return None
 
 
 # --------------------------------------------------------------------------- one case

@@ -125,7 +125,7 @@ def test_gpu_kernel_info():
             "p2p_reduce_scatter<norm,bf16,2>"} <= names
     import torch
 
-    assert _native.device_unsupported_reason(torch.cuda.current_device()) == ""  # this GPU runs them
+    assert _native.device_support(torch.cuda.current_device()), "this GPU runs them"
     for k in info:
         assert k["local_bytes"] == 0, k  # no spills / stack
         assert k["binary_version"] >= 90, k
@@ -230,21 +230,19 @@ def test_gpu_barrier_and_timeout_record():
         shards = [torch.ones(4, 16, dtype=torch.bfloat16, device="cuda")] * 2
         kw = ranks.sig(0, 0)
         kw["timeout_ns"] = 2_000_000
-        dc = torch.tensor([4, 4], dtype=torch.int32, device="cuda")
-        _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
-                      counts=dc.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
-                      buffer=0, state=ranks.gather_state(0), **kw)
-        torch.cuda.synchronize()
+        def gather_rank0(counts):
+            _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32,
+                          bufs=ranks.buf_ptrs.data_ptr(), counts=counts.data_ptr(), offsets=0, max_rank_len=4,
+                          compact=False, num_blocks=8, stream=0, buffer=0, state=ranks.gather_state(0), **kw)
+            torch.cuda.synchronize()
+
+        gather_rank0(torch.tensor([4, 4], dtype=torch.int32, device="cuda"))
         assert ranks.errors()[0] == [_C.ERR_TIMEOUT, 0, 1, 2]
         assert int(ranks.seq[0][0]) == 2 and int(ranks.arrive[0][0]) == 0
         _C.write_u32(ranks.err[0][0], 0, 0)
 
         # device-side counts out of range: recorded, nothing moved, nobody waits
-        bad = torch.tensor([5, 4], dtype=torch.int32, device="cuda")
-        _C.p2p_gather(src=shards[0].data_ptr(), src_row_stride_bytes=32, row_bytes=32, bufs=ranks.buf_ptrs.data_ptr(),
-                      counts=bad.data_ptr(), offsets=0, max_rank_len=4, compact=False, num_blocks=8, stream=0,
-                      buffer=0, state=ranks.gather_state(0), **kw)
-        torch.cuda.synchronize()
+        gather_rank0(torch.tensor([5, 4], dtype=torch.int32, device="cuda"))
         assert ranks.errors()[0] == [_C.ERR_BAD_DEVICE_ARG, 0, 0, 3]
     finally:
         ranks.close()
@@ -375,10 +373,12 @@ class _States:
         self.streams = [torch.cuda.Stream() for _ in range(world)]
         code = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[dtype]
         self.states = [
-            _C.P2PState(torch.cuda.current_device(), r, world, self.gather_ptrs.data_ptr(),
-                        self.reduce_ptrs.data_ptr(), self.pad_ptrs.data_ptr(), self.local[r].data_ptr(),
-                        self.local[r].data_ptr() + 8, self.local[r].data_ptr() + 16, self.err[r][0], self.err[r][1],
-                        TIMEOUT_NS, hidden, code, 4, max_rows, double_rows)
+            _C.P2PState(_C.P2PConfig(
+                device=torch.cuda.current_device(), rank=r, world=world, gather_ptrs=self.gather_ptrs.data_ptr(),
+                reduce_ptrs=self.reduce_ptrs.data_ptr(), pads=self.pad_ptrs.data_ptr(), seq=self.local[r].data_ptr(),
+                arrive=self.local[r].data_ptr() + 8, gather_state=self.local[r].data_ptr() + 16,
+                err_host=self.err[r][0], err_dev=self.err[r][1], timeout_ns=TIMEOUT_NS, hidden=hidden, dtype=code,
+                sm_count=4, max_rows_per_rank=max_rows, double_buffer_rows=double_rows))
             for r in range(world)
         ]
         torch.cuda.synchronize()
@@ -390,14 +390,9 @@ class _States:
             _C.free_host_mapped(host)
 
     def each(self, call):
-        """``call(rank, state, stream_int)`` for every rank on its own stream; returns the results."""
-        torch = self.torch
-        torch.cuda.synchronize()
-        out = []
-        for r, state in enumerate(self.states):
-            with torch.cuda.stream(self.streams[r]):
-                out.append(call(r, state, self.streams[r].cuda_stream))
-        torch.cuda.synchronize()
+        """``call(rank, state, stream_int)`` for every rank on its own stream; returns the results, after
+        checking that no error record is set."""
+        out = _launch_all(self, call)
         assert [s.error()[0] for s in self.states] == [0] * self.world, [s.error() for s in self.states]
         return out
 

@@ -96,7 +96,7 @@ def test_reason_when_device_query_fails(fresh_native, monkeypatch):
 def test_available_with_a_device(fresh_native, monkeypatch):
     _fake_import(monkeypatch, _FakeC(2, "ok"))
     assert fresh_native.available() is True
-    assert fresh_native.unavailable_reason() == ""
+    assert fresh_native.unavailable_reason() is None and fresh_native.support()
 
 
 def test_device_reason_when_the_kernels_do_not_load_there(fresh_native, monkeypatch):
@@ -110,16 +110,18 @@ def test_device_reason_when_the_kernels_do_not_load_there(fresh_native, monkeypa
         raise RuntimeError("kernel_info: cudaFuncGetAttributes failed: cudaErrorNoKernelImageForDevice: no kernel image")
 
     monkeypatch.setattr(fresh_native, "_load_kernels_on", no_image)
-    reason = fresh_native.device_unsupported_reason(1)
-    assert reason.startswith("nsa_cp._C (built for ?) has no kernels for cuda:1") and "NoKernelImage" in reason
-    assert fresh_native.device_unsupported_reason(1) == reason and tried == [1]  # cached
+    verdict = fresh_native.device_support(1)
+    reason = verdict.reason
+    assert not verdict and reason.startswith("nsa_cp._C (built for ?) has no kernels for cuda:1") and "NoKernelImage" in reason
+    assert fresh_native.device_support(1).reason == reason and tried == [1]  # cached
     monkeypatch.setattr(fresh_native, "_load_kernels_on", lambda index: tried.append(index))
-    assert fresh_native.device_unsupported_reason(0) == "" and tried == [1, 0]
+    assert fresh_native.device_support(0) and fresh_native.device_support(0).reason == "" and tried == [1, 0]
 
 
 def test_device_reason_without_the_module(fresh_native, monkeypatch):
     _fake_import(monkeypatch, ModuleNotFoundError("x", name="nsa_cp._C"))
-    assert "nsa_cp._C was not built" in fresh_native.device_unsupported_reason(0)
+    verdict = fresh_native.device_support(0)
+    assert not verdict and "nsa_cp._C was not built" in verdict.reason
 
 
 def test_native_logs_instead_of_printing(fresh_native, monkeypatch, caplog, capsys):

@@ -27,6 +27,11 @@ def _state_args(err, **kw):
     return args
 
 
+def _new_state(err, **kw):
+    """A P2PState built from one P2PConfig (every fixed field by name)."""
+    return _C.P2PState(_C.P2PConfig(**_state_args(err, **kw)))
+
+
 @pytest.fixture
 def err():
     return torch.zeros(_C.ERR_RECORD_WORDS, dtype=torch.int32)  # stands in for the host-mapped error record
@@ -34,39 +39,40 @@ def err():
 
 @pytest.fixture
 def state(err):
-    s = _C.P2PState(**_state_args(err))
+    s = _new_state(err)
     yield s
     s.close()
 
 
+# Valid arguments of each launch: a test overrides the one it checks.
+_CALL = dict(counts=P, offsets=P, max_rank_len=16, compact=False, stream=0, positions=0, num_positions=-1)
+_NORM = dict(residual=P, residual_row_stride_bytes=HIDDEN * 2, weight=P, eps=1e-6)
+_LAUNCH_ARGS = {
+    "gather": dict(src=P, src_row_stride_bytes=HIDDEN * 2, **_CALL),
+    "norm_gather": dict(x=P, x_row_stride_bytes=HIDDEN * 2, **_NORM, weight_dtype=0, norm=True, quant=0, **_CALL),
+    "reduce_scatter": dict(out=P, out_row_stride_bytes=HIDDEN * 2, **_CALL),
+    "reduce_scatter_norm": dict(out=P, out_row_stride_bytes=HIDDEN * 2, **_NORM, weight_dtype=2, **_CALL),
+}
+
+
+def _launch(state, name, **kw):
+    return getattr(state, name)(**{**_LAUNCH_ARGS[name], **kw})
+
+
 def _gather(state, **kw):
-    args = dict(src=P, src_row_stride_bytes=HIDDEN * 2, counts=P, offsets=P, max_rank_len=16, compact=False,
-                stream=0, positions=0, num_positions=-1)
-    args.update(kw)
-    return state.gather(**args)
+    return _launch(state, "gather", **kw)
 
 
 def _norm_gather(state, **kw):
-    args = dict(x=P, x_row_stride_bytes=HIDDEN * 2, residual=P, residual_row_stride_bytes=HIDDEN * 2, weight=P,
-                weight_dtype=0, eps=1e-6, norm=True, quant=0, counts=P, offsets=P, max_rank_len=16, compact=False,
-                stream=0, positions=0, num_positions=-1)
-    args.update(kw)
-    return state.norm_gather(**args)
+    return _launch(state, "norm_gather", **kw)
 
 
 def _reduce_scatter(state, **kw):
-    args = dict(out=P, out_row_stride_bytes=HIDDEN * 2, counts=P, offsets=P, max_rank_len=16, compact=False,
-                stream=0, positions=0, num_positions=-1)
-    args.update(kw)
-    return state.reduce_scatter(**args)
+    return _launch(state, "reduce_scatter", **kw)
 
 
 def _reduce_scatter_norm(state, **kw):
-    args = dict(out=P, out_row_stride_bytes=HIDDEN * 2, residual=P, residual_row_stride_bytes=HIDDEN * 2, weight=P,
-                weight_dtype=2, eps=1e-6, counts=P, offsets=P, max_rank_len=16, compact=False, stream=0, positions=0,
-                num_positions=-1)
-    args.update(kw)
-    return state.reduce_scatter_norm(**args)
+    return _launch(state, "reduce_scatter_norm", **kw)
 
 
 CONSTRUCTOR_BAD = [
@@ -97,7 +103,7 @@ CONSTRUCTOR_BAD = [
 @pytest.mark.parametrize("bad,match", CONSTRUCTOR_BAD, ids=[m + "-" + ",".join(b) for b, m in CONSTRUCTOR_BAD])
 def test_constructor_rejects_bad_arguments(err, bad, match):
     with pytest.raises(ValueError, match=match):
-        _C.P2PState(**_state_args(err, **bad))
+        _new_state(err, **bad)
 
 
 def test_fixed_geometry(state):
@@ -115,7 +121,7 @@ def test_fixed_geometry(state):
 
 
 def test_without_a_second_buffer_both_tags_name_the_first(err):
-    s = _C.P2PState(**_state_args(err, double_buffer_rows=0))
+    s = _new_state(err, double_buffer_rows=0)
     assert s.gather_rows(1) == s.gather_rows(0) and s.scale_offset(1) == s.scale_offset(0)
 
 
@@ -184,13 +190,13 @@ def test_launch_rejects_bad_arguments_before_any_cuda_call(state, launch, bad, m
 
 
 def test_norm_stage_limits_need_their_geometry(err):
-    odd = _C.P2PState(**_state_args(err, hidden=1001))  # 2002-byte rows: not whole 16-byte words
+    odd = _new_state(err, hidden=1001)  # 2002-byte rows: not whole 16-byte words
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         _norm_gather(odd, x_row_stride_bytes=2016, residual_row_stride_bytes=2016)
-    ungrouped = _C.P2PState(**_state_args(err, hidden=1032))  # 16-byte rows, but not groups of 128
+    ungrouped = _new_state(err, hidden=1032)  # 16-byte rows, but not groups of 128
     with pytest.raises(ValueError, match="multiple of 128"):
         _norm_gather(ungrouped, quant=1, x_row_stride_bytes=2064, residual_row_stride_bytes=2064)
-    wide = _C.P2PState(**_state_args(err, hidden=32768 + 8))  # more than 4 words per thread
+    wide = _new_state(err, hidden=32768 + 8)  # more than 4 words per thread
     with pytest.raises(ValueError, match="longer than the norm stage holds"):
         _norm_gather(wide, x_row_stride_bytes=2 * 32776, residual_row_stride_bytes=2 * 32776)
     with pytest.raises(ValueError, match="longer than the norm stage holds"):
@@ -271,4 +277,17 @@ def test_closed_state_refuses_everything(state):
 
 def test_pointer_arguments_are_unsigned(err):
     with pytest.raises(TypeError):
-        _C.P2PState(**_state_args(err, pads=-1))
+        _new_state(err, pads=-1)
+
+
+def test_config_takes_every_field_by_name(err):
+    """P2PConfig: keyword fields only; a missing, unknown or positional field is a TypeError."""
+    args = _state_args(err)
+    config = _C.P2PConfig(**args)
+    assert (config.world, config.hidden, config.max_rows_per_rank, config.check_layout) == (WORLD, HIDDEN, MAX_ROWS, True)
+    with pytest.raises(TypeError):
+        _C.P2PConfig(**{k: v for k, v in args.items() if k != "pads"})
+    with pytest.raises(TypeError):
+        _C.P2PConfig(**args, bogus=1)
+    with pytest.raises(TypeError):
+        _C.P2PConfig(*args.values())

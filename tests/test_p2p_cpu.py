@@ -4,11 +4,14 @@ and CUDA IPC."""
 
 import pathlib
 import re
+import types
 
 import pytest
+import torch
 
 import nsa_cp
-from nsa_cp.transport import p2p, p2p_errors, p2p_memory, p2p_registry
+from nsa_cp.transport import p2p
+from nsa_cp.transport.p2p import errors as p2p_errors, memory as p2p_memory, registry as p2p_registry
 
 OPS_H = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "ops.h"
 
@@ -179,8 +182,112 @@ def test_memory_kind_rejects_an_unknown_setting(monkeypatch):
 
 
 def test_ranks_that_disagree_on_a_setting_all_raise():
-    import p2p_cases
+    import p2p_fault_cases
     from dist_harness import case_failures, run_world
 
-    failures = case_failures(run_world(2, "gloo", p2p_cases.run_config_mismatch, {}, timeout_s=120), "config-mismatch")
+    failures = case_failures(run_world(2, "gloo", p2p_fault_cases.run_config_mismatch, {}, timeout_s=120), "config-mismatch")
     assert not failures, "\n".join(failures)
+
+
+# ---- the runner factory against a recording stand-in for the native state (no GPU) -------------------
+
+
+class _RecordingState:
+    """Records every launch of ``P2PState``; gathers return the buffer tag ``tag``."""
+
+    closed = False
+
+    def __init__(self, tag=1):
+        self.calls, self.tag = [], tag
+
+    def _record(self, name, result):
+        def launch(*args):
+            self.calls.append((name, args))
+            return result
+        return launch
+
+    def __getattr__(self, name):
+        if name in ("gather", "norm_gather"):
+            return self._record(name, self.tag)
+        if name in ("reduce_scatter", "reduce_scatter_norm", "copy_engine_begin", "copy_engine_end", "barrier"):
+            return self._record(name, None)
+        raise AttributeError(name)
+
+    def scale_offset(self, buffer):
+        return 0
+
+    def error(self):
+        return [0] * p2p_errors.RECORD_WORDS
+
+
+def _recording_transport(world=2, rank=1, hidden=256, max_tokens=8, double=8, refuse=False):
+    """A P2PTransport over CPU tensors whose native state records its launches (support() says yes:
+    the verdicts are tested elsewhere; this checks what the runners hand the native state)."""
+    from nsa_cp.support import Support
+
+    class FakeC:
+        P2PDeviceError = type("P2PDeviceError", (RuntimeError,), {})
+        QUANT_FP8_E4M3_G128 = 1
+
+    t = object.__new__(p2p.P2PTransport)
+    state = _RecordingState()
+    if refuse:
+        def refused(*args):
+            raise FakeC.P2PDeviceError("refused")
+        state.gather = refused
+        state.error = lambda: [p2p_errors._ERR_TIMEOUT, 0, 0, 3] + [0] * (p2p_errors.RECORD_WORDS - 4)
+    t._broken, t._C, t._state, t.group, t.rank, t.world = None, FakeC, state, None, rank, world
+    t.device, t.max_tokens_per_rank, t.hidden_size, t.dtype = torch.device("cpu"), max_tokens, hidden, torch.bfloat16
+    t.double_buffer_tokens, t.timeout_ns, t._elem, t._row_bytes = double, 10**9, 2, hidden * 2
+    t._gathers = tuple(torch.zeros(world * max_tokens, hidden, dtype=torch.bfloat16) for _ in range(2))
+    t._stream, t._reduce_views = (lambda index: 77), {}
+    t._buffers = types.SimpleNamespace(reduce=torch.zeros(world * max_tokens, hidden, dtype=torch.bfloat16),
+                                        close=lambda: None)
+    t.support = lambda *args, **kw: Support.yes()
+    return t, state
+
+
+def test_runners_resolve_pointers_in_one_place():
+    import nsa_cp
+
+    t, state = _recording_transport()
+    layout = nsa_cp.ShardLayout([3, 5])
+    counts, offsets = layout.device_tensors("cpu")
+    x = torch.randn(5, 256).bfloat16()
+    got = t.gather_runner(layout, True, (256,), engine="sm")(x)
+    assert got.data_ptr() == t._gathers[1].data_ptr() and got.shape == (8, 256)  # the buffer the state picked
+    tail = (counts.data_ptr(), offsets.data_ptr(), 5, True, 77, 0, -1)
+    assert state.calls[-1] == ("gather", (x.data_ptr(), 512) + tail)
+    mine = (torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    positions = torch.arange(8)
+    t.gather_runner(layout, True, (256,), ordered=True)(x, mine, positions)
+    assert state.calls[-1][1][2:] == (mine[0].data_ptr(), mine[1].data_ptr(), 5, True, 77, positions.data_ptr(), 8)
+    with pytest.raises(ValueError, match="positions: an ordered gather needs"):
+        t.gather_runner(layout, True, (256,), ordered=True)(x)
+
+    res, w = torch.randn(5, 256).bfloat16(), torch.ones(256)
+    t.norm_gather_runner(layout, False, (256,))(x, res, w, 1e-6)
+    assert state.calls[-1] == ("norm_gather", (x.data_ptr(), 512, res.data_ptr(), 512, w.data_ptr(), 2, 1e-6, True, 0,
+                                               counts.data_ptr(), offsets.data_ptr(), 5, False, 77, 0, -1))
+    t.gather_runner(layout, False, (256,), quant=p2p.QUANT_FP8)(x)
+    assert state.calls[-1][1][:9] == (x.data_ptr(), 512, 0, 0, 0, 0, 0.0, False, 1)
+
+    y = t.reduce_buffer(layout, True, (256,))
+    out, residual = t.reduce_scatter_runner(layout, True, (256,), norm=True)(y, res, w, 1e-6)
+    assert out.shape == (5, 256) and residual is res
+    assert state.calls[-1] == ("reduce_scatter_norm", (out.data_ptr(), 512, res.data_ptr(), 512, w.data_ptr(), 2, 1e-6)
+                               + tail)
+    elsewhere = torch.randn(8, 256).bfloat16()
+    out = t.reduce_scatter_runner(layout, True, (256,))(elsewhere)
+    assert torch.equal(y, elsewhere) and state.calls[-1] == ("reduce_scatter", (out.data_ptr(), 512) + tail)
+    with pytest.raises(ValueError, match="positions: an ordered reduce-scatter needs"):
+        t.reduce_scatter_runner(layout, True, (256,), ordered=True)(y)
+
+
+def test_a_refused_launch_raises_the_recorded_error():
+    import nsa_cp
+
+    t, _ = _recording_transport(refuse=True)
+    run = t.gather_runner(nsa_cp.ShardLayout([3, 5]), True, (256,), engine="sm")
+    with pytest.raises(p2p.P2PTimeoutError, match="timed out"):
+        run(torch.randn(5, 256).bfloat16())

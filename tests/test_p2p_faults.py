@@ -12,7 +12,8 @@ import functools
 import pytest
 import torch
 
-import p2p_cases
+import p2p_fault_cases
+import p2p_fingerprint_cases
 from dist_harness import case_failures, run_world
 from nsa_cp import _native
 
@@ -29,8 +30,8 @@ pytestmark = [
 
 @functools.lru_cache(maxsize=None)
 def _results(name, world=WORLD):
-    fn = {"never": p2p_cases.run_fault_never_arrives, "delayed": p2p_cases.run_fault_delayed,
-          "fingerprint": p2p_cases.run_fingerprint_checks}[name]
+    fn = {"never": p2p_fault_cases.run_fault_never_arrives, "delayed": p2p_fault_cases.run_fault_delayed,
+          "fingerprint": p2p_fingerprint_cases.run_fingerprint_checks}[name]
     return run_world(world, BACKEND, fn, {}, timeout_s=300)
 
 
@@ -47,7 +48,7 @@ def test_rank_delayed_by_seconds(case):
 
 
 def test_peer_dies_mid_call():
-    per_rank = run_world(WORLD, BACKEND, p2p_cases.run_fault_peer_dies, {}, timeout_s=300, may_exit=(WORLD - 1,))
+    per_rank = run_world(WORLD, BACKEND, p2p_fault_cases.run_fault_peer_dies, {}, timeout_s=300, may_exit=(WORLD - 1,))
     assert per_rank[WORLD - 1] == {"__exited__": 0}, per_rank[WORLD - 1]
     failures = case_failures(per_rank[: WORLD - 1], "peer-dies-mid-call")
     assert not failures, "\n".join(failures)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import p2p_cases
+import p2p_fault_cases
 from dist_harness import case_failures, run_world
 from nsa_cp import _native
 
@@ -118,7 +119,7 @@ def test_peer_dies():
     """A peer process that exits mid-run: the survivor's next call ends in P2PTimeoutError. The group is
     gloo either way, so that the dead rank cannot take a NCCL communicator down with it."""
     backend = dict((w, b) for w, b in WORLDS)[2]
-    per_rank = run_world(2, "gloo" if backend == "nccl" else backend, p2p_cases.run_peer_dies, {},
+    per_rank = run_world(2, "gloo" if backend == "nccl" else backend, p2p_fault_cases.run_peer_dies, {},
                          timeout_s=300, may_exit=(1,))
     assert per_rank[1] == {"__exited__": 0}, per_rank[1]
     failures = case_failures(per_rank[:1], "peer-dies")

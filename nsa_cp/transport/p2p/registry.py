@@ -1,9 +1,8 @@
 """One P2P transport per process group: ``init_p2p`` creates and registers it, ``get_p2p`` finds it,
 ``destroy_p2p`` releases it.
 
-``generation()`` is an integer that changes on every ``init_p2p`` and ``destroy_p2p``: a cache of
-decisions that depend on which transports exist (the plan cache) keys on it, so a transport created,
-replaced or destroyed never leaves a stale decision behind.
+``generation`` is ``nsa_cp.transport.registry.latest_generation``, the one generation of every group
+registry (the plan-cache key): ``init_p2p`` and ``destroy_p2p`` change it.
 """
 
 from __future__ import annotations
@@ -13,17 +12,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .p2p_transport import P2PTransport
-from .registry import GroupRegistry
+from ..registry import GroupRegistry, latest_generation
+from .transport import P2PTransport
 
 __all__ = ["init_p2p", "get_p2p", "destroy_p2p", "any_registered", "generation"]
 
 _REGISTRY = GroupRegistry()
-
-
-def generation() -> int:
-    """The registry's generation: a new value after every ``init_p2p`` / ``destroy_p2p`` (never reused)."""
-    return _REGISTRY.generation()
+generation = latest_generation  # one generation for every registry (the plan-cache key)
 
 
 def init_p2p(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple, Type
 
-from .. import validation
+from ... import validation
 
 __all__ = ["P2PError", "P2PTimeoutError", "LayoutMismatchError", "describe_error", "error_from_record", "RECORD_WORDS"]
 

@@ -4,7 +4,8 @@ into every rank (symmetric memory, or CUDA IPC when the ranks share one GPU).
 Symmetric memory (``torch.distributed._symmetric_memory``: ``empty`` + ``rendezvous``) serves ranks on
 different GPUs of one node. It refuses two ranks on one GPU; those get ordinary allocations whose CUDA
 IPC handles go round the group (as torch.multiprocessing shares CUDA tensors). CUDA IPC across
-different GPUs failed with an illegal memory access on 2x H200 and is refused until that is understood.
+different GPUs failed with illegal memory accesses when tried (docs/design.md) and is refused until
+that is understood.
 Either way the kernels see raw pointers; the handles returned here expose the same two members
 (``buffer_ptrs``, ``get_buffer``).
 """
@@ -18,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _native, envs
+from ... import _native, envs
 
 __all__ = ["p2p_unavailable_reason", "survey", "share_function", "memory_kind"]
 
@@ -52,7 +53,8 @@ def survey(group, device, config: Optional[dict] = None) -> Tuple[Optional[str],
     if index is None:  # no device, or "cuda": the current one
         index = torch.cuda.current_device() if local is None else -1
     if local is None:
-        local = _native.device_unsupported_reason(index) or None
+        verdict = _native.device_support(index)
+        local = None if verdict else verdict.reason
     everyone = [None] * world
     dist.all_gather_object(everyone, (socket.gethostname(), index, local, config), group=group)
     for key in config or {}:
@@ -128,8 +130,8 @@ def _memory_problem(indices) -> Optional[str]:
     """Why no mapping serves ranks on these device indices under NSA_CP_P2P_MEMORY, or None.
 
     Symmetric memory refuses two ranks on one GPU. CUDA IPC serves ranks that all share one GPU; across
-    different GPUs it failed on 2x H200 (an illegal memory access in every check), so it is refused there
-    until that is understood.
+    different GPUs it failed (an illegal memory access in every check, docs/design.md), so it is refused
+    there until that is understood.
     """
     setting = envs.NSA_CP_P2P_MEMORY
     gpus = len(set(indices))
@@ -141,7 +143,7 @@ def _memory_problem(indices) -> Optional[str]:
         return "NSA_CP_P2P_MEMORY=symm_mem with ranks sharing one GPU: symmetric memory refuses it; use auto or cuda_ipc"
     if not shared and gpus > 1 and setting == "cuda_ipc":
         return ("NSA_CP_P2P_MEMORY=cuda_ipc with ranks on different GPUs: not supported (it failed with an "
-                "illegal memory access on 2x H200); use auto or symm_mem")
+                "illegal memory access when tried); use auto or symm_mem")
     return None
 
 
