@@ -227,12 +227,27 @@ def test_shared_gpu_refuses_without_a_gpu_or_past_8_ranks(monkeypatch):
         gs.choose_mode(gs.parse_args(["--shared-gpu", "9"]))
 
 
+def _owner(stem: str, scripts) -> str:
+    """The script a module belongs to: itself, or the script ``<script>_<part>.py`` is a part of
+    (the longest such name); "harness" for the harness every script shares; "" for none."""
+    if stem in scripts or stem == "harness":
+        return stem
+    return max((s for s in scripts if stem.startswith(s + "_")), key=len, default="")
+
+
 def test_no_benchmark_imports_another():
-    """One file per measured thing over one harness: what scripts share lives in harness.py, so no script
-    imports another (gather_scatter.py runs stages.py, on one GPU, as a process of its own)."""
-    scripts = {p.stem for p in BENCH.glob("*.py")} - {"harness"}
+    """One file per measured thing over one harness: what every script shares lives in harness.py; a
+    script's own parts (``<script>_<part>.py``, no ``__main__`` guard: its check, report, command line,
+    a family of its rows) are imported by that script alone. So no script imports another, nor another's
+    parts (gather_scatter.py runs stages.py, on one GPU, as a process of its own)."""
+    scripts = {Path(s).stem for s in SCRIPTS}
+    modules = {p.stem for p in BENCH.glob("*.py")}
+    orphans = [m for m in sorted(modules) if not _owner(m, scripts)]
+    assert not orphans, (f"benchmarks/ modules that are neither a script (a __main__ guard), harness.py, nor "
+                         f"a part named <script>_<part>.py: {orphans}")
     found = []
     for path in sorted(BENCH.glob("*.py")):
+        mine = _owner(path.stem, scripts)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -240,7 +255,10 @@ def test_no_benchmark_imports_another():
                 names = [node.module]
             else:
                 continue
-            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in scripts]
+            for n in names:
+                other = _owner(n.split(".")[0], scripts) if n.split(".")[0] in modules else ""
+                if other and other not in ("harness", mine):
+                    found.append(f"{path.name}:{node.lineno} imports {n} (of {other}.py)")
     assert not found, found
 
 
