@@ -124,6 +124,20 @@ def _check_tags(path: Path) -> None:
             f"{path.name}: tag {key}={value!r} is a local path")
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (BENCH / "results").glob("*.csv")))
+def test_committed_results_carry_versions_and_devices_not_local_names(name):
+    """The committed rows carry the tags env_tags writes (versions and devices): no local path, no host name."""
+    path = BENCH / "results" / name
+    _check_tags(path)
+    rows = list(csv.DictReader(path.open(newline="")))
+    assert "host" not in rows[0] and not any("nsa_cp_path" in k for k in rows[0]), sorted(rows[0])
+    assert not [(k, v) for r in rows for k, v in r.items() if str(v).startswith(("/", "~"))], f"{name}: a local path"
+    js = path.with_suffix(".json")
+    if js.exists():
+        text = js.read_text()
+        assert '"host"' not in text and '"/' not in text, f"{js.name}: a host name or a local path"
+
+
 @pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without GPUs")
 @pytest.mark.parametrize("script", sorted(GPU_ONLY))
 def test_gpu_only_script_refuses_quickly_saying_why(script):
