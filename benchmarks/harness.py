@@ -25,10 +25,12 @@ and the table helpers and CSV / JSON writers.
 * ``run_rank``: the per-rank loop over configurations (layout, context, rows, rank 0's result file);
   ``by_config`` / ``skipped_lines`` / ``header_line``: table helpers; ``write_rows``: CSV / JSON.
 
-A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these.
+A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these;
+a larger one keeps the rest in parts of its own (``<script>_<part>.py``, imported by that script alone).
+The layout: docs/performance.md, "Benchmark protocol".
 
 This module is a helper, not a script (it has no ``__main__``): tests/test_benchmarks_smoke.py runs
-every benchmark script at a tiny size, and skips this helper by that rule.
+every benchmark script at a tiny size, and skips this helper and the scripts' parts by that rule.
 """
 
 from __future__ import annotations
