@@ -10,7 +10,6 @@ import sys
 from typing import Dict, Sequence
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, poisoning, the timing protocol, env tags, writers
@@ -62,19 +61,7 @@ def check_methods(ctx: Ctx, methods: Sequence, bufs, ag_ref: Dict[str, torch.Ten
         if not ok:
             status[i] = harness.BAD
 
-    flags = status.clone()
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group)
-    flags = flags.tolist()
-    bad = [m.name for m, s in zip(methods, flags) if s == harness.BAD]
-    if bad:
-        mine = [f"  {k}: {v}" for k, v in notes.items() if k in bad]
-        msg = f"CORRECTNESS FAILURE, counts {list(ctx.counts)}: {bad}" + (
-            f"\n[rank {ctx.rank}]\n" + "\n".join(mine) if mine else f" (no mismatch on rank {ctx.rank})"
-        )
-        print(msg, file=sys.stderr, flush=True)
-        raise RuntimeError(msg)
-    skipped = {m.name: notes.get(m.name, "NotImplementedError on another rank") for m, s in zip(methods, flags)
-               if s == harness.SKIP}
+    _, skipped = harness.verdicts(ctx, [m.name for m in methods], status, notes)
     log(f"  check ok: {len(methods) - len(skipped)} methods match the expected outputs")
     return skipped
 

@@ -463,6 +463,25 @@ def poison(ctx: Ctx, outputs: Iterable[torch.Tensor]):
 OK, SKIP, BAD = 0, 1, 2  # a method's verdict in the correctness check (MAX over ranks)
 
 
+def verdicts(ctx: Ctx, names: Sequence[str], status: torch.Tensor, notes: Dict[str, str]) -> Tuple[List[int], Dict[str, str]]:
+    """The end of a correctness check, on every rank: each method's verdict (``status``, OK / SKIP / BAD on
+    this rank, on ``ctx.control``) as the MAX over ranks. Any BAD aborts the run on every rank: a
+    RuntimeError naming the methods and this rank's mismatches (``notes``). Returns (the verdicts,
+    {name: skip reason} of the methods skipped on some rank)."""
+    flags = status.clone()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group)
+    flags = flags.tolist()
+    bad = [n for n, f in zip(names, flags) if f == BAD]
+    if bad:
+        mine = [f"  {k}: {v}" for k, v in notes.items() if k in bad]
+        msg = f"CORRECTNESS FAILURE, counts {list(ctx.counts)}: {bad}" + (
+            f"\n[rank {ctx.rank}]\n" + "\n".join(mine) if mine else f" (no mismatch on rank {ctx.rank})"
+        )
+        print(msg, file=sys.stderr, flush=True)
+        raise RuntimeError(msg)
+    return flags, {n: notes.get(n, "NotImplementedError on another rank") for n, f in zip(names, flags) if f == SKIP}
+
+
 # ============================================================================ hooks several scripts' rows share
 def with_env(fn, key: str, value: str):
     """``fn`` called with the environment variable ``key`` set to ``value`` (restored after each call;

@@ -287,18 +287,8 @@ def check_rows(c: TailCtx, rows: List[Row], seed: int, log, reference: Callable)
                     + "; ".join(f"{a:.3g}, {b_:.3g}" for a, b_ in errs)
                     + f" (tolerance {TOL[row.wire]}, {ROW_TOL[row.wire]})")
         dist.barrier(group=c.group)
-    flags = status.clone()
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=c.group)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=c.group)
-    flags = flags.tolist()
-    bad = [r.name for r, f in zip(rows, flags) if f == harness.BAD]
-    if bad:
-        msg = f"CORRECTNESS FAILURE, counts {list(c.counts)}: {bad} [rank {c.rank}] " + "; ".join(
-            f"{k}: {v}" for k, v in notes.items() if k in bad)
-        print(msg, file=sys.stderr, flush=True)
-        raise RuntimeError(msg)
-    skipped = {r.name: notes.get(r.name, "NotImplementedError on another rank") for r, f in zip(rows, flags)
-               if f == harness.SKIP}
+    flags, skipped = harness.verdicts(c, [r.name for r in rows], status, notes)
     worst = ", ".join(f"{r.name} {e:.1e}" for r, f, e in zip(rows, flags, errors.tolist()) if f == harness.OK)
     log(f"  check ok: {len(rows) - len(skipped)} rows match the float32 reference (relative L2 error, max over "
         f"ranks: {worst})")

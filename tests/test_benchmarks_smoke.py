@@ -197,6 +197,46 @@ def test_a_failing_rank_ends_the_run_at_once_with_its_traceback(tmp_path, rank0)
     assert took < 60, f"{took:.0f} s to end the run"
 
 
+def test_a_mismatch_on_one_rank_aborts_every_rank(tmp_path):
+    """harness.verdicts, the end of every script's correctness check: a method BAD on rank 1 alone ends the
+    run with a CORRECTNESS FAILURE naming it; a method skipped on one rank is skipped on all."""
+    script = tmp_path / "verdicts.py"
+    script.write_text(textwrap.dedent(f"""
+        import socket, sys
+        sys.path.insert(0, {str(BENCH)!r})
+        import torch
+        import torch.distributed as dist
+        import harness
+
+        class Layout:
+            per_rank_actual_token = (3, 2)
+
+        def worker(rank, world, port, bad):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+            ctx = harness.Ctx(None, Layout(), None, rank, world, torch.device("cpu"), "gloo")
+            status = torch.tensor([harness.OK, harness.SKIP if rank == 0 else harness.OK,
+                                   harness.BAD if bad and rank == 1 else harness.OK])
+            notes = {{"b": "why"}} if rank == 0 else {{"c": "rows differ"}} if bad else {{}}
+            flags, skipped = harness.verdicts(ctx, ["a", "b", "c"], status, notes)
+            assert flags == [harness.OK, harness.SKIP, harness.OK], flags
+            want = {{"b": "why"}} if rank == 0 else {{"b": "NotImplementedError on another rank"}}
+            assert skipped == want, skipped
+            print("verdicts ok", flush=True)
+
+        if __name__ == "__main__":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            harness.run_main(lambda: harness.spawn(worker, 2, (port, sys.argv[1] == "bad"), what="verdicts"))
+    """))
+    good, _ = _run([str(script), "good"], cwd=tmp_path, timeout=120)
+    assert good.returncode == 0 and good.stdout.count("verdicts ok") == 2, good.stdout + good.stderr
+    bad, _ = _run([str(script), "bad"], cwd=tmp_path, timeout=120)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "CORRECTNESS FAILURE, counts [3, 2]: ['c']" in bad.stderr and "rows differ" in bad.stderr, bad.stderr
+    assert "verdicts ok" not in bad.stdout, bad.stdout
+
+
 def _load_benchmark(name):
     import importlib
 
