@@ -401,21 +401,15 @@ def metrics(method: Method, layout, hidden, dtype, ms) -> Dict[str, float]:
 
 
 # ============================================================================ worker
+def _shared_gpu_refuses(ctx: Ctx, m: Method) -> Optional[str]:
+    return SHARED_GPU_SKIP if ctx.shared_gpu and m.needs is not harness.p2p_needs else None
+
+
 def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[str, str]]:
     dtype, hidden, L = harness.DTYPES[args.dtype], args.hidden, ctx.layout
     pad = (L.padded_len - L.total_len) / L.padded_len if L.padded_len else 0.0
     log(f"[{cfg_idx + 1}] counts {list(ctx.counts)}  M={ctx.M}  total={L.total_len}  padding {pad:.1%}")
-    active, skipped = [], {}
-    for m in methods:
-        reason = m.needs(ctx) if m.needs else None
-        if reason is None and ctx.shared_gpu and m.needs is not harness.p2p_needs:
-            reason = SHARED_GPU_SKIP
-        if reason:
-            skipped[m.name] = reason
-        else:
-            active.append(m)
-    for prepare in dict.fromkeys(m.prepare for m in active if m.prepare):  # each hook once, in order
-        prepare(ctx)
+    active, skipped = harness.runnable(ctx, methods, _shared_gpu_refuses)
     nbuf = harness.rotating_sets(ctx.device, bytes_per_set(L, hidden, dtype), args.max_bufs)
     bufsets = [make_bufs(ctx, hidden, dtype, harness.seed_of(args.seed, cfg_idx, b), b) for b in range(nbuf)]
     for bind in dict.fromkeys(m.bind for m in active if m.bind):  # each hook once, in order

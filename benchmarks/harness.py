@@ -511,6 +511,22 @@ def match_names(patterns: str, names: Sequence[str]) -> set:
     return chosen
 
 
+def runnable(ctx: Ctx, methods: Sequence, refuse: Optional[Callable] = None) -> Tuple[list, Dict[str, str]]:
+    """The methods that can run in this configuration, and {name: why not} of the others (``m.needs(ctx)``,
+    then ``refuse(ctx, m)``, each a reason or None); then each distinct ``prepare`` hook of the runnable
+    ones once, in order (a collective: every rank calls it)."""
+    active, skipped = [], {}
+    for m in methods:
+        reason = (m.needs(ctx) if m.needs else None) or (refuse(ctx, m) if refuse else None)
+        if reason:
+            skipped[m.name] = reason
+        else:
+            active.append(m)
+    for prepare in dict.fromkeys(m.prepare for m in active if m.prepare):
+        prepare(ctx)
+    return active, skipped
+
+
 def p2p_prepare(c: Ctx):
     """(Re)create the group's P2P transport when this configuration outgrows it (collective)."""
     t = c.nsa.get_p2p(c.group)

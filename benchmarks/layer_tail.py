@@ -270,15 +270,7 @@ def reference(c: TailCtx, seed: int, wire: str) -> Tuple[torch.Tensor, torch.Ten
 def run_config(c: TailCtx, rows: List[Row], args, cfg_idx: int, log) -> Tuple[List[dict], Dict[str, str]]:
     L = c.layout
     log(f"[{cfg_idx + 1}] counts {list(c.counts)}  M={c.M}  total={L.total_len}")
-    active, skipped = [], {}
-    for r in rows:
-        reason = r.needs(c) if r.needs else None
-        if reason:
-            skipped[r.name] = reason
-        else:
-            active.append(r)
-    for prepare in dict.fromkeys(r.prepare for r in active if r.prepare):
-        prepare(c)
+    active, skipped = harness.runnable(c, rows)
     c.comms.clear()  # communicators bind to the transport of this configuration
     skipped.update(check_rows(c, active, harness.seed_of(args.seed, cfg_idx), log, reference))
     active = [r for r in active if r.name not in skipped]
