@@ -25,10 +25,12 @@ and the table helpers and CSV / JSON writers.
 * ``run_rank``: the per-rank loop over configurations (layout, context, rows, rank 0's result file);
   ``by_config`` / ``skipped_lines`` / ``header_line``: table helpers; ``write_rows``: CSV / JSON.
 
-A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these.
+A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these;
+a larger one keeps the rest in parts of its own (``<script>_<part>.py``, imported by that script alone).
+The layout: docs/performance.md, "Benchmark protocol".
 
 This module is a helper, not a script (it has no ``__main__``): tests/test_benchmarks_smoke.py runs
-every benchmark script at a tiny size, and skips this helper by that rule.
+every benchmark script at a tiny size, and skips this helper and the scripts' parts by that rule.
 """
 
 from __future__ import annotations
@@ -461,6 +463,25 @@ def poison(ctx: Ctx, outputs: Iterable[torch.Tensor]):
 OK, SKIP, BAD = 0, 1, 2  # a method's verdict in the correctness check (MAX over ranks)
 
 
+def verdicts(ctx: Ctx, names: Sequence[str], status: torch.Tensor, notes: Dict[str, str]) -> Tuple[List[int], Dict[str, str]]:
+    """The end of a correctness check, on every rank: each method's verdict (``status``, OK / SKIP / BAD on
+    this rank, on ``ctx.control``) as the MAX over ranks. Any BAD aborts the run on every rank: a
+    RuntimeError naming the methods and this rank's mismatches (``notes``). Returns (the verdicts,
+    {name: skip reason} of the methods skipped on some rank)."""
+    flags = status.clone()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group)
+    flags = flags.tolist()
+    bad = [n for n, f in zip(names, flags) if f == BAD]
+    if bad:
+        mine = [f"  {k}: {v}" for k, v in notes.items() if k in bad]
+        msg = f"CORRECTNESS FAILURE, counts {list(ctx.counts)}: {bad}" + (
+            f"\n[rank {ctx.rank}]\n" + "\n".join(mine) if mine else f" (no mismatch on rank {ctx.rank})"
+        )
+        print(msg, file=sys.stderr, flush=True)
+        raise RuntimeError(msg)
+    return flags, {n: notes.get(n, "NotImplementedError on another rank") for n, f in zip(names, flags) if f == SKIP}
+
+
 # ============================================================================ hooks several scripts' rows share
 def with_env(fn, key: str, value: str):
     """``fn`` called with the environment variable ``key`` set to ``value`` (restored after each call;
@@ -488,6 +509,22 @@ def match_names(patterns: str, names: Sequence[str]) -> set:
     if not chosen:
         raise SystemExit(f"--methods {patterns!r} matches none of {list(names)}")
     return chosen
+
+
+def runnable(ctx: Ctx, methods: Sequence, refuse: Optional[Callable] = None) -> Tuple[list, Dict[str, str]]:
+    """The methods that can run in this configuration, and {name: why not} of the others (``m.needs(ctx)``,
+    then ``refuse(ctx, m)``, each a reason or None); then each distinct ``prepare`` hook of the runnable
+    ones once, in order (a collective: every rank calls it)."""
+    active, skipped = [], {}
+    for m in methods:
+        reason = (m.needs(ctx) if m.needs else None) or (refuse(ctx, m) if refuse else None)
+        if reason:
+            skipped[m.name] = reason
+        else:
+            active.append(m)
+    for prepare in dict.fromkeys(m.prepare for m in active if m.prepare):
+        prepare(ctx)
+    return active, skipped
 
 
 def p2p_prepare(c: Ctx):

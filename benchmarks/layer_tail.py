@@ -69,6 +69,10 @@ one process per GPU, NCCL; gloo ranks on the CPU as a smoke test. Per configurat
    ``--layers`` tails with no sync between them, device sync; (wall time) / layers. Median over rounds,
    MAX over ranks. Below about M = 1024 this is the host time; above, the device time.
 
+This file declares the tail's rows and their expected output (``reference``); its parts, imported by
+it alone: ``layer_tail_boundary.py`` (the ``--part boundary`` rows, their references and goals) and
+``layer_tail_common.py`` (baseline norm, context, buffers, stand-ins, the row type, the check, eager timing).
+
 ``x sglang``: the row's time over its baseline's (``sglang``, or ``sglang_fp8`` for FP8 rows) in the same
 run. ``--csv`` / ``--json``: one row per (configuration, row), tagged as every benchmark tags its rows
 (``harness.env_tags``), plus the baseline norm.
@@ -77,14 +81,10 @@ run. ``--csv`` / ``--json``: one row per (configuration, row), tagged as every b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
-import math
 import os
-import statistics
 import sys
-import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -93,160 +93,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, the timing protocol, env tags, writers
 
-EPS = 1e-6
-FP8 = "fp8_e4m3_g128"
-FP8_MAX = 448.0
-# relative L2 error of the next layer's normed rows and residual against the float32 reference: over
-# the whole tensor, and of the worst row (so one wrong row among 32768 cannot hide). Correct runs give
-# ~2e-3 overall in bf16 on the CPU path (one rounding of the residual and of the normed rows; a norm that
-# rounds the sum before normalising gives ~3e-3), up to ~9e-3 with FP8 (an input one bf16 ulp off can
-# round to the next FP8 value). A 5% error in one rank's partials gives 1.2e-2.
-TOL = {"bf16": 6e-3, "fp8": 2e-2}
-ROW_TOL = {"bf16": 2e-2, "fp8": 6e-2}
-
-
-# ============================================================================ baseline norm
-class BaseNorm:
-    """The norm a user's layer runs: ``(x, residual, weight) -> (y, residual)`` with the add fused.
-
-    flashinfer's ``fused_add_rmsnorm`` works in place (residual <- x + residual, x <- y); the
-    ``nsa_cp.RMSNorm`` fallback returns new tensors. Callers use the returned pair either way."""
-
-    def __init__(self, choice: str, nsa, device: torch.device, hidden: int, dtype):
-        self.name, self.why = "nsa_cp.RMSNorm", ""
-        self._fi = None
-        if choice in ("auto", "flashinfer"):
-            try:
-                import flashinfer
-                from flashinfer.norm import fused_add_rmsnorm
-
-                if device.type != "cuda":
-                    raise RuntimeError("flashinfer needs a CUDA device")
-                t0 = time.perf_counter()
-                x = torch.randn(4, hidden, device=device, dtype=dtype)
-                r = torch.randn_like(x)
-                w = torch.randn(hidden, device=device, dtype=dtype)
-                fused_add_rmsnorm(x, r, w, EPS)  # the first call JIT-builds the kernel (~30 s)
-                torch.cuda.synchronize(device)
-                self._fi = fused_add_rmsnorm
-                kernel = "CUDA JIT" if getattr(flashinfer.norm, "_USE_CUDA_NORM", True) else "CuTe DSL"
-                self.name = f"flashinfer {flashinfer.__version__} fused_add_rmsnorm ({kernel} kernel)"
-                self.why = f"first call {time.perf_counter() - t0:.1f} s"
-            except Exception as e:  # noqa: BLE001 - any failure falls back, saying why
-                if choice == "flashinfer":
-                    raise
-                self.why = f"flashinfer unavailable: {type(e).__name__}: {str(e)[:200]}"
-        self._mods: Dict[int, torch.nn.Module] = {}
-        self._nsa = nsa
-
-    def __call__(self, x, residual, weight):
-        if self._fi is not None:
-            self._fi(x, residual, weight, EPS)
-            return x, residual
-        mod = self._mods.get(id(weight))
-        if mod is None:
-            mod = self._nsa.RMSNorm(weight.shape[0], eps=EPS, dtype=weight.dtype, device=weight.device)
-            mod.weight.data = weight  # shares the tensor: no copy, no autograd history (run under no_grad)
-            mod.requires_grad_(False)
-            self._mods[id(weight)] = mod
-        return mod(x, residual)
-
-    def as_layer_norm(self, weight):
-        """A plain function with the communicator's norm convention and no ``weight`` attribute, so an
-        NSACPLayerCommunicator keeps norm-then-gather with it (the unfused rows)."""
-
-        def norm(x, residual=None):
-            if residual is None:
-                return self(x, torch.zeros_like(x), weight)[0]
-            return self(x, residual, weight)
-
-        return norm
-
-
-# ============================================================================ state
-@dataclasses.dataclass
-class TailCtx(harness.Ctx):
-    norm: Optional[BaseNorm] = None
-    w1: Optional[torch.Tensor] = None  # post-attention norm weight [H]
-    w2: Optional[torch.Tensor] = None  # next layer's input norm weight [H]
-    coef: float = 1.0  # this rank's stand-in constant
-    comms: Dict[str, object] = dataclasses.field(default_factory=dict)  # communicators per row
-    fused_backend_kw: bool = False  # the fused functions take backend=
-
-
-@dataclasses.dataclass
-class TailBufs:
-    x: torch.Tensor  # [n_r, H] attention output (flashinfer normalises it in place)
-    res: torch.Tensor  # [n_r, H] residual (updated in place or rebound)
-    partials: Optional[torch.Tensor] = None  # [M*P, H] this rank's MoE partials, padded (boundary part)
-
-
-def coef_of(rank: int) -> float:
-    return (rank + 1) / 4.0  # exact in bf16; partials differ per rank, so a wrong source shows
-
-
-def make_tail_bufs(c: TailCtx, rank: int, seed: int, partials: bool = False) -> TailBufs:
-    n = c.layout.per_rank_actual_token[rank]
-    x = harness.randn((n, c.hidden), harness.seed_of(seed, 11, rank), c.dtype, c.device)
-    res = harness.randn((n, c.hidden), harness.seed_of(seed, 12, rank), c.dtype, c.device)
-    part = harness.randn((c.layout.padded_len, c.hidden), harness.seed_of(seed, 13, rank), c.dtype, c.device) if partials else None
-    return TailBufs(x, res, part)
-
-
-def weights(hidden, dtype, device, seed) -> Tuple[torch.Tensor, torch.Tensor]:
-    w1 = 1.0 + 0.1 * harness.randn((hidden,), harness.seed_of(seed, 21), torch.float32, device)
-    w2 = 1.0 + 0.1 * harness.randn((hidden,), harness.seed_of(seed, 22), torch.float32, device)
-    return w1.to(dtype), w2.to(dtype)
-
-
-# ============================================================================ stand-ins
-def standin_bf16(c: TailCtx, full: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """The MoE: one kernel reading every gathered row and writing this rank's partials into ``buf``."""
-    torch.mul(full, c.coef, out=buf)
-    return buf
-
-
-def standin_fp8(c: TailCtx, q: torch.Tensor, scale: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """The FP8 MoE: partials = dequant(q, scale) * 1 (cast, then the group scales; two kernels).
-    The same on every rank (torch has no one-kernel fp8 x fp32 product to fold a constant into)."""
-    rows, groups = q.shape[0], q.shape[1] // 128
-    view = buf.view(rows, groups, 128)
-    view.copy_(q.view(rows, groups, 128))
-    view.mul_(scale.view(rows, groups, 1))
-    return buf
-
-
-def quant_ref(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """DESIGN.md's FP8 convention in torch (the reference of the checks): per row, groups of 128."""
-    rows, h = x.shape
-    g = x.float().view(rows, h // 128, 128)
-    scale = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / FP8_MAX
-    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(rows, h), scale.view(rows, h // 128)
-
-
-def _split_quant(gathered):
-    if isinstance(gathered, (tuple, list)) and len(gathered) == 2:
-        return gathered
-    raise TypeError(f"expected (q, scale) from the FP8 gather, got {type(gathered).__name__}")
-
-
-# ============================================================================ rows
-@dataclasses.dataclass(frozen=True)
-class Row:
-    name: str
-    fn: Callable[[TailCtx, TailBufs], tuple]  # -> outputs: tensors, or (q, scale) pairs of an FP8 gather
-    what: str
-    wire: str = "bf16"  # "bf16" | "fp8": its baseline (tail part) and tolerance
-    needs: Optional[Callable[[TailCtx], Optional[str]]] = None
-    prepare: Optional[Callable[[TailCtx], None]] = None
-    # boundary part: the float32 reference of the outputs, whether they must match bitwise, where the
-    # partials go before a call (the P2P reduce buffer), and the row the ratio column divides by
-    ref: Optional[Callable[[TailCtx, int], tuple]] = None
-    exact: bool = False
-    stage: Optional[Callable[[TailCtx, TailBufs], None]] = None
-    baseline: Optional[str] = None
-
+# this benchmark's parts (no other benchmark imports them)
+from layer_tail_boundary import BOUNDARY_ROWS, format_boundary_targets  # noqa: E402
+from layer_tail_common import (EPS, FP8, BaseNorm, Row, TailBufs, TailCtx, _comm, _needs_fused,  # noqa: E402
+                               _needs_p2p, _needs_quant, _prepare_p2p, _rms, check_rows, coef_of, make_tail_bufs,
+                               quant_ref, standin_bf16, standin_fp8, time_eager, weights, _split_quant)
 
 def sglang(c: TailCtx, b: TailBufs):
     M, n = c.M, c.n
@@ -269,20 +120,6 @@ def sglang_fp8(c: TailCtx, b: TailBufs):
     mine = torch.empty((M, c.hidden), dtype=c.dtype, device=c.device)
     harness.reduce_scatter_single(mine, partials, group=c.group)
     return c.norm(mine[:n], b.res, c.w2)
-
-
-def _comm(c: TailCtx, backend: str, compact: bool):
-    key = f"{backend}/{int(compact)}"
-    comm = c.comms.get(key)
-    if comm is None:
-        cls = c.nsa.NSACPLayerCommunicator
-        # unfused on purpose: fuse=False where the communicator has the switch, and norms without a
-        # ``weight`` attribute, which it could not fuse anyway
-        kw = {"fuse": False} if "fuse" in inspect.signature(cls.__init__).parameters else {}
-        comm = cls(c.group, c.norm.as_layer_norm(c.w2), c.norm.as_layer_norm(c.w1), compact=compact, backend=backend,
-                   **kw)
-        c.comms[key] = comm
-    return comm
 
 
 def nsa_unfused(backend: str, compact: bool):
@@ -355,35 +192,6 @@ def _needs_chained(backend: str):
     return needs
 
 
-def _needs_p2p(c: TailCtx) -> Optional[str]:
-    return harness.p2p_needs(c)
-
-
-def _needs_fused(backend: str, quant: Optional[str] = None):
-    def needs(c: TailCtx) -> Optional[str]:
-        for name in ("fused_add_rmsnorm_all_gather", "reduce_scatter_fused_add_rmsnorm") + (
-            ("quant_fp8_g128",) if quant else ()
-        ):
-            if not hasattr(c.nsa, name):
-                return f"this nsa_cp has no {name}"
-        if backend == "p2p":
-            return _needs_p2p(c)
-        if not c.fused_backend_kw and c.backend == "nccl":
-            return ("the fused functions take no backend= argument, so the NCCL path cannot be forced while "
-                    "a P2P transport is registered")
-        return None
-
-    return needs
-
-
-def _needs_quant(c: TailCtx) -> Optional[str]:
-    return None if hasattr(c.nsa, "quant_fp8_g128") else "this nsa_cp has no quant_fp8_g128"
-
-
-def _prepare_p2p(c: TailCtx):
-    harness.p2p_prepare(c)
-
-
 ROWS: List[Row] = [
     Row("sglang", sglang, "SGLang-style: norm, F.pad + AG, stand-in, RS + slice, norm"),
     Row("nsa_p2p_padded", nsa_unfused("p2p", False), "communicator P2P padded, norm-then-gather", "bf16",
@@ -416,156 +224,6 @@ ROWS: List[Row] = [
 BASELINE = {"bf16": "sglang", "fp8": "sglang_fp8"}
 
 
-# ============================================================================ boundary part
-# The two halves of the layer boundary on their own (``--part boundary``), padded layout: what the fused boundary's
-# goals compare. Gather side: from x, residual -> every rank's normed rows. Reduce side: from this
-# rank's partials (staged once into the buffer the reduce-scatter reads) -> the next layer's normed rows.
-def _gather_ref_rows(c: TailCtx, seed: int, norm: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(padded [M*P, H] rows of every rank: normed (bf16) or x itself, this rank's new residual)."""
-    M, counts = c.M, c.layout.per_rank_actual_token
-    rows, res1 = [], None
-    for q in range(c.world):
-        b = make_tail_bufs(c, q, seed)
-        s = b.x.float() + b.res.float()
-        rows.append(F.pad(_rms(s, c.w1).to(c.dtype) if norm else b.x, (0, 0, 0, M - counts[q])))
-        if q == c.rank:
-            res1 = s
-    return torch.cat(rows), res1
-
-
-def _dequant_ref(rows: torch.Tensor) -> torch.Tensor:
-    q8, scale = quant_ref(rows)
-    n, h = rows.shape
-    return (q8.float().view(n, h // 128, 128) * scale.view(n, h // 128, 1)).view(n, h)
-
-
-def ref_gather(norm: bool, fp8: bool):
-    def ref(c: TailCtx, seed: int):
-        rows, res1 = _gather_ref_rows(c, seed, norm)
-        rows = _dequant_ref(rows) if fp8 else rows.float()
-        return (rows, res1) if norm else (rows,)
-
-    return ref
-
-
-def ref_reduce(norm: bool):
-    def ref(c: TailCtx, seed: int):
-        a, n = c.rank * c.M, c.n
-        acc = torch.zeros((n, c.hidden), dtype=torch.float32, device=c.device)
-        for q in range(c.world):
-            acc += make_tail_bufs(c, q, seed, partials=True).partials[a:a + n].float()
-        if not norm:
-            return (acc,)
-        s2 = acc.to(c.dtype).float() + make_tail_bufs(c, c.rank, seed).res.float()
-        return _rms(s2, c.w2), s2
-
-    return ref
-
-
-def b_ag_sglang(c: TailCtx, b: TailBufs):
-    h, b.res = c.norm(b.x, b.res, c.w1)
-    full = torch.empty((c.M * c.world, c.hidden), dtype=c.dtype, device=c.device)
-    harness.all_gather_single(full, F.pad(h, (0, 0, 0, c.M - c.n)), group=c.group)
-    return full, b.res
-
-
-def b_ag_dpfp8_sglang(c: TailCtx, b: TailBufs):
-    """SGLang's FP8 DP-gather recipe after the norm: quantize the local rows, gather the payload and the
-    scales (two collectives; padded here, gatherv there), dequantize the gathered rows."""
-    M, n, H = c.M, c.n, c.hidden
-    h, b.res = c.norm(b.x, b.res, c.w1)
-    q, scale = c.nsa.quant_fp8_g128(h)
-    q_full = torch.empty((M * c.world, H), dtype=torch.uint8, device=c.device)
-    harness.all_gather_single(q_full, F.pad(q.view(torch.uint8), (0, 0, 0, M - n)), group=c.group)
-    s_full = torch.empty((M * c.world, H // 128), dtype=torch.float32, device=c.device)
-    harness.all_gather_single(s_full, F.pad(scale, (0, 0, 0, M - n)), group=c.group)
-    return c.nsa.dequant_fp8_g128(q_full.view(torch.float8_e4m3fn), s_full, c.dtype), b.res
-
-
-def _bk(c: TailCtx, backend: str) -> dict:
-    return {"backend": backend}
-
-
-def b_ag_nsa(backend: str, quant: Optional[str] = None):
-    def fn(c: TailCtx, b: TailBufs):
-        kw = {"quant": quant} if quant else {}
-        return (c.nsa.cp_all_gather(b.x, c.layout, c.group, backend=backend, **kw),)
-
-    return fn
-
-
-def b_normag_fused(backend: str, quant: Optional[str] = None):
-    def fn(c: TailCtx, b: TailBufs):
-        kw = {"backend": backend} if c.fused_backend_kw else {}
-        return c.nsa.fused_add_rmsnorm_all_gather(b.x, b.res, c.w1, EPS, c.layout, c.group, quant=quant, **kw)
-
-    return fn
-
-
-def _rs_source(c: TailCtx, b: TailBufs, backend: str) -> torch.Tensor:
-    if backend == "p2p":  # the transport's reduce buffer, where the MoE would have written (staged)
-        return _comm(c, "p2p", False).mlp_output_buffer(c.layout, b.x)
-    return b.partials
-
-
-def stage_p2p_partials(c: TailCtx, b: TailBufs) -> None:
-    _comm(c, "p2p", False).mlp_output_buffer(c.layout, b.x).copy_(b.partials)
-
-
-def b_rs_sglang(c: TailCtx, b: TailBufs):
-    mine = torch.empty((c.M, c.hidden), dtype=c.dtype, device=c.device)
-    harness.reduce_scatter_single(mine, b.partials, group=c.group)
-    return c.norm(mine[: c.n], b.res, c.w2)
-
-
-def b_rs_nsa(backend: str):
-    def fn(c: TailCtx, b: TailBufs):
-        return (c.nsa.cp_reduce_scatter(_rs_source(c, b, backend), c.layout, c.group, backend=backend),)
-
-    return fn
-
-
-def b_rsnorm_fused(backend: str):
-    def fn(c: TailCtx, b: TailBufs):
-        kw = {"backend": backend} if c.fused_backend_kw else {}
-        return c.nsa.reduce_scatter_fused_add_rmsnorm(_rs_source(c, b, backend), b.res, c.w2, EPS, c.layout, c.group,
-                                                      **kw)
-
-    return fn
-
-
-def _needs_p2p_quant(c: TailCtx) -> Optional[str]:
-    return _needs_quant(c) or _needs_p2p(c)
-
-
-def _needs_dequant(c: TailCtx) -> Optional[str]:
-    missing = [n for n in ("quant_fp8_g128", "dequant_fp8_g128") if not hasattr(c.nsa, n)]
-    return f"this nsa_cp has no {', '.join(missing)}" if missing else None
-
-
-BOUNDARY_ROWS: List[Row] = [
-    Row("ag_sglang", b_ag_sglang, "baseline norm + F.pad + all_gather_into_tensor", ref=ref_gather(True, False)),
-    Row("ag_nsa_p2p", b_ag_nsa("p2p"), "cp_all_gather alone (no norm), P2P", needs=_needs_p2p, prepare=_prepare_p2p,
-        ref=ref_gather(False, False), exact=True),
-    Row("normag_fused_p2p", b_normag_fused("p2p"), "fused_add_rmsnorm_all_gather, P2P", needs=_needs_fused("p2p"),
-        prepare=_prepare_p2p, ref=ref_gather(True, False), baseline="ag_sglang"),
-    Row("normag_fused_nccl", b_normag_fused("nccl"), "fused_add_rmsnorm_all_gather, NCCL", needs=_needs_fused("nccl"),
-        ref=ref_gather(True, False), baseline="ag_sglang"),
-    Row("ag_fp8_p2p", b_ag_nsa("p2p", FP8), "cp_all_gather(quant=fp8) alone (no norm), P2P", "fp8",
-        needs=_needs_p2p_quant, prepare=_prepare_p2p, ref=ref_gather(False, True), baseline="ag_nsa_p2p"),
-    Row("ag_dpfp8_sglang", b_ag_dpfp8_sglang, "baseline norm + SGLang's FP8 DP-gather recipe (quant, 2 gathers, "
-        "dequant)", "fp8", needs=_needs_dequant, ref=ref_gather(True, True)),
-    Row("normag_fp8_fused_p2p", b_normag_fused("p2p", FP8), "fused_add_rmsnorm_all_gather(quant=fp8), P2P", "fp8",
-        needs=_needs_fused("p2p", FP8), prepare=_prepare_p2p, ref=ref_gather(True, True), baseline="ag_dpfp8_sglang"),
-    Row("rs_sglang", b_rs_sglang, "reduce_scatter_tensor + slice + baseline norm", ref=ref_reduce(True)),
-    Row("rs_nsa_p2p", b_rs_nsa("p2p"), "cp_reduce_scatter alone (no norm), P2P, from the reduce buffer",
-        needs=_needs_p2p, prepare=_prepare_p2p, ref=ref_reduce(False), stage=stage_p2p_partials, baseline="rs_sglang"),
-    Row("rsnorm_fused_p2p", b_rsnorm_fused("p2p"), "reduce_scatter_fused_add_rmsnorm, P2P, from the reduce buffer",
-        needs=_needs_fused("p2p"), prepare=_prepare_p2p, ref=ref_reduce(True), stage=stage_p2p_partials,
-        baseline="rs_sglang"),
-    Row("rsnorm_fused_nccl", b_rsnorm_fused("nccl"), "reduce_scatter_fused_add_rmsnorm, NCCL", needs=_needs_fused("nccl"),
-        ref=ref_reduce(True), baseline="rs_sglang"),
-]
 PART_ROWS = {"tail": ROWS, "boundary": BOUNDARY_ROWS}
 PART_KEEP = {"tail": set(BASELINE.values()), "boundary": {"ag_sglang", "rs_sglang"}}
 
@@ -582,11 +240,6 @@ def select_rows(patterns: Optional[str], part: str = "tail") -> List[Row]:
         return list(rows)
     chosen = harness.match_names(patterns, [r.name for r in rows]) | PART_KEEP[part]
     return [r for r in rows if r.name in chosen]
-
-
-# ============================================================================ correctness
-def _rms(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + EPS) * w.float()
 
 
 def reference(c: TailCtx, seed: int, wire: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -614,124 +267,12 @@ def reference(c: TailCtx, seed: int, wire: str) -> Tuple[torch.Tensor, torch.Ten
     return _rms(s2, c.w2), s2
 
 
-def _as_values(out) -> torch.Tensor:
-    """A tensor, or an FP8 gather's (q, scale) dequantized to float32 (q * its group's scale)."""
-    if isinstance(out, (tuple, list)):
-        q, scale = out
-        n, h = q.shape
-        return (q.float().view(n, h // 128, 128) * scale.float().view(n, h // 128, 1)).view(n, h)
-    return out
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> Tuple[float, float]:
-    """(relative L2 error of the tensor, of its worst row); inf for NaN or a wrong shape."""
-    if out.shape != ref.shape:
-        return float("inf"), float("inf")
-    if out.numel() == 0:
-        return 0.0, 0.0
-    diff = out.float() - ref
-    whole = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
-    rows = (diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max().item()
-    return tuple(e if math.isfinite(e) else float("inf") for e in (whole, rows))
-
-
-def check_rows(c: TailCtx, rows: List[Row], seed: int, log) -> Dict[str, str]:
-    """One tail per row on fresh inputs; aborts the run on any mismatch; returns {row: skip reason}
-    for rows that raised NotImplementedError on some rank."""
-    status = torch.zeros(len(rows), dtype=torch.int64, device=c.device)
-    errors = torch.zeros(len(rows), dtype=torch.float64, device=c.device)
-    notes: Dict[str, str] = {}
-    for i, row in enumerate(rows):
-        s = harness.seed_of(seed, 31, i)
-        b = make_tail_bufs(c, c.rank, s, partials=row.ref is not None)
-        try:
-            if row.stage is not None:
-                row.stage(c, b)
-            outs = tuple(row.fn(c, b))
-        except NotImplementedError as e:
-            status[i], notes[row.name] = harness.SKIP, f"NotImplementedError: {e}"
-            continue
-        except (ValueError, TypeError, RuntimeError) as e:
-            # an API this checkout shapes differently (or a bug): the row is left out, loudly, and the rest
-            # of the run goes on. Such errors come from argument checks, before any rank communicates.
-            status[i], notes[row.name] = harness.SKIP, f"ERROR {type(e).__name__}: {str(e).strip()[:300]}"
-            print(f"[rank {c.rank}] {row.name}: {notes[row.name]}", file=sys.stderr, flush=True)
-            harness.sync(c)
-            dist.barrier(group=c.group)
-            continue
-        harness.sync(c)
-        refs = reference(c, s, row.wire) if row.ref is None else row.ref(c, s)
-        if len(outs) != len(refs):
-            status[i], notes[row.name] = harness.BAD, f"{len(outs)} outputs, expected {len(refs)}"
-        elif row.exact:
-            same = [o.shape == r.shape and torch.equal(o, r.to(o.dtype)) for o, r in zip(outs, refs)]
-            if not all(same):
-                status[i], notes[row.name] = harness.BAD, f"outputs differ from the exact expected rows: {same}"
-        else:
-            errs = [_rel(_as_values(o), r) for o, r in zip(outs, refs)]
-            whole, worst = max(e[0] for e in errs), max(e[1] for e in errs)
-            errors[i] = min(whole, 1e30)
-            if not (whole <= TOL[row.wire] and worst <= ROW_TOL[row.wire]):
-                status[i], notes[row.name] = harness.BAD, (
-                    "relative L2 error (whole, worst row) per output: "
-                    + "; ".join(f"{a:.3g}, {b_:.3g}" for a, b_ in errs)
-                    + f" (tolerance {TOL[row.wire]}, {ROW_TOL[row.wire]})")
-        dist.barrier(group=c.group)
-    flags = status.clone()
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=c.group)
-    dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=c.group)
-    flags = flags.tolist()
-    bad = [r.name for r, f in zip(rows, flags) if f == harness.BAD]
-    if bad:
-        msg = f"CORRECTNESS FAILURE, counts {list(c.counts)}: {bad} [rank {c.rank}] " + "; ".join(
-            f"{k}: {v}" for k, v in notes.items() if k in bad)
-        print(msg, file=sys.stderr, flush=True)
-        raise RuntimeError(msg)
-    skipped = {r.name: notes.get(r.name, "NotImplementedError on another rank") for r, f in zip(rows, flags)
-               if f == harness.SKIP}
-    worst = ", ".join(f"{r.name} {e:.1e}" for r, f, e in zip(rows, flags, errors.tolist()) if f == harness.OK)
-    log(f"  check ok: {len(rows) - len(skipped)} rows match the float32 reference (relative L2 error, max over "
-        f"ranks: {worst})")
-    return skipped
-
-
-# ============================================================================ timing
-def time_eager(c: TailCtx, rows: List[Row], bufsets, rounds: int, layers: int) -> Dict[str, float]:
-    """Host-inclusive ms per layer: ``layers`` tails back to back between two device syncs."""
-    align = harness.aligner(c)
-    samples: Dict[str, List[float]] = {r.name: [] for r in rows}
-    nb = len(bufsets)
-    for rnd in range(rounds):
-        dist.barrier(group=c.group)
-        for k in range(len(rows)):
-            row = rows[(rnd + k) % len(rows)]
-            if align is not None:
-                align()
-            harness.sync(c)
-            t0 = time.perf_counter()
-            for layer in range(layers):
-                row.fn(c, bufsets[(rnd + layer) % nb])
-            harness.sync(c)
-            samples[row.name].append((time.perf_counter() - t0) * 1e3 / layers)
-    local = torch.tensor([statistics.median(samples[r.name]) for r in rows], dtype=torch.float64, device=c.device)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=c.group)
-    return {r.name: v for r, v in zip(rows, local.tolist())}
-
-
 def run_config(c: TailCtx, rows: List[Row], args, cfg_idx: int, log) -> Tuple[List[dict], Dict[str, str]]:
     L = c.layout
     log(f"[{cfg_idx + 1}] counts {list(c.counts)}  M={c.M}  total={L.total_len}")
-    active, skipped = [], {}
-    for r in rows:
-        reason = r.needs(c) if r.needs else None
-        if reason:
-            skipped[r.name] = reason
-        else:
-            active.append(r)
-    for prepare in dict.fromkeys(r.prepare for r in active if r.prepare):
-        prepare(c)
+    active, skipped = harness.runnable(c, rows)
     c.comms.clear()  # communicators bind to the transport of this configuration
-    skipped.update(check_rows(c, active, harness.seed_of(args.seed, cfg_idx), log))
+    skipped.update(check_rows(c, active, harness.seed_of(args.seed, cfg_idx), log, reference))
     active = [r for r in active if r.name not in skipped]
     row_bytes = c.hidden * torch.tensor([], dtype=c.dtype).element_size()
     nbuf = harness.rotating_sets(c.device, 2 * c.n * row_bytes, 8)
@@ -825,16 +366,6 @@ def format_table(result, cpu: bool) -> str:
     return "\n".join(lines)
 
 
-# the fused boundary's goals (boundary part): (label, numerator row, denominator row, limit, smallest M it applies at), device ms
-TARGETS_13 = [
-    ("fused norm+AG P2P / cp_all_gather P2P", "normag_fused_p2p", "ag_nsa_p2p", 1.1, 2048),
-    ("fused norm+AG P2P / flashinfer-or-baseline norm + F.pad + AG", "normag_fused_p2p", "ag_sglang", 0.6, 0),
-    ("fused RS+norm P2P / cp_reduce_scatter P2P", "rsnorm_fused_p2p", "rs_nsa_p2p", 1.1, 2048),
-    ("FP8 gather P2P / bf16 gather P2P", "ag_fp8_p2p", "ag_nsa_p2p", 0.6, 8192),
-    ("fused norm+FP8 AG P2P / norm + SGLang FP8 DP-gather recipe", "normag_fp8_fused_p2p", "ag_dpfp8_sglang", 0.5, 0),
-]
-
-
 def format_targets(rows: List[dict]) -> List[str]:
     """The project's goals as ratios per M, with verdicts: for the tail part (host per layer
     <= 0.5x sglang at every M, eager <= 0.6x at M = 256), for the boundary part (device ms)."""
@@ -859,23 +390,7 @@ def format_targets(rows: List[dict]) -> List[str]:
             eager = "" if e is None else f" | eager @256 {e['x_base_eager']:.2f} {'ok' if e['x_base_eager'] <= 0.6 else 'MISS'}"
             lines.append(f"  {name:<22} host x {' '.join(cells)} {'ok' if ok else 'MISS'}{eager}")
     if "boundary" in parts:
-        lines += ["", "boundary goals (device ms ratios), per M " + " ".join(map(str, Ms)) + ":"]
-        for label, num, den, limit, min_m in TARGETS_13:
-            cells, verdict = [], "ok"
-            for M in Ms:
-                a, b = by.get((M, num)), by.get((M, den))
-                if a is None or b is None or b["device_ms"] <= 0:
-                    cells.append("  -  ")
-                    verdict = "incomplete" if verdict == "ok" else verdict
-                    continue
-                ratio = a["device_ms"] / b["device_ms"]
-                applies = M >= min_m
-                cells.append(f"{ratio:5.2f}" + ("" if applies else "*"))
-                if applies and ratio > limit:
-                    verdict = "MISS"
-            where = "every M" if min_m == 0 else f"M >= {min_m}"
-            lines.append(f"  {label:<62} <= {limit:.2f} at {where:<9} {' '.join(cells)}  {verdict}")
-        lines.append("  (* outside the M range the target applies to)")
+        lines += format_boundary_targets(by, Ms)
     return lines
 
 

@@ -7,16 +7,18 @@ one ``[sum(n), H]``. Prints a Markdown table of ``padding rows / (P * cp)``. CPU
 
     python benchmarks/sglang_padding.py
 
-Needs sglang==0.5.23 (``bash .ci/install_sglang.sh``); where no torchvision imports, the test stand-in
-``tests/sglang_shims`` is put on the path (see its docstring).
+Needs sglang==0.5.23 (``bash .ci/install_sglang.sh``) and pytest; the metadata comes from the tests' SGLang
+environment (``tests/sglang_env.py``: where no torchvision imports, the stand-in ``tests/sglang_shims`` goes
+on the path).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-from unittest import mock
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import sglang_env  # noqa: E402  SGLang's own metadata on a CPU-only machine (the tests' stand-ins)
 
 BATCHES = {
     "one request of 131072": [131072],
@@ -28,33 +30,15 @@ BATCHES = {
 CPS = (2, 4, 8)
 
 
-def _prepare():
-    os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
-    if importlib.util.find_spec("torchvision") is None:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "sglang_shims"))
-
-
 def split(strategy: str, seq_lens, cp: int):
-    """(real counts per rank, physical length) of SGLang's own split and padding."""
-    from sglang.srt.layers.cp import padding
-    from sglang.srt.layers.cp.interleave import InterleaveCPStrategy
-    from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
-    from sglang.srt.runtime_context import get_parallel
-
-    cls = ZigzagCPStrategy if strategy == "zigzag" else InterleaveCPStrategy
-    widths = dict(tp_size=cp, attn_cp_size=cp, attn_dp_size=1, pp_size=1, moe_ep_size=1, moe_dp_size=1,
-                  attn_dcp_size=1, shared_experts_tp_size=None, attn_tp_size=1)
-    with get_parallel().override(**widths), \
-            mock.patch("sglang.srt.layers.cp.base.is_zigzag", return_value=strategy == "zigzag"), \
-            mock.patch.object(cls, "cp_rank", new=property(lambda self: 0)):
-        md = cls(cp).build_metadata(num_tokens=sum(seq_lens), seqs_len=list(seq_lens),
-                                    extend_seqs_len=list(seq_lens))
-        padding.pad_logical_token_to_physical(md)
-    return list(md.per_rank_logical_token), md.per_rank_actual_token[0]
+    """(real counts per rank, physical length) of SGLang's own split and padding (the tests' builder of
+    SGLang's metadata, tests/sglang_env.py)."""
+    md, logical = sglang_env.build_metadata(seq_lens, cp, strategy)
+    return logical, md.per_rank_actual_token[0]
 
 
 def main() -> None:
-    _prepare()
+    sglang_env.prepare_process()
     import sglang
 
     print(f"SGLang {sglang.__version__}: padding rows / MoE rows of the padded gather ([P * cp, H])\n")

@@ -462,13 +462,16 @@ class BaselineComm:
         wire = x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x  # gloo has no float8 collectives
         padded = F.pad(wire, (0, 0, 0, m - x.shape[0]))
         out = wire.new_empty((m * layout.cp_size, x.shape[1]))
+        return self._collective(dist.all_gather_into_tensor, out, padded).view(x.dtype)
+
+    def _collective(self, collective, out, inp):
+        """``collective(out, inp)`` on the group; through host copies when ``host_staged`` (gloo)."""
         if self.host_staged:
             host = out.cpu()
-            dist.all_gather_into_tensor(host, padded.cpu(), group=self.group)
-            out.copy_(host)
-        else:
-            dist.all_gather_into_tensor(out, padded, group=self.group)
-        return out.view(x.dtype)
+            collective(host, inp.cpu(), group=self.group)
+            return out.copy_(host)
+        collective(out, inp, group=self.group)
+        return out
 
     def prepare_attn(self, i, h, residual):
         norm = self.layers[i].input_norm
@@ -489,13 +492,7 @@ class BaselineComm:
 
     def postprocess_layer(self, i, partials, residual):
         m = self.layout.max_rank_len
-        out = partials.new_empty((m, partials.shape[1]))
-        if self.host_staged:
-            host = out.cpu()
-            dist.reduce_scatter_tensor(host, partials.cpu(), group=self.group)
-            out.copy_(host)
-        else:
-            dist.reduce_scatter_tensor(out, partials, group=self.group)
+        out = self._collective(dist.reduce_scatter_tensor, partials.new_empty((m, partials.shape[1])), partials)
         return out[: self.layout.per_rank_actual_token[self.rank]], residual
 
 

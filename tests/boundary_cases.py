@@ -12,10 +12,11 @@ on CUDA the kernels may round a norm or an FP8 division differently: within one 
 from __future__ import annotations
 
 import random
-import traceback
 from typing import Dict, List, Optional
 
 import torch
+
+from dist_harness import run_each
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-6
@@ -429,20 +430,14 @@ _RUNNERS = {
 
 
 def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
-    """Entry point in every rank: run each case, record None or the failure text."""
+    """Entry point in every rank (``dist_harness.run_world``): every case through its runner, None or the
+    failure text per case (``dist_harness.run_each``); first the P2P transport when the payload names one."""
     import torch.distributed as dist
-
-    import nsa_cp
 
     device = torch.device("cuda", rank) if payload["device"] == "cuda" else torch.device("cpu")
     group = dist.group.WORLD
     if payload.get("p2p"):
+        import nsa_cp
+
         nsa_cp.init_p2p(group, 256, payload["p2p"], torch.bfloat16)
-    results: Dict[str, Optional[str]] = {}
-    for case in payload["cases"]:
-        try:
-            results[case["id"]] = _RUNNERS[case["op"]](case, rank, world, group, device)
-        except Exception:
-            results[case["id"]] = traceback.format_exc()
-        dist.barrier()  # a failing rank must not leave the others waiting in a collective
-    return results
+    return run_each(payload["cases"], lambda case: _RUNNERS[case["op"]](case, rank, world, group, device))

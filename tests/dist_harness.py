@@ -16,8 +16,10 @@ memory maps the peers' buffers through CUDA IPC; the GPU time-slices the ranks' 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -333,3 +335,61 @@ class WorldPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- what the case modules share
+@contextlib.contextmanager
+def scoped_env(values: Dict[str, str], *, keep_set: bool = False):
+    """Environment variables set for the ``with`` block (inherited by ranks spawned inside it), then
+    restored, each to its old value or unset. ``keep_set``: a variable already set keeps its value."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if not (keep_set and k in os.environ):
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_each(cases, run_one: Callable[[dict], Any]) -> Results:
+    """On one rank: ``run_one(case)`` for every case in turn, recording None (it returned None) or its
+    text / traceback per case id. A barrier follows each case, so a failing rank never leaves the others
+    waiting in a collective of the next one."""
+    import torch.distributed as dist
+
+    results: Results = {}
+    for case in cases:
+        try:
+            results[case["id"]] = run_one(case)
+        except Exception:
+            results[case["id"]] = traceback.format_exc()
+        dist.barrier()
+    return results
+
+
+def gloo_case_test(cases_module, world_sizes):
+    """A test of every case of a case module (``make_cases(world)``, ``run_cases``) on gloo with CPU tensors,
+    one item per case, ``test_case[w<world>-<case id>]`` (assign it to ``test_case``): one spawned world per
+    size runs every case of its size (at the first item that needs it, then cached); an item fails with
+    the texts of the ranks where its case failed."""
+    import pytest
+
+    @functools.lru_cache(maxsize=None)
+    def results(world):
+        return run_world(world, "gloo", cases_module.run_cases,
+                         {"device": "cpu", "cases": cases_module.make_cases(world)})
+
+    params = [pytest.param(world, case["id"], id=f"w{world}-{case['id']}")
+              for world in world_sizes for case in cases_module.make_cases(world)]
+
+    @pytest.mark.parametrize("world,case_id", params)
+    def test_case(world, case_id):
+        failures = case_failures(results(world), case_id)
+        assert not failures, "\n".join(failures)
+
+    return test_case

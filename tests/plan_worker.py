@@ -12,11 +12,12 @@ out and environment, and checks every result.
 
 from __future__ import annotations
 
-import os
 import traceback
 from typing import Dict, List, Optional
 
 import torch
+
+from dist_harness import scoped_env
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -39,10 +40,7 @@ def one_call(call: dict, rank: int, world: int, group, device) -> Optional[str]:
     dtype, rest = DTYPES[call["dtype"]], tuple(call["rest"])
     layout = nsa_cp.ShardLayout(list(call["counts"]), call["align"])
     m, compact = layout.max_rank_len, call["compact"]
-    env = call.get("env") or {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with scoped_env(call.get("env") or {}):  # the call's environment, for this call only
         if call["op"] == "gather":
             shards = [_gen(call["seed"], q, n, rest, dtype, "cpu") for q, n in enumerate(layout.per_rank_actual_token)]
             want = _expected_gather(shards, m, compact)
@@ -65,12 +63,6 @@ def one_call(call: dict, rank: int, world: int, group, device) -> Optional[str]:
         if tuple(got.shape) != (n, *rest) or bool(((got.cpu().double() - mine.sum(0)).abs() > bound).any()):
             return f"reduce-scatter differs from the fp64 sum ({layout}, compact={compact}, rest={rest}, {dtype})"
         return None
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def handle(rank: int, world: int, payload: dict) -> List[Optional[str]]:
@@ -127,16 +119,9 @@ def _check_keys(rank, world, group, device) -> Optional[str]:
         problem = one_call(base, rank, world, group, device)
         if problem:
             return f"the first call after a change of {what}: {problem}"
-    saved = os.environ.get("NSA_CP_NCCL_CALL")
-    os.environ["NSA_CP_NCCL_CALL"] = "public"
-    try:
+    with scoped_env({"NSA_CP_NCCL_CALL": "public"}):
         if _plan_of(x, layout, group) is first:
             return "an environment variable changed, yet the same plan was served"
-    finally:
-        if saved is None:
-            os.environ.pop("NSA_CP_NCCL_CALL")
-        else:
-            os.environ["NSA_CP_NCCL_CALL"] = saved
     if _plan_of(x, layout, group) is not first:
         return "the variable's old value did not find its plan again"
     # and the new value takes effect: NSA_CP_NCCL_CALL=public routes the collective through torch's function

@@ -36,6 +36,8 @@ from typing import Optional, Tuple
 
 import torch
 
+import dist_cases
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 # gloo carries fp16, bf16 and fp32 (and more) for these collectives; fp8 only as bytes (see "fp8")
 PROPERTY_DTYPES = ("bf16", "fp16", "fp32")
@@ -298,19 +300,6 @@ def reference(payload: dict, rank: int) -> torch.Tensor:
     return torch.stack(partials) if partials else torch.empty(0)
 
 
-def _check_sum(got: torch.Tensor, partials: torch.Tensor, dtype) -> Optional[str]:
-    exact = partials.double().sum(0)
-    magnitude = partials.double().abs().sum(0)
-    bound = partials.shape[0] * torch.finfo(dtype).eps * magnitude + 1e-30
-    got = got.double()
-    if not torch.isfinite(got).all():
-        return "reduce-scatter result holds NaN/inf (unwritten rows, or rows read from outside the input?)"
-    err = (got - exact).abs()
-    if (err > bound).any():
-        return f"reduce-scatter error {err.max().item():.3g} exceeds the bound {bound.max().item():.3g}"
-    return None
-
-
 # --------------------------------------------------------------------------- one call
 def _make_layout(nsa_cp, plan: dict, payload: dict):
     counts = plan["layout_counts"]
@@ -353,7 +342,7 @@ def _check_ok(payload, plan, rank, result, out, inp_buf, inp_snap) -> Optional[s
     want_shape = (payload["counts"][rank], *plan["rest"])
     if tuple(result.shape) != want_shape or result.dtype != dtype:
         return f"reduce-scatter gave {tuple(result.shape)} {result.dtype}, expected {want_shape} {dtype}"
-    return _check_sum(result, expected, dtype)
+    return dist_cases._check_sum(result, list(expected), dtype)  # the fp64 bound every test uses
 
 
 def handle(rank: int, world: int, payload: dict):

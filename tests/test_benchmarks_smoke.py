@@ -124,6 +124,20 @@ def _check_tags(path: Path) -> None:
             f"{path.name}: tag {key}={value!r} is a local path")
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (BENCH / "results").glob("*.csv")))
+def test_committed_results_carry_versions_and_devices_not_local_names(name):
+    """The committed rows carry the tags env_tags writes (versions and devices): no local path, no host name."""
+    path = BENCH / "results" / name
+    _check_tags(path)
+    rows = list(csv.DictReader(path.open(newline="")))
+    assert "host" not in rows[0] and not any("nsa_cp_path" in k for k in rows[0]), sorted(rows[0])
+    assert not [(k, v) for r in rows for k, v in r.items() if str(v).startswith(("/", "~"))], f"{name}: a local path"
+    js = path.with_suffix(".json")
+    if js.exists():
+        text = js.read_text()
+        assert '"host"' not in text and '"/' not in text, f"{js.name}: a host name or a local path"
+
+
 @pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without GPUs")
 @pytest.mark.parametrize("script", sorted(GPU_ONLY))
 def test_gpu_only_script_refuses_quickly_saying_why(script):
@@ -183,6 +197,46 @@ def test_a_failing_rank_ends_the_run_at_once_with_its_traceback(tmp_path, rank0)
     assert took < 60, f"{took:.0f} s to end the run"
 
 
+def test_a_mismatch_on_one_rank_aborts_every_rank(tmp_path):
+    """harness.verdicts, the end of every script's correctness check: a method BAD on rank 1 alone ends the
+    run with a CORRECTNESS FAILURE naming it; a method skipped on one rank is skipped on all."""
+    script = tmp_path / "verdicts.py"
+    script.write_text(textwrap.dedent(f"""
+        import socket, sys
+        sys.path.insert(0, {str(BENCH)!r})
+        import torch
+        import torch.distributed as dist
+        import harness
+
+        class Layout:
+            per_rank_actual_token = (3, 2)
+
+        def worker(rank, world, port, bad):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+            ctx = harness.Ctx(None, Layout(), None, rank, world, torch.device("cpu"), "gloo")
+            status = torch.tensor([harness.OK, harness.SKIP if rank == 0 else harness.OK,
+                                   harness.BAD if bad and rank == 1 else harness.OK])
+            notes = {{"b": "why"}} if rank == 0 else {{"c": "rows differ"}} if bad else {{}}
+            flags, skipped = harness.verdicts(ctx, ["a", "b", "c"], status, notes)
+            assert flags == [harness.OK, harness.SKIP, harness.OK], flags
+            want = {{"b": "why"}} if rank == 0 else {{"b": "NotImplementedError on another rank"}}
+            assert skipped == want, skipped
+            print("verdicts ok", flush=True)
+
+        if __name__ == "__main__":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            harness.run_main(lambda: harness.spawn(worker, 2, (port, sys.argv[1] == "bad"), what="verdicts"))
+    """))
+    good, _ = _run([str(script), "good"], cwd=tmp_path, timeout=120)
+    assert good.returncode == 0 and good.stdout.count("verdicts ok") == 2, good.stdout + good.stderr
+    bad, _ = _run([str(script), "bad"], cwd=tmp_path, timeout=120)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "CORRECTNESS FAILURE, counts [3, 2]: ['c']" in bad.stderr and "rows differ" in bad.stderr, bad.stderr
+    assert "verdicts ok" not in bad.stdout, bad.stdout
+
+
 def _load_benchmark(name):
     import importlib
 
@@ -227,12 +281,27 @@ def test_shared_gpu_refuses_without_a_gpu_or_past_8_ranks(monkeypatch):
         gs.choose_mode(gs.parse_args(["--shared-gpu", "9"]))
 
 
+def _owner(stem: str, scripts) -> str:
+    """The script a module belongs to: itself, or the script ``<script>_<part>.py`` is a part of
+    (the longest such name); "harness" for the harness every script shares; "" for none."""
+    if stem in scripts or stem == "harness":
+        return stem
+    return max((s for s in scripts if stem.startswith(s + "_")), key=len, default="")
+
+
 def test_no_benchmark_imports_another():
-    """One file per measured thing over one harness: what scripts share lives in harness.py, so no script
-    imports another (gather_scatter.py runs stages.py, on one GPU, as a process of its own)."""
-    scripts = {p.stem for p in BENCH.glob("*.py")} - {"harness"}
+    """One file per measured thing over one harness: what every script shares lives in harness.py; a
+    script's own parts (``<script>_<part>.py``, no ``__main__`` guard: its check, report, command line,
+    a family of its rows) are imported by that script alone. So no script imports another, nor another's
+    parts (gather_scatter.py runs stages.py, on one GPU, as a process of its own)."""
+    scripts = {Path(s).stem for s in SCRIPTS}
+    modules = {p.stem for p in BENCH.glob("*.py")}
+    orphans = [m for m in sorted(modules) if not _owner(m, scripts)]
+    assert not orphans, (f"benchmarks/ modules that are neither a script (a __main__ guard), harness.py, nor "
+                         f"a part named <script>_<part>.py: {orphans}")
     found = []
     for path in sorted(BENCH.glob("*.py")):
+        mine = _owner(path.stem, scripts)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -240,7 +309,10 @@ def test_no_benchmark_imports_another():
                 names = [node.module]
             else:
                 continue
-            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in scripts]
+            for n in names:
+                other = _owner(n.split(".")[0], scripts) if n.split(".")[0] in modules else ""
+                if other and other not in ("harness", mine):
+                    found.append(f"{path.name}:{node.lineno} imports {n} (of {other}.py)")
     assert not found, found
 
 

@@ -10,7 +10,6 @@
 * On a machine with one GPU: the P2P cases (bf16, Inductor) with two ranks sharing the GPU over gloo.
 """
 
-import contextlib
 import functools
 import os
 import re
@@ -23,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 import compile_cases
 import nsa_cp
 import nsa_cp.ops  # noqa: F401  registers torch.ops.nsa_cp.*
-from dist_harness import case_failures, run_world
+from dist_harness import case_failures, run_world, scoped_env
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -43,26 +42,10 @@ GPU_CASES = compile_cases.make_cases(("inductor",), p2p=True)
 SHARED_GPU_CASES = [c for c in GPU_CASES if c["op"] == "p2p"]
 
 
-@contextlib.contextmanager
-def _env(**values):
-    """Set environment variables (inherited by the spawned ranks) unless already set; restore after."""
-    saved = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        os.environ.setdefault(k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @functools.lru_cache(maxsize=None)
 def _world_results(device):
     # a rank stuck in a collective (a dropped collective on the other rank) fails in 2 minutes, not 5
-    with _env(NSA_TEST_PG_TIMEOUT_S="120"):
+    with scoped_env({"NSA_TEST_PG_TIMEOUT_S": "120"}, keep_set=True):
         if device == "cpu":
             return run_world(2, "gloo", compile_cases.run_compile_cases,
                              {"device": "cpu", "dtype": "fp32", "cases": CPU_CASES}, timeout_s=300)

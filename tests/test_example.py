@@ -10,6 +10,7 @@ GPU, the one-GPU mode (ranks sharing it) runs every method at cp = 3 and 8.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import os
@@ -108,48 +109,28 @@ def _run_cases(rank, world_size, payload):
     return results
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(2, "gloo", _run_cases, CASES_2, timeout_s=300)
+WORLDS = {2: CASES_2, 3: CASES_3, 4: CASES_4, 8: CASES_8}
 
 
-@pytest.fixture(scope="module")
-def world3():
-    return run_world(3, "gloo", _run_cases, CASES_3, timeout_s=300)
+@functools.lru_cache(maxsize=None)
+def _world(world: int):
+    """Every case of one world size, run by one spawned world (the first test of that size spawns it)."""
+    return run_world(world, "gloo", _run_cases, WORLDS[world], timeout_s=300)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(4, "gloo", _run_cases, CASES_4, timeout_s=300)
+def _world_test(world: int):
+    """``test_example_world<N>[case]``: the case passed on every rank of the world of size N."""
+
+    @pytest.mark.parametrize("case_id", list(WORLDS[world]))
+    def test(case_id):
+        errors = case_failures(_world(world), case_id)
+        assert not errors, "\n".join(errors)
+
+    test.__name__ = test.__qualname__ = f"test_example_world{world}"
+    return test
 
 
-@pytest.fixture(scope="module")
-def world8():
-    return run_world(8, "gloo", _run_cases, CASES_8, timeout_s=300)
-
-
-@pytest.mark.parametrize("case_id", list(CASES_2))
-def test_example_world2(world2, case_id):
-    errors = case_failures(world2, case_id)
-    assert not errors, "\n".join(errors)
-
-
-@pytest.mark.parametrize("case_id", list(CASES_3))
-def test_example_world3(world3, case_id):
-    errors = case_failures(world3, case_id)
-    assert not errors, "\n".join(errors)
-
-
-@pytest.mark.parametrize("case_id", list(CASES_4))
-def test_example_world4(world4, case_id):
-    errors = case_failures(world4, case_id)
-    assert not errors, "\n".join(errors)
-
-
-@pytest.mark.parametrize("case_id", list(CASES_8))
-def test_example_world8(world8, case_id):
-    errors = case_failures(world8, case_id)
-    assert not errors, "\n".join(errors)
+test_example_world2, test_example_world3, test_example_world4, test_example_world8 = map(_world_test, WORLDS)
 
 
 def test_methods_from_the_flags():

@@ -119,12 +119,15 @@ def test_matches_reference_hypothesis(lens, cp, page):
 
 
 # ----------------------------------------------------------------- properties
+def _batches(longest: int):
+    """A batch of up to 12 requests of 0..longest tokens (empty batches and empty requests included), a
+    cp size and a page size: the examples of the property tests below (100 each)."""
+    return given(lens=st.lists(st.integers(0, longest), max_size=12), cp=st.integers(1, 8),
+                 page=st.sampled_from([1, 2, 7, 64]))
+
+
 @settings(max_examples=100, deadline=None)
-@given(
-    lens=st.lists(st.integers(0, 2000), max_size=12),
-    cp=st.integers(1, 8),
-    page=st.sampled_from([1, 2, 7, 64]),
-)
+@_batches(2000)
 def test_positions_are_a_permutation_and_restore_round_trips(lens, cp, page):
     total = sum(lens)
     pos = in_seq_positions(lens, cp, page)
@@ -154,11 +157,7 @@ def test_page_size_one_is_the_token_split(lens, cp):
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    lens=st.lists(st.integers(0, 3000), max_size=12),
-    cp=st.integers(1, 8),
-    page=st.sampled_from([1, 2, 7, 64]),
-)
+@_batches(3000)
 def test_block_boundaries_on_page_boundaries(lens, cp, page):
     starts, blens = _block_bounds(lens, cp, page)
     assert starts.shape == blens.shape == (len(lens), 2 * cp)
