@@ -1,6 +1,6 @@
 """Host cost of one public call (Python + launches), and where it goes: a cProfile of the slow ones.
 
-    python benchmarks/host_overhead.py [--M 256] [--calls 300] [--profile 25]
+    python benchmarks/host_overhead.py [--M 256] [--calls 300] [--profile 25] [--shared-gpu N]
 
 Public calls only (the plan/transport internals move; this script should not): per call, host
 microseconds (perf_counter), median of ``--calls`` rounds that call every row once in turn (so drift of
@@ -16,6 +16,10 @@ the machine reaches every row alike; the GPU is synced every 5 rounds, outside t
 * with 2+ GPUs and a P2P transport (``init_p2p``): the same with ``backend="auto"``, the reduce-scatters
   on the buffer ``cp_reduce_scatter_buffer`` hands out.
 
+``--shared-gpu N`` (one GPU): N ranks share it over a gloo group, the P2P transport mapping them through
+CUDA IPC; the rows are the floors and the P2P ones (no NCCL between ranks of one GPU). Host time per
+call is each rank's own, but the ranks share the host's cores and the GPU: compare rows of one run.
+
 The first row is timed again last: two identical rows differ by the noise of the run. Then a cProfile
 (cumulative, ``--profile`` entries) of the uneven padded gather on NCCL and on P2P. Counts [M, 0.8M] on
 2 GPUs; with one GPU the group has one rank and the layout is made uneven by ``align`` padding (no P2P).
@@ -26,8 +30,10 @@ quantity inside its interleaved rounds).
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
+import tempfile
 import time
 
 import torch
@@ -35,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import harness
-from harness import init_nccl_rank, spawn_ranks, with_env
+from harness import init_nccl_rank, keep_multicast_off, spawn_ranks, with_env
 
 _AG, _RS = harness.all_gather_single, harness.reduce_scatter_single
 
@@ -68,7 +74,14 @@ def profile(fn, calls, top):
 
 
 def worker(rank, world, args):
-    init_nccl_rank(rank, world, args.store)
+    shared = args.shared_gpu is not None
+    if shared:  # ranks sharing cuda:0: gloo for control, P2P over CUDA IPC for data
+        keep_multicast_off()
+        os.environ.setdefault("NSA_CP_P2P_MEMORY", "cuda_ipc")
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", store=dist.FileStore(args.store, world), rank=rank, world_size=world)
+    else:
+        init_nccl_rank(rank, world, args.store)
     torch.set_grad_enabled(False)
     import nsa_cp
 
@@ -78,7 +91,7 @@ def worker(rank, world, args):
     else:
         counts = [m, int(m * 0.8)] + [m] * (world - 2)
         layout = nsa_cp.ShardLayout(counts)
-    n, dev, bf16 = counts[rank], torch.device("cuda", rank), torch.bfloat16
+    n, dev, bf16 = counts[rank], torch.device("cuda", 0 if shared else rank), torch.bfloat16
     x = torch.randn(n, h, device=dev, dtype=bf16)
     res = torch.randn(n, h, device=dev, dtype=bf16)
     w = torch.ones(h, device=dev, dtype=bf16)
@@ -118,16 +131,23 @@ def worker(rank, world, args):
         return r
 
     first = ("plain all_gather_into_tensor", lambda: _AG(out_pad, x_full))
+    if shared:
+        first = ("floor: one torch.mul launch", lambda: torch.mul(x, 2.0))
     rows = dict([first])
+    if not shared:
+        rows.update({
+            "F.pad + all_gather_into_tensor": lambda: _AG(out_pad, F.pad(x, (0, 0, 0, m - n))),
+            "plain reduce_scatter_tensor": lambda: _RS(rs_full, y_pad),
+        })
     rows.update({
-        "F.pad + all_gather_into_tensor": lambda: _AG(out_pad, F.pad(x, (0, 0, 0, m - n))),
-        "plain reduce_scatter_tensor": lambda: _RS(rs_full, y_pad),
         "floor: torch.compiler.is_compiling": torch.compiler.is_compiling,
         "floor: x.new_empty([P*M, H])": lambda: x.new_empty((layout.padded_len, h)),
         "floor: one torch.mul launch": lambda: torch.mul(x, 2.0),
     })
     native_note = None
-    if hasattr(nsa_cp, "init_nccl") and not nsa_cp.nccl_unavailable_reason(None):
+    if shared:
+        native_note = "ranks sharing one GPU: P2P rows only"
+    elif hasattr(nsa_cp, "init_nccl") and not nsa_cp.nccl_unavailable_reason(None):
         nsa_cp.init_nccl(None, dev)
         rows.update(rows_for("nccl", "NCCL native"))  # nsa_cp's own NCCL communicator (the default after it)
         # the same calls through torch's process group: NSA_CP_NCCL_CALL=direct, set around each call
@@ -151,9 +171,10 @@ def worker(rank, world, args):
             fn()
     torch.cuda.synchronize()
     us = interleaved_medians_us(rows, args.calls)
-    stats = torch.tensor(list(us.values()), dtype=torch.float64, device=dev)
+    stats = torch.tensor(list(us.values()), dtype=torch.float64, device="cpu" if shared else dev)  # gloo: host
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    prof_nccl = profile(lambda: nsa_cp.cp_all_gather(x, layout, backend="nccl"), args.calls, args.profile)
+    prof_nccl = None if shared else profile(lambda: nsa_cp.cp_all_gather(x, layout, backend="nccl"), args.calls,
+                                            args.profile)
     prof_p2p = None
     if p2p_note is None and world >= 2:
         prof_p2p = profile(lambda: nsa_cp.cp_all_gather(x, layout, backend="auto"), args.calls, args.profile)
@@ -161,15 +182,16 @@ def worker(rank, world, args):
         print(f"host microseconds per call, median of {args.calls} interleaved rounds, max over {world} rank(s); "
               f"M={m}, H={h}, bf16, {layout}")
         vals = dict(zip(us, stats.tolist()))
-        base_ag, base_rs = vals["plain all_gather_into_tensor"], vals["plain reduce_scatter_tensor"]
+        base_ag, base_rs = vals.get("plain all_gather_into_tensor"), vals.get("plain reduce_scatter_tensor")
         for name, v in vals.items():
             base = base_rs if "reduce_scatter" in name else base_ag if "gather" in name else None
             print(f"  {name:<48}{v:9.1f}" + (f"   {v / base:5.2f}x the plain collective" if base else ""))
         for note in (native_note, p2p_note):
             if note:
                 print(f"  ({note})")
-        print("\ncProfile, cp_all_gather padded uneven, backend nccl:")
-        print(prof_nccl)
+        if prof_nccl:
+            print("\ncProfile, cp_all_gather padded uneven, backend nccl:")
+            print(prof_nccl)
         if prof_p2p:
             print("cProfile, cp_all_gather padded uneven, backend auto (P2P):")
             print(prof_p2p)
@@ -182,7 +204,16 @@ def main():
     parser.add_argument("--M", type=int, default=256)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--profile", type=int, default=25, help="cProfile entries printed per profile")
-    spawn_ranks(worker, parser.parse_args(), "host_overhead.py", min_gpus=1)
+    parser.add_argument("--shared-gpu", type=int, metavar="N", default=None,
+                        help="N ranks (2-8) sharing one GPU over gloo, P2P rows (the P2P path on a one-GPU machine)")
+    args = parser.parse_args()
+    if args.shared_gpu is None:
+        spawn_ranks(worker, args, "host_overhead.py", min_gpus=1)
+        return
+    if not torch.cuda.is_available() or not 2 <= args.shared_gpu <= 8:
+        raise SystemExit(f"--shared-gpu {args.shared_gpu}: needs a CUDA GPU and 2 to 8 ranks")
+    args.store = os.path.join(tempfile.mkdtemp(), "store")
+    harness.spawn(worker, args.shared_gpu, (args,), what="host_overhead.py")
 
 
 if __name__ == "__main__":
