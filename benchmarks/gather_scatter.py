@@ -231,7 +231,7 @@ def nsa_torch_nccl(fn):
 def _native_nccl_needs(c: Ctx) -> Optional[str]:
     if c.backend != "nccl":
         return "nsa_cp's own NCCL communicator needs NCCL on CUDA GPUs"
-    return None if c.nsa.get_nccl(c.group) is not None else "no native NCCL communicator (--native-nccl off or refused)"
+    return None if c.nsa.transport.get_nccl(c.group) is not None else "no native NCCL communicator (--native-nccl off or refused)"
 
 
 def p2p_ag(compact: bool, engine: str):
@@ -240,7 +240,7 @@ def p2p_ag(compact: bool, engine: str):
     runners = {}
 
     def fn(c: Ctx, b: Bufs):
-        transport, key = c.nsa.get_p2p(c.group), (c.layout, tuple(b.x.shape[1:]))
+        transport, key = c.nsa.transport.get_p2p(c.group), (c.layout, tuple(b.x.shape[1:]))
         built = runners.get(key)
         if built is None or built[0] is not transport:
             runners.clear()  # a new transport: the old runners point into freed buffers

@@ -450,7 +450,7 @@ def poison(ctx: Ctx, outputs: Iterable[torch.Tensor]):
     """NaN into ``outputs`` and the P2P transport's gather buffers, then every rank waits for all."""
     for t in outputs:
         t.fill_(float("nan"))
-    transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
+    transport = ctx.nsa.transport.get_p2p(ctx.group) if hasattr(ctx.nsa.transport, "get_p2p") else None
     if transport is not None:  # P2P gathers return views of these buffers (private names: best effort)
         for t in getattr(transport, "_gathers", ()):
             t.fill_(float("nan"))
@@ -529,7 +529,7 @@ def runnable(ctx: Ctx, methods: Sequence, refuse: Optional[Callable] = None) -> 
 
 def p2p_prepare(c: Ctx):
     """(Re)create the group's P2P transport when this configuration outgrows it (collective)."""
-    t = c.nsa.get_p2p(c.group)
+    t = c.nsa.transport.get_p2p(c.group)
     hidden, dtype = c.hidden, c.dtype
     if t is None or t.max_tokens_per_rank < c.M or t.hidden_size != hidden or t.dtype != dtype:
         c.nsa.init_p2p(c.group, max(c.M, 1), hidden, dtype, c.device)
@@ -561,7 +561,7 @@ def aligner(ctx: Ctx):
     all-reduce; nothing on CPU (host timing)."""
     if ctx.device.type != "cuda":
         return None
-    transport = ctx.nsa.get_p2p(ctx.group) if hasattr(ctx.nsa, "get_p2p") else None
+    transport = ctx.nsa.transport.get_p2p(ctx.group) if hasattr(ctx.nsa.transport, "get_p2p") else None
     if transport is not None and callable(getattr(transport, "barrier", None)):
         return transport.barrier
     if ctx.shared_gpu:  # no device collective between ranks sharing a GPU without a transport

@@ -120,7 +120,7 @@ def measure(rank, world, m, args):
         for name, us in zip(names, medians.tolist()):
             print(f"  {name:<48}{us:8.1f}")
     single.close()
-    nsa_cp.destroy_p2p(None)
+    nsa_cp.transport.destroy_p2p(None)
     dist.barrier()
 
 

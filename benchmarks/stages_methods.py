@@ -245,7 +245,7 @@ def add_rmsnorm_into_slot(e: Env) -> List[Method]:
                       baseline=True))
 
     def nsa_norm_slot():
-        from nsa_cp.kernels.norm import fused_add_rmsnorm_into
+        from nsa_cp.kernels.norm_rows import fused_add_rmsnorm_into
 
         return lambda b: fused_add_rmsnorm_into(b["x"], b["res"], w, EPS, b["slot"], count)
 
@@ -304,7 +304,7 @@ def fp8(e: Env) -> List[Method]:
                       chk_norm_fp8(torch_norm_fp8), baseline=True))
 
     def nsa_norm_fp8():
-        from nsa_cp.kernels.norm import fused_add_rmsnorm_into
+        from nsa_cp.kernels.norm_rows import fused_add_rmsnorm_into
 
         return lambda b: fused_add_rmsnorm_into(b["x"], b["res"], w, EPS, b["q"], count, quant="fp8_e4m3_g128",
                                                 dst_scale=b["scale"])

@@ -651,8 +651,8 @@ def run(args: argparse.Namespace) -> dict:
             if ok:
                 # collective: only on the way out of a run every rank finished. The plans nsa_cp cached
                 # for the group go at exit (nsa_cp/plan.py).
-                nsa_cp.destroy_p2p(None)
-                nsa_cp.destroy_nccl(None)
+                nsa_cp.transport.destroy_p2p(None)
+                nsa_cp.transport.destroy_nccl(None)
             dist.destroy_process_group()
 
 
@@ -737,7 +737,7 @@ def _run(args, device) -> dict:
               "moe_rows": {}}
     if rank == 0:
         split = "page-aligned in-seq split (shared KV)" if args.enable_nsa_prefill_cp_shared_kv else "token split padded to even shards"
-        transport = "p2p" if nsa_cp.get_p2p(group) is not None else "nccl/gloo"
+        transport = "p2p" if nsa_cp.transport.get_p2p(group) is not None else "nccl/gloo"
         print(f"nsa_prefill: cp={cp} device={device.type} dtype={args.dtype} quant={args.quant} tokens={total} "
               f"requests={len(seq_lens)} split={split} page={page} per_rank={counts} rows={list(layout.per_rank_actual_token)} "
               f"layers={args.layers} H={s.hidden} heads={s.heads}x{s.head_dim}+{s.rope_dim} kv_lora={s.kv_lora_rank} "
@@ -805,7 +805,7 @@ def _run(args, device) -> dict:
                 report["times"] = _bench(args, s, layers, final_norm, x_local, batch, timed, logical, rank, ctrl,
                                          shared_gpu)
     if kv_group is not None:  # every rank got here: the collective clean-up of the KV's group
-        nsa_cp.destroy_p2p(kv_group)
+        nsa_cp.transport.destroy_p2p(kv_group)
         dist.destroy_process_group(kv_group)
     verdict = torch.tensor([int(all(math.isfinite(e) and e <= report.get("tol", math.inf) for e in report["errors"].values()))],
                            device=ctrl)

@@ -83,8 +83,8 @@ def main(argv=None) -> int:
         import nsa_cp
 
         if len(results) == len(runs):  # every run finished on every rank: the collective clean-up
-            nsa_cp.destroy_p2p(None)
-            nsa_cp.destroy_nccl(None)
+            nsa_cp.transport.destroy_p2p(None)
+            nsa_cp.transport.destroy_nccl(None)
         dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         for i, rc, seconds, run in results:

@@ -148,7 +148,7 @@ class NSACPLayerCommunicator:
             capacity, unless one that large is registered already. Needs all three. Where P2P is
             unavailable (no nsa_cp._C, no GPU, ranks on several nodes, no peer access) backend "auto"
             logs why and uses NCCL; backend "p2p" raises. It allocates
-            exactly ``nsa_cp.workspace_bytes(cp_size, p2p_max_tokens_per_rank, hidden_size, dtype)``.
+            exactly ``nsa_cp.transport.workspace_bytes(cp_size, p2p_max_tokens_per_rank, hidden_size, dtype)``.
         workspace_bytes: optional budget for that; a smaller one logs a warning with both numbers.
     """
 

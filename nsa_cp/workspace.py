@@ -117,7 +117,7 @@ def check_budget(
         logger.warning(
             "nsa_cp workspace: workspace_bytes=%d is smaller than the %d bytes required for cp_size %d x "
             "%d tokens/rank x hidden %d x %s; allocating %d. Set workspace_bytes=%d "
-            "(nsa_cp.workspace_bytes(...)) or lower max_tokens_per_rank.",
+            "(nsa_cp.transport.workspace_bytes(...)) or lower max_tokens_per_rank.",
             budget, required, cp_size, max_tokens_per_rank, hidden_size, dtype, required, required,
         )
     return required

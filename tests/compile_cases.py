@@ -141,7 +141,7 @@ def _run_p2p(case, rank, world, group, device, dtype) -> Optional[str]:
             return "the compiled gather's result changed after the next gather"
         return None
     finally:
-        nsa_cp.destroy_p2p(group)
+        nsa_cp.transport.destroy_p2p(group)
 
 
 def _unused_gather(x, y, layout, group):

@@ -438,7 +438,7 @@ def _run_p2p_fallback(case, rank, world, group, device, nsa_cp) -> Optional[str]
     try:
         comm = nsa_cp.NSACPLayerCommunicator(group, norm, norm, p2p_max_tokens_per_rank=8, hidden_size=16,
                                              dtype=torch.float32)
-        registered = nsa_cp.get_p2p(group) is not None
+        registered = nsa_cp.transport.get_p2p(group) is not None
         if registered != (reason is None):
             return f"P2P unavailable reason {reason!r}, yet a transport registered: {registered}"
         layout = nsa_cp.ShardLayout(case["counts"])
@@ -459,7 +459,7 @@ def _run_p2p_fallback(case, rank, world, group, device, nsa_cp) -> Optional[str]
             return None
         return "backend='p2p' without a usable transport did not raise"
     finally:
-        nsa_cp.destroy_p2p(group)  # later cases expect no transport
+        nsa_cp.transport.destroy_p2p(group)  # later cases expect no transport
 
 
 _RUNNERS = {
@@ -495,7 +495,7 @@ def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
         # a failing rank must not leave the others waiting in a collective: agree before the next case
         dist.barrier()
     if payload.get("native_nccl"):
-        nsa_cp.destroy_nccl(group)
+        nsa_cp.transport.destroy_nccl(group)
     return results
 
 

@@ -77,7 +77,7 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
                 return f"init_nccl raised {err!r}, which does not carry the reason {reason!r}"
         else:
             return "init_nccl succeeded on a gloo group"
-        if nsa_cp.get_nccl(group) is not None:
+        if nsa_cp.transport.get_nccl(group) is not None:
             return "a refused init_nccl registered a communicator"
         return None
 

@@ -167,13 +167,13 @@ def _check_p2p_reinit(rank, world, group, device) -> Optional[str]:
         if step.startswith("init"):
             nsa_cp.init_p2p(group, 64, 256, torch.bfloat16)
         elif step == "destroy":
-            nsa_cp.destroy_p2p(group)
+            nsa_cp.transport.destroy_p2p(group)
         problem = one_call(call if step != "scatter" else {**call, "op": "scatter"}, rank, world, group, device)
         if problem:
             return f"after {step}: {problem}"
         backend = _plan_of(x, layout, group).backend
         expect.append(backend)
-    nsa_cp.destroy_p2p(group)
+    nsa_cp.transport.destroy_p2p(group)
     if expect[:4] != ["nccl", "p2p", "nccl", "p2p"]:
         return f"backends chosen {expect[:4]}, expected nccl, p2p, nccl, p2p"
     return None

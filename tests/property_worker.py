@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 
 import torch
 
-import dist_cases
+import oracles
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 # gloo carries fp16, bf16 and fp32 (and more) for these collectives; fp8 only as bytes (see "fp8")
@@ -342,7 +342,7 @@ def _check_ok(payload, plan, rank, result, out, inp_buf, inp_snap) -> Optional[s
     want_shape = (payload["counts"][rank], *plan["rest"])
     if tuple(result.shape) != want_shape or result.dtype != dtype:
         return f"reduce-scatter gave {tuple(result.shape)} {result.dtype}, expected {want_shape} {dtype}"
-    return dist_cases._check_sum(result, list(expected), dtype)  # the fp64 bound every test uses
+    return oracles.check_sum(result, list(expected), dtype)  # the fp64 bound every test uses
 
 
 def handle(rank: int, world: int, payload: dict):

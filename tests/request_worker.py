@@ -7,15 +7,7 @@ import torch
 import nsa_cp
 from nsa_cp import plan
 from nsa_cp.request import Request
-
-
-def _raises(fn, words) -> Optional[str]:
-    try:
-        fn()
-    except ValueError as err:
-        missing = [w for w in words if w not in str(err)]
-        return f"ValueError {err!s} lacks {missing}" if missing else None
-    return f"no ValueError (expected one naming {words})"
+from boundary_cases import _expect_value_error as _raises
 
 
 def run_request_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:

@@ -135,7 +135,7 @@ def _worker(rank, world, payload):
                         results[key] = traceback.format_exc()
                     torch.cuda.synchronize()
                     dist.barrier()
-        nsa_cp.destroy_p2p(None)
+        nsa_cp.transport.destroy_p2p(None)
     return results
 
 

@@ -34,7 +34,7 @@ def test_workspace_bytes_is_what_is_allocated(cp_size, tokens, hidden, dtype, do
     plan = workspace.workspace_plan(cp_size, tokens, hidden, dtype, double_buffer_tokens)
     tensors = workspace.allocate(plan, *_recording_allocators(record))
     allocated = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert allocated == sum(nbytes for _, _, nbytes in record) == nsa_cp.workspace_bytes(
+    assert allocated == sum(nbytes for _, _, nbytes in record) == nsa_cp.transport.workspace_bytes(
         cp_size, tokens, hidden, dtype, double_buffer_tokens)
     element = torch.empty((), dtype=dtype).element_size()
     assert tensors["gather"].shape == (cp_size * tokens, hidden) and tensors["reduce"].shape == (cp_size * tokens, hidden)
@@ -50,8 +50,8 @@ def test_workspace_bytes_is_what_is_allocated(cp_size, tokens, hidden, dtype, do
 
 def test_known_value():
     small = 1024 + 4 * 2 * 8 + 16 + 8
-    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 0) == 2 * 65536 * 14336 + small
-    assert nsa_cp.workspace_bytes(2, 32768, 7168, torch.bfloat16, 1024) == (2 * 65536 + 2048) * 14336 + small
+    assert nsa_cp.transport.workspace_bytes(2, 32768, 7168, torch.bfloat16, 0) == 2 * 65536 * 14336 + small
+    assert nsa_cp.transport.workspace_bytes(2, 32768, 7168, torch.bfloat16, 1024) == (2 * 65536 + 2048) * 14336 + small
 
 
 def test_double_buffer_setting(monkeypatch):
@@ -66,7 +66,7 @@ def test_double_buffer_setting(monkeypatch):
 
 
 def test_budget_warning(caplog):
-    required = nsa_cp.workspace_bytes(2, 1024, 7168, torch.bfloat16)
+    required = nsa_cp.transport.workspace_bytes(2, 1024, 7168, torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="nsa_cp"):
         assert workspace.check_budget(required, 2, 1024, 7168, torch.bfloat16) == required
         assert not caplog.records

@@ -2,7 +2,7 @@
 the host-mapped error record, and the ``nsa_cp._C.P2PState`` built from one ``P2PConfig``.
 
 ``P2PBuffers(...)`` is collective (every rank of the group, the same sizes). It allocates exactly
-``nsa_cp.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens)``
+``nsa_cp.transport.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens)``
 per rank (``nsa_cp.workspace``'s plan): gather buffer 0 and the reduce buffer of ``cp_size *
 max_tokens_per_rank`` rows of ``hidden_size`` elements, gather buffer 1 of ``cp_size *
 double_buffer_tokens`` rows, the signal pads, and the local epoch / arrive / gather-state words.

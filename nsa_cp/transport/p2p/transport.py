@@ -48,7 +48,7 @@ class P2PTransport:
         device: this rank's CUDA device (default: the current one).
         timeout_ms: per-wait timeout (default NSA_CP_P2P_TIMEOUT_MS; 0 waits forever).
         workspace_bytes: optional budget; the transport always allocates exactly
-            ``nsa_cp.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype,
+            ``nsa_cp.transport.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype,
             double_buffer_tokens)`` and logs a warning (with both numbers and the value to set) when the
             budget is smaller.
         double_buffer_tokens: tokens per rank of the second gather buffer (capped at
