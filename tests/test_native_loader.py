@@ -26,12 +26,13 @@ def test_native_answers_without_raising(fresh_native):
     assert mod is None or hasattr(mod, "device_count")
     ok = fresh_native.available()
     assert isinstance(ok, bool)
-    reason = fresh_native.unavailable_reason()
-    assert isinstance(reason, str)
+    reason, verdict = fresh_native.unavailable_reason(), fresh_native.support()
+    assert bool(verdict) == ok
     if ok:
-        assert reason == ""
+        assert reason is None and verdict.reason == "", (reason, verdict)
     else:
-        assert reason.strip(), "unavailable_reason() must say why"
+        assert isinstance(reason, str) and reason.strip(), "unavailable_reason() must say why"
+        assert verdict.reason == reason
 
 
 def _fake_import(monkeypatch, result):
