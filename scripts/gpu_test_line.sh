@@ -10,7 +10,8 @@
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
 #
 # Each shard runs under `timeout -s INT` (pytest stops where it is and still prints its counts and the
-# failures so far). Exit status: 0 only when every shard passed.
+# failures so far; such a shard is flagged INTERRUPTED, its counts are not the shard's). Exit status: 0
+# only when every shard ran to its end and passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -21,17 +22,18 @@ mkdir -p "$LOGS"
 
 # shards (files), the busiest first; "rest" is every other test file but the fault tests
 SHARD_p2p="tests/test_p2p_gpu.py"
-SHARD_runs="tests/test_example.py tests/test_example_exit.py tests/test_benchmarks_smoke.py tests/test_sglang_gpu.py"
+SHARD_example="tests/test_example.py tests/test_example_exit.py"
+SHARD_runs="tests/test_benchmarks_smoke.py tests/test_sglang_gpu.py"
 SHARD_boundary="tests/test_boundary_gloo.py tests/test_boundary_gpu.py tests/test_collectives_gloo.py tests/test_collectives_gpu.py tests/test_compile.py"
 FAULTS="tests/test_p2p_faults.py"
-named=" $SHARD_p2p $SHARD_runs $SHARD_boundary $FAULTS "
+named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_boundary $FAULTS "
 SHARD_rest=""
 for f in tests/test_*.py; do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 
 pids=()
-for shard in p2p runs boundary rest; do
+for shard in p2p example runs boundary rest; do
   var="SHARD_$shard"
   # shellcheck disable=SC2086
   timeout -s INT -k 20 "$CAP_S" python3 -m pytest ${!var} -q -rfs -p no:cacheprovider >"$LOGS/tests_$shard.log" 2>&1 &
@@ -45,9 +47,13 @@ done
 timeout -s INT -k 20 "$FAULTS_S" python3 -m pytest $FAULTS -q -rfs -p no:cacheprovider >"$LOGS/tests_faults.log" 2>&1 || status=1
 
 total=""
-for shard in p2p runs boundary rest faults; do
+for shard in p2p example runs boundary rest faults; do
   line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|(passed|failed|skipped|error).* in [0-9.]+s' "$LOGS/tests_$shard.log" | tail -1)
-  printf '%-9s %s\n' "$shard" "${line:-no counts (killed?): see $LOGS/tests_$shard.log}"
+  cut=""
+  if grep -q "KeyboardInterrupt" "$LOGS/tests_$shard.log"; then  # timeout -s INT: counts so far, not the shard
+    cut="  INTERRUPTED at its cap: NOT complete"; status=1
+  fi
+  printf '%-9s %s%s\n' "$shard" "${line:-no counts (killed?): see $LOGS/tests_$shard.log}" "$cut"
   grep -E '^(FAILED|ERROR) ' "$LOGS/tests_$shard.log" | head -20
   total+="$line; "
 done
