@@ -9,8 +9,10 @@
 # an editable install of nsa_cp would shadow PYTHONPATH (its finder wins), which `run` removes first and
 # then checks (it stops when "before" does not import from .host_ab/base). Environment: RUNS (default
 # "1 2": alternations), MS (default 256: NCCL rows, one rank), SHARED (default 2: ranks sharing the GPU
-# for the P2P rows; empty to skip), CALLS (300). Output under $OUT (default ./gpu_out): the runs' logs and
-# ab_table.txt.
+# for the P2P rows; empty to skip), CALLS (300), PIN (default "4-7": the CPUs every run is pinned to with
+# taskset, so both trees get the same cores; empty: not pinned). Output under $OUT (default ./gpu_out):
+# the runs' logs and ab_table.txt. Two runs of one tree differ by several percent on a shared host: more
+# alternations (RUNS="1 2 3 4") narrow the medians.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -29,6 +31,8 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export NSA_CP_CUDA_ARCHS=${NSA_CP_CUDA_ARCHS:-90a}
 T0=$(date +%s)
+PIN=${PIN-4-7}
+pin=(); [ -n "$PIN" ] && command -v taskset >/dev/null && pin=(taskset -c "$PIN")
 log() { echo "$* ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/ab_log.txt"; }
 python3 -m pip uninstall -y nsa_cp >/dev/null 2>&1
 python3 setup.py build_ext --inplace >"$OUT/build_after.log" 2>&1; log "build after rc=$?"
@@ -43,12 +47,12 @@ for i in ${RUNS:-1 2}; do
   for tree in before after; do
     pp=$PWD; [ $tree = before ] && pp=$PWD/.host_ab/base
     for m in ${MS:-256}; do
-      PYTHONPATH=$pp timeout 120 python3 benchmarks/host_overhead.py --M "$m" --calls "${CALLS:-300}" --profile 1 \
+      PYTHONPATH=$pp timeout 120 "${pin[@]}" python3 benchmarks/host_overhead.py --M "$m" --calls "${CALLS:-300}" --profile 1 \
         >"$OUT/ho_${tree}_M${m}_$i.txt" 2>&1
       log "$tree M=$m run $i rc=$?"
     done
     if [ -n "${SHARED-2}" ]; then
-      PYTHONPATH=$pp NSA_CP_P2P_TIMEOUT_MS=60000 timeout 150 python3 benchmarks/host_overhead.py --M 256 \
+      PYTHONPATH=$pp NSA_CP_P2P_TIMEOUT_MS=60000 timeout 150 "${pin[@]}" python3 benchmarks/host_overhead.py --M 256 \
         --calls "${CALLS:-300}" --profile 1 --shared-gpu "${SHARED-2}" >"$OUT/ho_${tree}_M256s${SHARED-2}_$i.txt" 2>&1
       log "$tree shared-gpu ${SHARED-2} M=256 run $i rc=$?"
     fi
