@@ -250,8 +250,9 @@ def gather_runner(coll: Collectives, req, rank: int, source: Source, algo: str) 
 
 # --------------------------------------------------------------------------- reduce-scatters
 def scatter_runner(coll: Collectives, req, rank: int, algo: str) -> Callable:
-    """``run(y, out, positions) -> [n_r, ...]`` for the reduce-scatter ``req`` (an nsa_cp.request.Request;
-    a view of a private ``[M, ...]`` buffer on the padded uneven path without ``out``)."""
+    """``run(y, out, device_counts, positions) -> [n_r, ...]`` for the reduce-scatter ``req`` (an
+    nsa_cp.request.Request; device_counts unused: padded rows past them are summed and ignored), a view of
+    a private ``[M, ...]`` buffer on the padded uneven path without ``out``."""
     layout, compact, ordered = req.layout, req.compact, req.ordered
     m, n = layout.max_rank_len, layout.count(rank)
     total = layout.total_len
@@ -260,7 +261,7 @@ def scatter_runner(coll: Collectives, req, rank: int, algo: str) -> Callable:
         return out if out is not None else y.new_empty((n, *y.shape[1:]))
 
     if total == 0:
-        def run(y, out, positions):
+        def run(y, out, device_counts, positions):
             return new_out(y, out)
         return run
 
@@ -299,10 +300,10 @@ def scatter_runner(coll: Collectives, req, rank: int, algo: str) -> Callable:
             return out
 
     if not ordered:
-        def run(y, out, positions):
+        def run(y, out, device_counts, positions):
             return reduce(y, out)
     else:
-        def run(y, out, positions):
+        def run(y, out, device_counts, positions):
             # batch order -> rank-major compact order, one gather of rows; then the compact path
             return reduce(y.index_select(0, positions.clamp(0, total - 1)), out)
     return run

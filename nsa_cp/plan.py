@@ -273,47 +273,54 @@ class GatherPlan(_Plan):
 def _p2p_gather(transport, mode: str, req: Request):
     """The P2P runner as ``run(x, outs, device_counts, positions, norm_args) -> results`` (a tuple)."""
     layout, compact, row_shape, quant, ordered = req.layout, req.compact, tuple(req.row_shape), req.quant, req.ordered
-    if mode in ("copy", "quant", "copy_after_norm"):
+    if mode in ("copy", "quant"):
         runner = transport.gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
+        if quant is None:
+            def move(x, outs, dc, pos, norm_args):
+                return (runner(x, dc, pos),)
+        else:
+            def move(x, outs, dc, pos, norm_args):
+                return runner(x, dc, pos)
+    elif mode == "copy_after_norm":  # the transport cannot fuse this row size: the norm kernel, then the move
+        runner = transport.gather_runner(layout, compact, row_shape, ordered=ordered)
 
-        def move(x, dc, pos, norm_args):
-            if mode == "copy_after_norm":  # the transport cannot fuse this row size: the norm kernel, then the move
-                from .norm import fused_add_rmsnorm_into
+        def move(x, outs, dc, pos, norm_args):
+            from .norm import fused_add_rmsnorm_into
 
-                x, _ = fused_add_rmsnorm_into(x, *norm_args, out=torch.empty_like(x))
-            result = runner(x, dc, pos)
-            return (result,) if quant is None else result
+            y, _ = fused_add_rmsnorm_into(x, *norm_args, out=torch.empty_like(x))
+            return (runner(y, dc, pos),)
     else:
         runner = transport.norm_gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
 
-        def move(x, dc, pos, norm_args):
+        def move(x, outs, dc, pos, norm_args):
             residual, weight, eps = norm_args
             # the fused kernel moves 16-byte words: an unaligned view (rare: a slice) goes through an aligned copy
             if _unaligned(x):
                 x = x.clone()
-            result = _staged(residual, lambda r: runner(x, r, weight, eps, dc, pos))
+            result = _staged(runner, x, residual, weight, eps, dc, pos)
             return (result,) if quant is None else result
 
-    def run(x, outs, dc, pos, norm_args):
-        results = move(x, dc, pos, norm_args)
-        if outs is None:
-            return results  # views of the transport's gather buffer
-        for o, r in zip(outs, results):
+    if not req.has_out:
+        return move  # views of the transport's gather buffer
+
+    def into_out(x, outs, dc, pos, norm_args):
+        for o, r in zip(outs, move(x, outs, dc, pos, norm_args)):
             o.copy_(r)
         return outs
-    return run
+    return into_out
 
 
 def _unaligned(t: torch.Tensor) -> bool:
     return bool((t.data_ptr() | (t.stride(0) * t.element_size())) & 15) if t.shape[0] else False
 
 
-def _staged(residual, fn):
-    """``fn(residual)``, through an aligned copy of a residual the fused P2P kernels cannot update in place."""
+def _staged(runner, t, residual, *rest):
+    """``runner(t, residual, *rest)`` (a fused P2P runner: the residual is updated in place), through an
+    aligned copy of a residual the fused kernels cannot update in place (16-byte words)."""
     if residual is None or not _unaligned(residual):
-        return fn(residual)
+        return runner(t, residual, *rest)
     staged = residual.clone()
-    result = fn(staged)
+    result = runner(t, staged, *rest)
     residual.copy_(staged)
     return result
 
@@ -342,13 +349,11 @@ class ScatterPlan(_Plan):
                                                              ordered=req.ordered, norm=True)
         else:
             coll = self._dist(pg, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
-            dist_move = dist_path.scatter_runner(coll, req, self.rank, self.algo)
-            move, fused = (lambda y, out, dc, pos: dist_move(y, out, pos)), None
-        if not req.norm:
-            self._runner = lambda y, out, dc, pos, norm_args: move(y, out, dc, pos)
+            move, fused = dist_path.scatter_runner(coll, req, self.rank, self.algo), None
+        if not req.norm:  # ``run`` calls it without norm_args: no frame around the transport's runner
+            self._runner = move
         elif fused is not None:
-            self._runner = lambda y, out, dc, pos, norm_args: _staged(
-                norm_args[0], lambda r: fused(y, r, norm_args[1], norm_args[2], None, dc, pos))
+            self._runner = lambda y, out, dc, pos, norm_args: _staged(fused, y, *norm_args, None, dc, pos)
         else:
             self._runner = lambda y, out, dc, pos, norm_args: norm_in_place(move(y, None, dc, pos), *norm_args)
         self._sign()
@@ -370,6 +375,8 @@ class ScatterPlan(_Plan):
         """``[n_r, ...]`` (``out`` when given), or with the norm ``(normed, residual)``."""
         if positions is not None:  # the inverse of the ordered gather's rows (checks.ordered_rows)
             positions = checks.ordered_rows(positions, self.layout.total_len)
+        if norm_args is None:
+            return self._runner(y, out, device_counts, positions)
         return self._runner(y, out, device_counts, positions, norm_args)
 
     def buffer(self) -> torch.Tensor:

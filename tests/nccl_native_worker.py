@@ -125,7 +125,7 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
             full = [torch.randn((layout.padded_len, 6), generator=torch.Generator().manual_seed(50 + q))
                     for q in range(world)]
             out = torch.full((counts[rank], 6), float("nan"))
-            got = run(full[rank], out, None)
+            got = run(full[rank], out, None, None)
             start = rank * layout.max_rank_len
             exact = sum(f[start:start + counts[rank]].double() for f in full)
             if got is not out or not torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5):
