@@ -7,9 +7,9 @@ one ``[sum(n), H]``. Prints a Markdown table of ``padding rows / (P * cp)``. CPU
 
     python benchmarks/sglang_padding.py
 
-Needs sglang==0.5.23 (``bash .ci/install_sglang.sh``) and pytest; the metadata comes from the tests' SGLang
-environment (``tests/sglang_env.py``: where no torchvision imports, the stand-in ``tests/sglang_shims`` goes
-on the path).
+Needs sglang==0.5.23 (``bash .ci/install_sglang.sh``); the metadata comes from the tests' SGLang
+environment (``tests/sglang_env.py``, which needs no pytest for this: where no torchvision imports, the
+stand-in ``tests/sglang_shims`` goes on the path).
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ import os
 import sys
 from unittest import mock
 
-import pytest
-
 SHIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_shims")
 REQUIRED = os.environ.get("NSA_TEST_REQUIRE_SGLANG", "") == "1"
 MODULES = (
@@ -60,6 +58,8 @@ def import_error():
 def require_sglang() -> None:
     reason = import_error()
     if reason is not None:
+        import pytest  # here only: benchmarks/sglang_padding.py uses this module without pytest
+
         if REQUIRED:
             pytest.fail(f"NSA_TEST_REQUIRE_SGLANG=1 but {reason}")
         pytest.skip(f"{reason}; install sglang==0.5.23 (.ci/install_sglang.sh) to run this check")
