@@ -359,11 +359,10 @@ class ScatterPlan(_Plan):
         self._sign()
 
     def check(self, y: torch.Tensor, out, device_counts, positions, norm_args) -> None:
-        name = self.request.input_name
-        if y.shape[0] != self.rows:
+        if y.shape[0] != self.rows:  # the error's wording is built only on the error path
             what = "batch order [total_len" if self.request.ordered else (
                 "compact [total_len" if self.compact else "padded [max_rank_len * cp_size")
-            checks.check_rows(name, y, self.rows, f"the {what}, ...] layout")
+            checks.check_rows(self.request.input_name, y, self.rows, f"the {what}, ...] layout")
         if out is not None:
             checks.check_out("out", out, self.out_shape, self.dtype, self.device)
         if device_counts is not None or positions is not None:

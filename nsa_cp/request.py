@@ -15,10 +15,9 @@ from typing import NamedTuple, Optional
 import torch
 
 
-__all__ = ["Request", "GATHER_OPS", "SCATTER_OPS"]
+__all__ = ["Request", "GATHER_OPS"]
 
-GATHER_OPS = ("cp_all_gather", "fused_add_rmsnorm_all_gather")
-SCATTER_OPS = ("cp_reduce_scatter", "reduce_scatter_fused_add_rmsnorm", "cp_reduce_scatter_buffer")
+GATHER_OPS = ("cp_all_gather", "fused_add_rmsnorm_all_gather")  # the others reduce-scatter
 # what each public function calls its tensor, for the error messages
 _INPUT = {"cp_all_gather": "x", "fused_add_rmsnorm_all_gather": "x", "cp_reduce_scatter": "y",
           "reduce_scatter_fused_add_rmsnorm": "partials", "cp_reduce_scatter_buffer": "like"}
