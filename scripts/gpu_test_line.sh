@@ -8,6 +8,8 @@
 #
 #   bash scripts/gpu_test_line.sh            # after: python3 -m pip install --no-deps --no-build-isolation -e .
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
+#   SHARDS="p2p boundary rest faults" bash scripts/gpu_test_line.sh   # then SHARDS="example runs": the
+#                                                # line over two calls (every shard in one of them)
 #
 # Each shard runs under `timeout -s INT` (pytest stops where it is and still prints its counts and the
 # failures so far; such a shard is flagged INTERRUPTED, its counts are not the shard's). Exit status: 0
@@ -32,8 +34,16 @@ for f in tests/test_*.py; do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 
+ALL="p2p example runs boundary rest faults"
+SHARDS=${SHARDS:-$ALL}
+for shard in $SHARDS; do
+  [[ " $ALL " == *" $shard "* ]] || { echo "unknown shard '$shard' (shards: $ALL)" >&2; exit 2; }
+done
+want() { [[ " $SHARDS " == *" $1 "* ]]; }
+
 pids=()
 for shard in p2p example runs boundary rest; do
+  want "$shard" || continue
   var="SHARD_$shard"
   # shellcheck disable=SC2086
   timeout -s INT -k 20 "$CAP_S" python3 -m pytest ${!var} -q -rfs -p no:cacheprovider >"$LOGS/tests_$shard.log" 2>&1 &
@@ -44,10 +54,13 @@ for entry in "${pids[@]}"; do
   wait "${entry%%:*}" || status=1
 done
 # shellcheck disable=SC2086
-timeout -s INT -k 20 "$FAULTS_S" python3 -m pytest $FAULTS -q -rfs -p no:cacheprovider >"$LOGS/tests_faults.log" 2>&1 || status=1
+if want faults; then
+  timeout -s INT -k 20 "$FAULTS_S" python3 -m pytest $FAULTS -q -rfs -p no:cacheprovider >"$LOGS/tests_faults.log" 2>&1 || status=1
+fi
 
 total=""
-for shard in p2p example runs boundary rest faults; do
+for shard in $ALL; do
+  want "$shard" || continue
   line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|(passed|failed|skipped|error).* in [0-9.]+s' "$LOGS/tests_$shard.log" | tail -1)
   cut=""
   if grep -q "KeyboardInterrupt" "$LOGS/tests_$shard.log"; then  # timeout -s INT: counts so far, not the shard
