@@ -39,7 +39,9 @@ python3 setup.py build_ext --inplace >"$OUT/build_after.log" 2>&1; log "build af
 (cd .host_ab/base && python3 setup.py build_ext --inplace >"$OUT/build_before.log" 2>&1); log "build before rc=$?"
 for tree in before after; do
   pp=$PWD; [ $tree = before ] && pp=$PWD/.host_ab/base
-  got=$(PYTHONPATH=$pp python3 -c "import nsa_cp, nsa_cp._C; print(nsa_cp.__file__)" 2>&1 | tail -1)
+  # from / : `python -c` puts the working directory (this checkout) ahead of PYTHONPATH; the benchmark's
+  # sys.path[0] is benchmarks/, which holds no nsa_cp
+  got=$(cd / && PYTHONPATH=$pp python3 -c "import nsa_cp, nsa_cp._C; print(nsa_cp.__file__)" 2>&1 | tail -1)
   log "$tree imports $got"
   case "$got" in "$pp/nsa_cp/__init__.py") ;; *) log "$tree does not import its own tree: stop"; exit 3 ;; esac
 done
