@@ -20,6 +20,10 @@ the machine reaches every row alike; the GPU is synced every 5 rounds, outside t
 CUDA IPC; the rows are the floors and the P2P ones (no NCCL between ranks of one GPU). Host time per
 call is each rank's own, but the ranks share the host's cores and the GPU: compare rows of one run.
 
+Last column: Python function calls per public call (``sys.setprofile`` "call" and "c_call" events,
+mean of 5 calls after the timing): a count, not a time, so two library trees compare on it without
+the noise of the host (scripts/host_overhead_ab.sh).
+
 The first row is timed again last: two identical rows differ by the noise of the run. Then a cProfile
 (cumulative, ``--profile`` entries) of the uneven padded gather on NCCL and on P2P. Counts [M, 0.8M] on
 2 GPUs; with one GPU the group has one rank and the layout is made uneven by ``align`` padding (no P2P).
@@ -33,6 +37,7 @@ import io
 import os
 import pstats
 import statistics
+import sys
 import tempfile
 import time
 
@@ -57,6 +62,24 @@ def interleaved_medians_us(rows, calls):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def python_calls(fn, calls=5):
+    """Python function calls (``sys.setprofile`` "call" and "c_call" events) per call of ``fn``."""
+    seen = [0]
+
+    def count(frame, event, arg):
+        if event == "call" or event == "c_call":
+            seen[0] += 1
+
+    sys.setprofile(count)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.setprofile(None)
+    torch.cuda.synchronize()
+    return seen[0] / calls
 
 
 def profile(fn, calls, top):
@@ -171,6 +194,7 @@ def worker(rank, world, args):
             fn()
     torch.cuda.synchronize()
     us = interleaved_medians_us(rows, args.calls)
+    py_calls = {name: python_calls(fn) for name, fn in rows.items()}
     stats = torch.tensor(list(us.values()), dtype=torch.float64, device="cpu" if shared else dev)  # gloo: host
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     prof_nccl = None if shared else profile(lambda: nsa_cp.cp_all_gather(x, layout, backend="nccl"), args.calls,
@@ -185,7 +209,8 @@ def worker(rank, world, args):
         base_ag, base_rs = vals.get("plain all_gather_into_tensor"), vals.get("plain reduce_scatter_tensor")
         for name, v in vals.items():
             base = base_rs if "reduce_scatter" in name else base_ag if "gather" in name else None
-            print(f"  {name:<48}{v:9.1f}" + (f"   {v / base:5.2f}x the plain collective" if base else ""))
+            ratio = f"   {v / base:5.2f}x the plain collective" if base else " " * 29
+            print(f"  {name:<48}{v:9.1f}{ratio}   {py_calls[name]:6.1f} py calls")
         for note in (native_note, p2p_note):
             if note:
                 print(f"  ({note})")

@@ -8,7 +8,7 @@
 # Both trees build nsa_cp._C in place and are imported through PYTHONPATH, so nothing may be installed:
 # an editable install of nsa_cp would shadow PYTHONPATH (its finder wins), which `run` removes first and
 # then checks (it stops when "before" does not import from .host_ab/base). Environment: RUNS (default
-# "1 2": alternations), MS (default 256: NCCL rows, one rank), SHARED (default 2: ranks sharing the GPU
+# "1 2": alternations), MS (default 256: NCCL rows, one rank; empty: none), SHARED (default 2: ranks sharing the GPU
 # for the P2P rows; empty to skip), CALLS (300), PIN (default "4-7": the CPUs every run is pinned to with
 # taskset, so both trees get the same cores; empty: not pinned). Output under $OUT (default ./gpu_out):
 # the runs' logs and ab_table.txt. Two runs of one tree differ by several percent on a shared host: more
@@ -48,7 +48,7 @@ done
 for i in ${RUNS:-1 2}; do
   for tree in before after; do
     pp=$PWD; [ $tree = before ] && pp=$PWD/.host_ab/base
-    for m in ${MS:-256}; do
+    for m in ${MS-256}; do
       PYTHONPATH=$pp timeout 120 "${pin[@]}" python3 benchmarks/host_overhead.py --M "$m" --calls "${CALLS:-300}" --profile 1 \
         >"$OUT/ho_${tree}_M${m}_$i.txt" 2>&1
       log "$tree M=$m run $i rc=$?"

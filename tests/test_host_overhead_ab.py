@@ -9,9 +9,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _log(path, rows):
+def _log(path, rows, calls=None):
     lines = ["host microseconds per call, median of 300 interleaved rounds, max over 1 rank(s); M=256"]
-    lines += [f"  {name:<48}{us:9.1f}   1.00x the plain collective" for name, us in rows.items()]
+    lines += [f"  {name:<48}{us:9.1f}   1.00x the plain collective" + (f"   {calls[name]:6.1f} py calls"
+                                                                      if calls and name in calls else "")
+              for name, us in rows.items()]
     lines += ["  (no native NCCL rows: a reason)", "", "cProfile, ...", "      300    0.001    0.000 plan.py:1(call)"]
     path.write_text("\n".join(lines) + "\n")
 
@@ -22,12 +24,19 @@ def test_table(tmp_path):
     _log(tmp_path / "ho_before_M256_2.txt", {"plain all_gather_into_tensor": 22.0, row: 110.0, "P2P: only before": 9.0})
     _log(tmp_path / "ho_after_M256_1.txt", {"plain all_gather_into_tensor": 30.0, row: 103.0})
     _log(tmp_path / "ho_after_M256_2.txt", {"plain all_gather_into_tensor": 30.0, row: 107.0})
+    p2p = "P2P: cp_all_gather padded"
+    for tree, us, calls in (("before", 30.0, 47.0), ("after", 33.0, 49.0)):  # short rows: calls follow the time
+        (tmp_path / f"ho_{tree}_M256s2_1.txt").write_text(f"  {p2p:<48}{us:9.1f}{' ' * 29}   {calls:6.1f} py calls\n")
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_overhead_ab.py"), str(tmp_path)],
                          capture_output=True, text=True, check=True).stdout
     line = next(l for l in out.splitlines() if row in l)
     assert line.split()[-4:] == ["105.0", "105.0", "1.000", "2/2"], line
     assert "P2P: only before" in out and "missing: before 2, after 0 runs" in out
-    assert out.strip().endswith("worst nsa_cp row after/before: 1.000")  # the plain row's 1.43 is not nsa_cp's
+    line = next(l for l in out.splitlines() if p2p in l)
+    assert line.split()[-7:] == ["30.0", "33.0", "1.100", "1/1", "47.0", "/", "49.0"], line
+    assert "worst nsa_cp row after/before: 1.100" in out
+    # the plain row's 1.43 is not nsa_cp's: it is the run's noise
+    assert out.strip().endswith("floors and plain collectives (not nsa_cp's code) after/before: 1.429 to 1.429")
 
 
 def test_no_logs_is_an_error(tmp_path):
