@@ -10,7 +10,8 @@
 # then checks (it stops when "before" does not import from .host_ab/base). Environment: RUNS (default
 # "1 2": alternations), MS (default 256: NCCL rows, one rank; empty: none), SHARED (default 2: ranks sharing the GPU
 # for the P2P rows; empty to skip), CALLS (300), PIN (default "4-7": the CPUs every run is pinned to with
-# taskset, so both trees get the same cores; empty: not pinned). Output under $OUT (default ./gpu_out):
+# taskset, so both trees get the same cores; empty: not pinned). Rounds alternate the order (before
+# first, then after first). Output under $OUT (default ./gpu_out):
 # the runs' logs and ab_table.txt. Two runs of one tree differ by several percent on a shared host: more
 # alternations (RUNS="1 2 3 4") narrow the medians.
 set -uo pipefail
@@ -45,8 +46,12 @@ for tree in before after; do
   log "$tree imports $got"
   case "$got" in "$pp/nsa_cp/__init__.py") ;; *) log "$tree does not import its own tree: stop"; exit 3 ;; esac
 done
+n=0
 for i in ${RUNS:-1 2}; do
-  for tree in before after; do
+  # ABBA: every other round starts with "after", so a drift of the machine within a round (the second
+  # run of a pair was slower in some runs) does not fall on one tree
+  order="before after"; [ $((n++ % 2)) = 1 ] && order="after before"
+  for tree in $order; do
     pp=$PWD; [ $tree = before ] && pp=$PWD/.host_ab/base
     for m in ${MS-256}; do
       PYTHONPATH=$pp timeout 120 "${pin[@]}" python3 benchmarks/host_overhead.py --M "$m" --calls "${CALLS:-300}" --profile 1 \
