@@ -297,7 +297,10 @@ def _p2p_gather(transport, mode: str, req: Request):
             # the fused kernel moves 16-byte words: an unaligned view (rare: a slice) goes through an aligned copy
             if _unaligned(x):
                 x = x.clone()
-            result = _staged(runner, x, residual, weight, eps, dc, pos)
+            if residual is None or not _unaligned(residual):
+                result = runner(x, residual, weight, eps, dc, pos)
+            else:
+                result = _staged(runner, x, residual, weight, eps, dc, pos)
             return (result,) if quant is None else result
 
     if not req.has_out:
@@ -315,10 +318,10 @@ def _unaligned(t: torch.Tensor) -> bool:
 
 
 def _staged(runner, t, residual, *rest):
-    """``runner(t, residual, *rest)`` (a fused P2P runner: the residual is updated in place), through an
-    aligned copy of a residual the fused kernels cannot update in place (16-byte words)."""
-    if residual is None or not _unaligned(residual):
-        return runner(t, residual, *rest)
+    """``runner(t, residual, *rest)`` (a fused P2P runner: the residual is updated in place) through an
+    aligned copy of ``residual``, which the fused kernels cannot update in place (16-byte words). The
+    callers test ``_unaligned(residual)`` themselves: the aligned case calls the runner with no frame
+    between."""
     staged = residual.clone()
     result = runner(t, staged, *rest)
     residual.copy_(staged)
@@ -353,7 +356,7 @@ class ScatterPlan(_Plan):
         if not req.norm:  # ``run`` calls it without norm_args: no frame around the transport's runner
             self._runner = move
         elif fused is not None:
-            self._runner = lambda y, out, dc, pos, norm_args: _staged(fused, y, *norm_args, None, dc, pos)
+            self._runner = _fused_scatter(fused)
         else:
             self._runner = lambda y, out, dc, pos, norm_args: norm_in_place(move(y, None, dc, pos), *norm_args)
         self._sign()
@@ -384,6 +387,16 @@ class ScatterPlan(_Plan):
         if self.transport is not None:
             return self.transport.reduce_buffer(self.layout, self.compact, self.row_shape)
         return torch.empty((self.rows, *self.row_shape), dtype=self.dtype, device=self.device)
+
+
+def _fused_scatter(fused):
+    """The plan's ``run(y, out, dc, pos, norm_args)`` over a fused P2P reduce-scatter + norm runner."""
+    def run(y, out, dc, pos, norm_args):
+        residual, weight, eps = norm_args
+        if residual is None or not _unaligned(residual):
+            return fused(y, residual, weight, eps, None, dc, pos)
+        return _staged(fused, y, residual, weight, eps, None, dc, pos)
+    return run
 
 
 def norm_in_place(h: torch.Tensor, residual, weight, eps) -> Tuple[torch.Tensor, torch.Tensor]:

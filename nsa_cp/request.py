@@ -53,8 +53,10 @@ class Request(NamedTuple):
             shape, dtype, device = t.shape[1:], t.dtype, t.device
         else:
             shape = dtype = device = None
-        return cls(op, layout, group, compact, algo, backend, quant, shape, dtype, device, out is not None,
-                   device_counts is not None, positions is not None, residual is not None)
+        # tuple.__new__: a NamedTuple's own __new__ is a Python function, one more frame on every call
+        return tuple.__new__(cls, (op, layout, group, compact, algo, backend, quant, shape, dtype, device,
+                                   out is not None, device_counts is not None, positions is not None,
+                                   residual is not None))
 
     @property
     def input_name(self) -> str:

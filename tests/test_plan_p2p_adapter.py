@@ -134,3 +134,11 @@ def test_fused_reduce_scatter_stages_an_unaligned_residual(fake):
     y, _ = p.run(torch.randn(LAYOUT.padded_len, H), None, None, None, (residual, torch.ones(H), 1e-6))
     assert fake.calls[0][0] == "scatter_norm" and fake.calls[0][1] is not residual
     assert y.shape == (5, H) and torch.equal(residual, torch.ones(5, H))
+
+
+def test_fused_reduce_scatter_passes_an_aligned_residual_itself(fake):
+    p = plan.ScatterPlan(_req("reduce_scatter_fused_add_rmsnorm", residual=True), FakeGroup())
+    residual = torch.zeros(5, H)
+    y, back = p.run(torch.randn(LAYOUT.padded_len, H), None, None, None, (residual, torch.ones(H), 1e-6))
+    assert fake.calls == [("scatter_norm", residual)] and back is residual
+    assert torch.equal(residual, torch.ones(5, H))
