@@ -37,7 +37,6 @@ import io
 import os
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 
@@ -62,24 +61,6 @@ def interleaved_medians_us(rows, calls):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def python_calls(fn, calls=5):
-    """Python function calls (``sys.setprofile`` "call" and "c_call" events) per call of ``fn``."""
-    seen = [0]
-
-    def count(frame, event, arg):
-        if event == "call" or event == "c_call":
-            seen[0] += 1
-
-    sys.setprofile(count)
-    try:
-        for _ in range(calls):
-            fn()
-    finally:
-        sys.setprofile(None)
-    torch.cuda.synchronize()
-    return seen[0] / calls
 
 
 def profile(fn, calls, top):
@@ -194,7 +175,8 @@ def worker(rank, world, args):
             fn()
     torch.cuda.synchronize()
     us = interleaved_medians_us(rows, args.calls)
-    py_calls = {name: python_calls(fn) for name, fn in rows.items()}
+    py_calls = {name: harness.python_calls(fn) for name, fn in rows.items()}
+    torch.cuda.synchronize()
     stats = torch.tensor(list(us.values()), dtype=torch.float64, device="cpu" if shared else dev)  # gloo: host
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     prof_nccl = None if shared else profile(lambda: nsa_cp.cp_all_gather(x, layout, backend="nccl"), args.calls,

@@ -23,6 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from harness import python_calls  # noqa: E402 - the benchmarks' harness, beside this script's folder
+
 M, H = 256, 512  # small rows: the out= copies, real memcpys on a CPU, stay small beside the layers timed
 
 
@@ -55,23 +58,6 @@ class _StubNative:
         pass
 
     QUANT_FP8_E4M3_G128 = 1
-
-
-def python_calls(fn, calls: int = 5) -> float:
-    """Python function calls ("call" and "c_call" events of ``sys.setprofile``) per call of ``fn``."""
-    seen = [0]
-
-    def count(frame, event, arg):
-        if event == "call" or event == "c_call":
-            seen[0] += 1
-
-    sys.setprofile(count)
-    try:
-        for _ in range(calls):
-            fn()
-    finally:
-        sys.setprofile(None)
-    return seen[0] / calls
 
 
 def _stub_transport(nsa_cp, layout):
