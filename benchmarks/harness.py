@@ -501,6 +501,24 @@ def with_env(fn, key: str, value: str):
     return wrapped
 
 
+def interleaved_medians_us(rows: Dict[str, Callable[[], object]], calls: int,
+                           sync: Optional[Callable[[], None]] = None) -> Dict[str, float]:
+    """Host microseconds per call of each of ``rows`` (perf_counter), the median of ``calls`` rounds that
+    call every row once in turn, so a drift of the machine reaches every row alike; ``sync`` (the GPU's)
+    runs every 5 rounds and at the end, outside the timed calls."""
+    samples = {name: [] for name in rows}
+    for i in range(calls):
+        for name, fn in rows.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - t0) * 1e6)
+        if sync is not None and i % 5 == 4:
+            sync()
+    if sync is not None:
+        sync()
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def python_calls(fn, calls: int = 5) -> float:
     """Python function calls per call of ``fn`` (``sys.setprofile`` "call" and "c_call" events, mean of
     ``calls``): a count, so two library trees compare on it without the noise of the host."""

@@ -36,9 +36,7 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -48,19 +46,6 @@ import harness
 from harness import init_nccl_rank, keep_multicast_off, spawn_ranks, with_env
 
 _AG, _RS = harness.all_gather_single, harness.reduce_scatter_single
-
-
-def interleaved_medians_us(rows, calls):
-    samples = {name: [] for name in rows}
-    for i in range(calls):
-        for name, fn in rows.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - t0) * 1e6)
-        if i % 5 == 4:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def profile(fn, calls, top):
@@ -174,7 +159,7 @@ def worker(rank, world, args):
         for _ in range(5):
             fn()
     torch.cuda.synchronize()
-    us = interleaved_medians_us(rows, args.calls)
+    us = harness.interleaved_medians_us(rows, args.calls, sync=torch.cuda.synchronize)
     py_calls = {name: harness.python_calls(fn) for name, fn in rows.items()}
     torch.cuda.synchronize()
     stats = torch.tensor(list(us.values()), dtype=torch.float64, device="cpu" if shared else dev)  # gloo: host

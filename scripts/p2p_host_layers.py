@@ -15,16 +15,14 @@ nsa_cp, so ``PYTHONPATH`` picks the tree. Also reads trees from before ``nsa_cp/
 import argparse
 import importlib
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from harness import python_calls  # noqa: E402 - the benchmarks' harness, beside this script's folder
+from harness import interleaved_medians_us, python_calls  # noqa: E402 - the benchmarks' harness, beside this script's folder
 
 M, H = 256, 512  # small rows: the out= copies, real memcpys on a CPU, stay small beside the layers timed
 
@@ -135,13 +133,8 @@ def measure(rounds: int):
         for fn in calls.values():  # plans built, views cached
             for _ in range(20):
                 fn()
-        samples = {name: [] for name in calls}
-        for _ in range(rounds):
-            for name, fn in calls.items():
-                t0 = time.perf_counter()
-                fn()
-                samples[name].append((time.perf_counter() - t0) * 1e6)
-        return {name: (statistics.median(samples[name]), python_calls(fn)) for name, fn in calls.items()}
+        us = interleaved_medians_us(calls, rounds)
+        return {name: (us[name], python_calls(fn)) for name, fn in calls.items()}
     finally:
         if made:
             dist.destroy_process_group()
