@@ -9,11 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _log(path, rows, calls=None):
+def _log(path, rows):
     lines = ["host microseconds per call, median of 300 interleaved rounds, max over 1 rank(s); M=256"]
-    lines += [f"  {name:<48}{us:9.1f}   1.00x the plain collective" + (f"   {calls[name]:6.1f} py calls"
-                                                                      if calls and name in calls else "")
-              for name, us in rows.items()]
+    lines += [f"  {name:<48}{us:9.1f}   1.00x the plain collective" for name, us in rows.items()]
     lines += ["  (no native NCCL rows: a reason)", "", "cProfile, ...", "      300    0.001    0.000 plan.py:1(call)"]
     path.write_text("\n".join(lines) + "\n")
 
