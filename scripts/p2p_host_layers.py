@@ -17,6 +17,7 @@ import importlib
 import os
 import sys
 import tempfile
+import types
 
 import torch
 import torch.distributed as dist
@@ -69,15 +70,13 @@ def _stub_transport(nsa_cp, layout):
     gathers = [torch.empty(layout.padded_len, H, dtype=torch.bfloat16) for _ in range(2)]
     reduce = torch.empty(layout.padded_len, H, dtype=torch.bfloat16)
 
-    class Buffers:  # transport/p2p/buffers.py's P2PBuffers, as far as the runners read it
-        def close(self):
-            pass
-
-    Buffers.gathers, Buffers.reduce = gathers, reduce
+    # transport/p2p/buffers.py's P2PBuffers, as far as the runners read it
+    buffers = types.SimpleNamespace(gathers=gathers, reduce=reduce, close=lambda: None)
     fields = dict(_broken=None, _C=_StubNative, _state=_StubState(), group=None, rank=0, world=1,
                   device=torch.device("cpu"), max_tokens_per_rank=M, hidden_size=H, dtype=torch.bfloat16,
                   double_buffer_tokens=M, _gathers=gathers, _elem=2, _row_bytes=2 * H, _stream=lambda index: 0,
-                  _reduce_views={}, _buffers=Buffers(), timeout_ns=10 ** 9, _reduce=reduce)
+                  _reduce_views={}, _buffers=buffers, timeout_ns=10 ** 9,
+                  _reduce=reduce)  # _reduce: the reduce buffer of trees before transport/p2p/
     if callable(getattr(cls, "_buffers", None)):  # older trees: a method of that name
         fields.pop("_buffers")
     for name, value in fields.items():
