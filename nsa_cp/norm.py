@@ -42,7 +42,7 @@ from torch import nn
 from . import reference
 from .support import Support
 
-__all__ = ["RMSNorm", "flashinfer_norm_module", "fused_add_rmsnorm_into"]
+__all__ = ["RMSNorm", "flashinfer_norm_module", "fused_add_rmsnorm_into", "norm_in_place"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -99,6 +99,19 @@ def fused_add_rmsnorm_into(x: torch.Tensor, residual: Optional[torch.Tensor], we
     y, _ = reference.fused_add_rmsnorm(x, residual, weight, eps)
     out.copy_(y)
     return out, residual
+
+
+def norm_in_place(h: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                  eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The add + RMSNorm after a reduce-scatter that did not fuse it, on this rank's reduced rows
+    ``h [n_r, H]`` (private to the call, so overwritten): ``(y, residual)``, residual updated in place;
+    with ``residual=None``, ``y = rmsnorm(h)`` and ``h`` is the residual (kept)."""
+    if not h.is_cuda:
+        return reference.fused_add_rmsnorm(h, residual, weight, eps)
+    if residual is None:
+        y, _ = fused_add_rmsnorm_into(h, None, weight, eps, out=torch.empty_like(h))
+        return y, h
+    return fused_add_rmsnorm_into(h, residual, weight, eps, out=h)  # y overwrites h
 
 
 def _log_choice(impl: str, why: str) -> None:

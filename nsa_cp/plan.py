@@ -19,13 +19,14 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import checks, dist_path, envs, reference, validation
+from . import checks, dist_path, envs, validation
 from .layout import ShardLayout
+from .norm import fused_add_rmsnorm_into, norm_in_place
 from .request import Request
 from .support import Support
 from .transport import nccl_native, p2p, registry, torch_dist
 
-__all__ = ["call", "lookup", "buffer", "GatherPlan", "ScatterPlan", "norm_in_place", "clear_cache", "cache_size"]
+__all__ = ["call", "lookup", "buffer", "GatherPlan", "ScatterPlan", "clear_cache", "cache_size"]
 
 logger = logging.getLogger("nsa_cp")
 
@@ -53,15 +54,11 @@ def cache_size() -> int:
 atexit.register(clear_cache)
 
 
-def _transport_generation():
-    return registry.latest_generation()  # P2P transports and native NCCL communicators alike
-
-
 def lookup(req: Request):
     """The cached plan of ``req`` (its key: the request, the resolved group, ``envs.plan_state()``);
     built, running the plan checks, on a miss."""
     pg = torch_dist.resolve_group(req.group)
-    generation = _transport_generation()
+    generation = registry.latest_generation()  # P2P transports and native NCCL communicators alike
     if generation != _state["generation"]:
         _CACHE.clear()  # a transport came or went: drop every plan (and the references they hold)
         _state["generation"] = generation
@@ -99,7 +96,9 @@ def call(req: Request, t: torch.Tensor, out=None, device_counts=None, positions=
         plan.check(t, out, device_counts, positions, norm_args)
     if norm_args is not None:
         norm_args = (_values(norm_args[0]), _values(norm_args[1]), float(norm_args[2]))
-    return plan.run(_values(t), out, device_counts, positions, norm_args)
+    if t.requires_grad:  # _values, inlined (a tensor here: the plan checks passed)
+        t = t.detach()
+    return plan.run(t, out, device_counts, positions, norm_args)
 
 
 def buffer(req: Request, like) -> torch.Tensor:
@@ -285,8 +284,6 @@ def _p2p_gather(transport, mode: str, req: Request):
         runner = transport.gather_runner(layout, compact, row_shape, ordered=ordered)
 
         def move(x, outs, dc, pos, norm_args):
-            from .norm import fused_add_rmsnorm_into
-
             y, _ = fused_add_rmsnorm_into(x, *norm_args, out=torch.empty_like(x))
             return (runner(y, dc, pos),)
     else:
@@ -305,6 +302,11 @@ def _p2p_gather(transport, mode: str, req: Request):
 
     if not req.has_out:
         return move  # views of the transport's gather buffer
+    if mode == "copy":  # the common out= gather: no frame between this and the transport's runner
+        def copy_out(x, outs, dc, pos, norm_args):
+            outs[0].copy_(runner(x, dc, pos))
+            return outs
+        return copy_out
 
     def into_out(x, outs, dc, pos, norm_args):
         for o, r in zip(outs, move(x, outs, dc, pos, norm_args)):
@@ -313,15 +315,13 @@ def _p2p_gather(transport, mode: str, req: Request):
     return into_out
 
 
-def _unaligned(t: torch.Tensor) -> bool:
+def _unaligned(t: torch.Tensor) -> bool:  # the fused P2P kernels move 16-byte words
     return bool((t.data_ptr() | (t.stride(0) * t.element_size())) & 15) if t.shape[0] else False
 
 
 def _staged(runner, t, residual, *rest):
-    """``runner(t, residual, *rest)`` (a fused P2P runner: the residual is updated in place) through an
-    aligned copy of ``residual``, which the fused kernels cannot update in place (16-byte words). The
-    callers test ``_unaligned(residual)`` themselves: the aligned case calls the runner with no frame
-    between."""
+    """``runner(t, residual, *rest)`` (a fused P2P runner, residual updated in place: 16-byte words) through
+    an aligned copy of ``residual``; the callers test ``_unaligned(residual)``, so the aligned case has no frame."""
     staged = residual.clone()
     result = runner(t, staged, *rest)
     residual.copy_(staged)
@@ -397,16 +397,3 @@ def _fused_scatter(fused):
             return fused(y, residual, weight, eps, None, dc, pos)
         return _staged(fused, y, residual, weight, eps, None, dc, pos)
     return run
-
-
-def norm_in_place(h: torch.Tensor, residual, weight, eps) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The fused add + RMSNorm on this rank's reduced rows ``h [n_r, H]``: ``(y, residual)``, residual
-    updated in place; with ``residual=None``, ``y = rmsnorm(h)`` and ``h`` is the residual (kept)."""
-    if not h.is_cuda:
-        return reference.fused_add_rmsnorm(h, residual, weight, eps)
-    from .norm import fused_add_rmsnorm_into
-
-    if residual is None:
-        y, _ = fused_add_rmsnorm_into(h, None, weight, eps, out=torch.empty_like(h))
-        return y, h
-    return fused_add_rmsnorm_into(h, residual, weight, eps, out=h)  # y overwrites h (private to this call)

@@ -9,11 +9,14 @@
 # an editable install of nsa_cp would shadow PYTHONPATH (its finder wins), which `run` removes first and
 # then checks (it stops when "before" does not import from .host_ab/base). Environment: RUNS (default
 # "1 2": alternations), MS (default 256: NCCL rows, one rank; empty: none), SHARED (default 2: ranks sharing the GPU
-# for the P2P rows; empty to skip), CALLS (300), PIN (default "4-7": the CPUs every run is pinned to with
-# taskset, so both trees get the same cores; empty: not pinned). Rounds alternate the order (before
-# first, then after first). Output under $OUT (default ./gpu_out):
-# the runs' logs and ab_table.txt. Two runs of one tree differ by several percent on a shared host: more
-# alternations (RUNS="1 2 3 4") narrow the medians.
+# for the P2P rows; empty to skip), CALLS (300), CONCURRENT (default 1: each round runs the two trees at
+# the same time, on the two CPU sets PIN and PIN2, which they swap every round; 0: one after the other,
+# alternating the order, all on PIN), PIN (default "4-7") and PIN2 (default "8-11"): the taskset CPU
+# lists (PIN empty: not pinned). Output under $OUT (default ./gpu_out): the runs' logs and ab_table.txt.
+# Side by side, a drift of the machine (the host of a shared GPU machine drifted by up to 2x between
+# two runs a minute apart) reaches both trees of a round alike, which the paired ratio (after_i /
+# before_i, scripts/host_overhead_ab.py) then cancels; the two trees share the GPU and the host, so
+# their absolute numbers are higher than a run alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -32,8 +35,11 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export NSA_CP_CUDA_ARCHS=${NSA_CP_CUDA_ARCHS:-90a}
 T0=$(date +%s)
-PIN=${PIN-4-7}
-pin=(); [ -n "$PIN" ] && command -v taskset >/dev/null && pin=(taskset -c "$PIN")
+PIN=${PIN-4-7} PIN2=${PIN2-8-11} CONCURRENT=${CONCURRENT:-1}
+pinned() {  # pinned CPUS CMD...: CMD on the CPU list CPUS (taskset), or as it is
+  local cpus=$1; shift
+  if [ -n "$cpus" ] && command -v taskset >/dev/null; then taskset -c "$cpus" "$@"; else "$@"; fi
+}
 log() { echo "$* ($(( $(date +%s) - T0 )) s)" | tee -a "$OUT/ab_log.txt"; }
 python3 -m pip uninstall -y nsa_cp >/dev/null 2>&1
 python3 setup.py build_ext --inplace >"$OUT/build_after.log" 2>&1; log "build after rc=$?"
@@ -46,23 +52,29 @@ for tree in before after; do
   log "$tree imports $got"
   case "$got" in "$pp/nsa_cp/__init__.py") ;; *) log "$tree does not import its own tree: stop"; exit 3 ;; esac
 done
+one_tree() {  # one_tree TREE RUN CPUS: every configured host_overhead.py run of TREE, logs under $OUT
+  local tree=$1 i=$2 cpus=$3 pp=$PWD m
+  [ "$tree" = before ] && pp=$PWD/.host_ab/base
+  for m in ${MS-256}; do
+    pinned "$cpus" env PYTHONPATH="$pp" timeout 150 python3 benchmarks/host_overhead.py --M "$m" \
+      --calls "${CALLS:-300}" --profile 1 >"$OUT/ho_${tree}_M${m}_$i.txt" 2>&1
+    log "$tree M=$m run $i (CPUs ${cpus:-any}) rc=$?"
+  done
+  if [ -n "${SHARED-2}" ]; then
+    pinned "$cpus" env PYTHONPATH="$pp" NSA_CP_P2P_TIMEOUT_MS=60000 timeout 200 python3 benchmarks/host_overhead.py \
+      --M 256 --calls "${CALLS:-300}" --profile 1 --shared-gpu "${SHARED-2}" >"$OUT/ho_${tree}_M256s${SHARED-2}_$i.txt" 2>&1
+    log "$tree shared-gpu ${SHARED-2} M=256 run $i (CPUs ${cpus:-any}) rc=$?"
+  fi
+}
 n=0
 for i in ${RUNS:-1 2}; do
-  # ABBA: every other round starts with "after", so a drift of the machine within a round (the second
-  # run of a pair was slower in some runs) does not fall on one tree
-  order="before after"; [ $((n++ % 2)) = 1 ] && order="after before"
-  for tree in $order; do
-    pp=$PWD; [ $tree = before ] && pp=$PWD/.host_ab/base
-    for m in ${MS-256}; do
-      PYTHONPATH=$pp timeout 120 "${pin[@]}" python3 benchmarks/host_overhead.py --M "$m" --calls "${CALLS:-300}" --profile 1 \
-        >"$OUT/ho_${tree}_M${m}_$i.txt" 2>&1
-      log "$tree M=$m run $i rc=$?"
-    done
-    if [ -n "${SHARED-2}" ]; then
-      PYTHONPATH=$pp NSA_CP_P2P_TIMEOUT_MS=60000 timeout 150 "${pin[@]}" python3 benchmarks/host_overhead.py --M 256 \
-        --calls "${CALLS:-300}" --profile 1 --shared-gpu "${SHARED-2}" >"$OUT/ho_${tree}_M256s${SHARED-2}_$i.txt" 2>&1
-      log "$tree shared-gpu ${SHARED-2} M=256 run $i rc=$?"
-    fi
-  done
+  # every other round swaps: the CPU sets (side by side) or the order (one after the other), so neither
+  # the cores nor a drift within a round falls on one tree
+  first=before second=after; [ $((n++ % 2)) = 1 ] && first=after second=before
+  if [ "$CONCURRENT" = 1 ]; then
+    one_tree $first "$i" "$PIN" & one_tree $second "$i" "$PIN2" & wait
+  else
+    one_tree $first "$i" "$PIN"; one_tree $second "$i" "$PIN"
+  fi
 done
 python3 scripts/host_overhead_ab.py "$OUT" | tee "$OUT/ab_table.txt"

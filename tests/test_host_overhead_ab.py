@@ -1,5 +1,5 @@
 """scripts/host_overhead_ab.py (the table of scripts/host_overhead_ab.sh) on logs in host_overhead.py's
-format: medians over runs per tree, the after/before ratio, rows missing from a tree said, the floors and
+format: medians over runs per tree, the after/before ratio and the paired one, rows missing from a tree said, the floors and
 plain collectives left out of the worst ratio."""
 
 import subprocess
@@ -28,13 +28,14 @@ def test_table(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_overhead_ab.py"), str(tmp_path)],
                          capture_output=True, text=True, check=True).stdout
     line = next(l for l in out.splitlines() if row in l)
-    assert line.split()[-4:] == ["105.0", "105.0", "1.000", "2/2"], line
+    # medians 105 and 105; paired: median of 103/100 and 107/110
+    assert line.split()[-5:] == ["105.0", "105.0", "1.000", "1.001", "2/2"], line
     assert "P2P: only before" in out and "missing: before 2, after 0 runs" in out
     line = next(l for l in out.splitlines() if p2p in l)
-    assert line.split()[-7:] == ["30.0", "33.0", "1.100", "1/1", "47.0", "/", "49.0"], line
-    assert "worst nsa_cp row after/before: 1.100" in out
+    assert line.split()[-8:] == ["30.0", "33.0", "1.100", "1.100", "1/1", "47.0", "/", "49.0"], line
+    assert "worst nsa_cp row after/before (paired): 1.100" in out
     # the plain row's 1.43 is not nsa_cp's: it is the run's noise
-    assert out.strip().endswith("floors and plain collectives (not nsa_cp's code) after/before: 1.429 to 1.429")
+    assert out.strip().endswith("floors and plain collectives (not nsa_cp's code) after/before (paired): 1.432 to 1.432")
 
 
 def test_no_logs_is_an_error(tmp_path):
