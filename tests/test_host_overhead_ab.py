@@ -29,13 +29,27 @@ def test_table(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     line = next(l for l in out.splitlines() if row in l)
     # medians 105 and 105; paired: median of 103/100 and 107/110
-    assert line.split()[-5:] == ["105.0", "105.0", "1.000", "1.001", "2/2"], line
+    assert line.split()[-6:] == ["105.0", "105.0", "1.000", "1.001", "-", "2/2"], line  # no floor row: "-"
     assert "P2P: only before" in out and "missing: before 2, after 0 runs" in out
     line = next(l for l in out.splitlines() if p2p in l)
-    assert line.split()[-8:] == ["30.0", "33.0", "1.100", "1.100", "1/1", "47.0", "/", "49.0"], line
+    assert line.split()[-9:] == ["30.0", "33.0", "1.100", "1.100", "-", "1/1", "47.0", "/", "49.0"], line
     assert "worst nsa_cp row after/before (paired): 1.100" in out
     # the plain row's 1.43 is not nsa_cp's: it is the run's noise
     assert out.strip().endswith("floors and plain collectives (not nsa_cp's code) after/before (paired): 1.432 to 1.432")
+
+
+def test_per_floor_ratio_cancels_a_slower_process(tmp_path):
+    """Run 1's "after" process ran 20% slower as a whole (its floor too): paired 1.2, per floor 1.0; run 2
+    ran alike and the row is 10% slower: the medians over the two runs."""
+    floor, row = "floor: x.new_empty([P*M, H])", "P2P: cp_all_gather padded"
+    for tree, run, us, fl in (("before", 1, 10.0, 5.0), ("after", 1, 12.0, 6.0),
+                              ("before", 2, 10.0, 5.0), ("after", 2, 11.0, 5.0)):
+        _log(tmp_path / f"ho_{tree}_M256s2_{run}.txt", {row: us, floor: fl})
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_overhead_ab.py"), str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(l for l in out.splitlines() if row in l)
+    assert line.split()[-6:] == ["10.0", "11.5", "1.150", "1.150", "1.050", "2/2"], line
+    assert "worst nsa_cp row after/before (paired): 1.150; per floor: 1.050" in out
 
 
 def test_no_logs_is_an_error(tmp_path):
