@@ -13,10 +13,10 @@
 # the same time, on the two CPU sets PIN and PIN2, which they swap every round; 0: one after the other,
 # alternating the order, all on PIN), PIN (default "4-7") and PIN2 (default "8-11"): the taskset CPU
 # lists (PIN empty: not pinned). Output under $OUT (default ./gpu_out): the runs' logs and ab_table.txt.
-# Side by side, a drift of the machine (the host of a shared GPU machine drifted by up to 2x between
-# two runs a minute apart) reaches both trees of a round alike, which the paired ratio (after_i /
-# before_i, scripts/host_overhead_ab.py) then cancels; the two trees share the GPU and the host, so
-# their absolute numbers are higher than a run alone.
+# Side by side, a drift of the machine (on 1x H200 one tree's x.new_empty floor went from 4.3 to 11.3 us
+# over four runs of about 15 s) reaches both trees of a round alike: the paired ratio (after_i /
+# before_i) and the per-floor one (scripts/host_overhead_ab.py) compare within a round. The two trees
+# share the GPU and the host, so their absolute numbers are higher than a run alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
