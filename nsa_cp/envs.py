@@ -170,6 +170,12 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "inside SGLang: 0 keeps SGLang's padded [physical * cp, H] MoE gather; 1 gathers only the real "
         "rows, [sum(per_rank_logical_token), H], so the MoE skips the padding rows (docs/sglang.md)",
     ),
+    "NSA_CP_SGLANG_P2P": (
+        _flag("NSA_CP_SGLANG_P2P", True),
+        "inside SGLang: 1 creates the attention-CP group's P2P transport in every scheduler (after the "
+        "model loads, before SGLang sizes its KV cache) where the group is on one node and P2P can serve "
+        "it, sized from SGLang's prefill limits; 0 never (nsa_cp's NCCL path)",
+    ),
     "NSA_CP_BUILD_CUDA": (
         _choice("NSA_CP_BUILD_CUDA", "auto", ("auto", "0", "1")),
         "setup.py: build nsa_cp._C with nvcc ('1'), never ('0'), or when nvcc is found ('auto')",

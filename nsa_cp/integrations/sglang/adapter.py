@@ -4,16 +4,22 @@ Contract (shapes per rank; ``n`` = this rank's real rows, ``physical`` = its loc
 ``M = max_rank_len``, ``T = sum(n)`` over ranks, ``off[q]`` = the real rows before rank q):
 
 * ``gather(hidden_states [physical, H], residual, forward_batch, norm, *, gather=<SGLang's read step>)``
-  -> ``(padded [M * cp, H] rank-major, the padding rows zero | compact [T, H], residual)``;
+  -> ``(padded [M * cp, H] rank-major, the padding rows zero | compact [T, H], residual)``. Where the read
+  step is SGLang's plain residual add + RMSNorm (``readstep``), one ``fused_add_rmsnorm_all_gather`` runs
+  instead of the step and the gather; the residual comes back as SGLang's step leaves it, padding rows
+  included;
 * ``take_back(full [M * cp, H] | [T, H], residual, forward_batch)`` -> ``([physical, H], residual)``,
   this rank's rows, zeros after;
 * ``reduce_scatter(partials [M * cp, H] | [T, H], residual, forward_batch)`` -> ``([physical, H],
   residual)``, the sum over ranks of this rank's real rows, zeros after, in a fresh tensor;
-* ``reduce_scatter_group()`` -> SGLang's attention-CP GroupCoordinator, or a view with ``ranks``.
+* ``reduce_scatter_group()`` -> SGLang's attention-CP GroupCoordinator, or a view with ``ranks``;
+* :meth:`CpMovesAdapter.decline` -> why SGLang's own move must take a batch (graph capture, attention DP,
+  geometry), or None; :meth:`CpMovesAdapter.create_transport` creates the group's P2P transport (collective).
 
 Padded is SGLang's own layout; compact (``NSA_CP_SGLANG_COMPACT=1`` or ``compact=True``) hands the MoE
-only the real rows. take_back and reduce_scatter tell the two apart by the row count. The semantics,
-and what they change for SGLang: docs/sglang.md.
+only the real rows, and only through moves bound with ``compact_ok`` (the plugin binds it for FFN stages
+alone). take_back and reduce_scatter tell the two apart by the row count. The semantics, and what they
+change for SGLang: docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -25,17 +31,27 @@ import torch
 import torch.distributed as dist
 
 from ... import envs
-from ...collectives import cp_all_gather, cp_reduce_scatter
+from ...collectives import cp_all_gather, cp_reduce_scatter, fused_add_rmsnorm_all_gather
 from ...communicator import NSACPLayerCommunicator
 from ...layout import ShardLayout
+from ...transport import init_nccl, init_p2p, nccl_unavailable_reason, p2p_unavailable_reason
 from ...transport.p2p import get_p2p
-from . import runtime
+from . import readstep, runtime, state
 from .metadata import int_list, layout_from_cp_metadata, physical_rows, which_layout
 
 logger = logging.getLogger("nsa_cp")
 
 # tells "update not passed" from update=None: SGLang's read step gets it only when the caller gave it
 NOT_GIVEN = object()
+
+
+class Declined(ValueError):
+    """A batch nsa_cp's move does not take after SGLang's read step ran (its rows are not the metadata's):
+    the plugin hands ``rows`` / ``residual`` to SGLang's own gather. A ValueError for direct callers."""
+
+    def __init__(self, message: str, reason: str, rows=None, residual=None):
+        super().__init__(message)
+        self.reason, self.rows, self.residual = reason, rows, residual
 
 
 class _GroupView:
@@ -58,10 +74,11 @@ class CpMovesAdapter:
         group: the torch process group of the attention-CP ranks. None: SGLang's
             ``get_parallel().attn_cp_group.device_group`` when SGLang is set up, else the default group.
         compact: gather only the real rows (module docstring). None: ``NSA_CP_SGLANG_COMPACT``, read on
-            every gather. Without logical counts in the metadata, or with attention DP, it is padded.
+            every gather. Without logical counts in the metadata it is padded.
         backend, validate: as for ``nsa_cp.cp_all_gather``.
-        p2p_max_tokens_per_rank, hidden_size, dtype: create the P2P transport up front (see
-            ``NSACPLayerCommunicator``); give the largest physical shard a prefill can have.
+        fuse: run ``fused_add_rmsnorm_all_gather`` where SGLang's read step is the plain add + RMSNorm.
+        p2p_max_tokens_per_rank, hidden_size, dtype: create the P2P transport up front, on the first move
+            (see :meth:`create_transport`, which a caller that knows the sizes calls instead).
 
     Results never alias a transport buffer that a later collective reuses: ``reduce_scatter`` writes a
     fresh ``[physical, H]`` tensor, and ``take_back`` copies where a P2P transport serves the group (its
@@ -76,6 +93,7 @@ class CpMovesAdapter:
         compact: Optional[bool] = None,
         backend: str = "auto",
         validate: Optional[bool] = None,
+        fuse: bool = True,
         p2p_max_tokens_per_rank: Optional[int] = None,
         hidden_size: Optional[int] = None,
         dtype: Optional[torch.dtype] = None,
@@ -84,9 +102,9 @@ class CpMovesAdapter:
         self.compact = compact
         self.backend = backend
         self.validate = validate
-        self._p2p = dict(p2p_max_tokens_per_rank=p2p_max_tokens_per_rank, hidden_size=hidden_size, dtype=dtype)
+        self.fuse = fuse
+        self._sizes = (p2p_max_tokens_per_rank, hidden_size, dtype) if p2p_max_tokens_per_rank is not None else None
         self._comm: Optional[NSACPLayerCommunicator] = None
-        self._attn_dp: Optional[bool] = None
         self.used = False
 
     # --- plumbing
@@ -98,18 +116,38 @@ class CpMovesAdapter:
                 self._group = coordinator.device_group
         return self._group
 
-    @property
-    def communicator(self) -> NSACPLayerCommunicator:
-        """Built on first use (collective when it creates the P2P transport: every rank's first move)."""
-        if self._comm is None:
-            kwargs = self._p2p if self._p2p["p2p_max_tokens_per_rank"] is not None else {}
-            # SGLang's own read step has already added the residual and normed the rows (with its update
-            # and readout); the communicator only moves them, so its norms pass the rows through.
-            self._comm = NSACPLayerCommunicator(
-                self.group, _passthrough_norm, _passthrough_norm, mlp_mode="full", backend=self.backend,
-                validate=self.validate, **kwargs,
-            )
-        return self._comm
+    def create_transport(self, max_tokens_per_rank: int, hidden_size: int, dtype: torch.dtype, device=None,
+                         *, p2p: bool = True) -> dict:
+        """Create this group's transport: the P2P transport where ``p2p`` and the group can take it (one
+        node, ``nsa_cp._C``, CUDA), else nsa_cp's NCCL communicator where the group is NCCL. Collective:
+        every rank of the group calls it, and every rank reaches the same decision. Returns the decision
+        ``{"on", "bytes", "max_tokens_per_rank", "reason", "nccl"}`` (``on``: P2P is on; ``reason``: why not)."""
+        group = self.group
+        decision = {"on": False, "bytes": None, "max_tokens_per_rank": int(max_tokens_per_rank), "reason": None,
+                    "nccl": None}
+        reason = "NSA_CP_SGLANG_P2P=0" if not p2p else p2p_unavailable_reason(group, device)
+        if reason is None:
+            existing = get_p2p(group)
+            transport = existing if existing is not None and existing.max_tokens_per_rank >= max_tokens_per_rank \
+                and existing.hidden_size == hidden_size and existing.dtype == dtype else \
+                init_p2p(group, max_tokens_per_rank, hidden_size, dtype, device)
+            decision.update(on=True, bytes=transport.workspace_bytes, max_tokens_per_rank=transport.max_tokens_per_rank)
+            return decision
+        decision["reason"] = reason
+        # the NCCL path: nsa_cp's own communicator where it can be made (less host time per uneven call)
+        nccl_reason = nccl_unavailable_reason(group) if torch.cuda.is_available() else "no CUDA device"
+        if nccl_reason is None:
+            init_nccl(group, device)
+            decision["nccl"] = "nsa_cp's NCCL communicator"
+        else:
+            decision["nccl"] = f"torch's process group ({nccl_reason})"
+        return decision
+
+    def _transport_once(self) -> None:
+        """The transport asked for in the constructor (``p2p_max_tokens_per_rank``), created on first use."""
+        if self._sizes is not None:
+            sizes, self._sizes = self._sizes, None
+            state.STATE.p2p = self.create_transport(*sizes)
 
     def _geometry(self, forward_batch) -> Tuple[Any, ShardLayout, int, int]:
         md = getattr(forward_batch, "attn_cp_metadata", None)
@@ -121,43 +159,89 @@ class CpMovesAdapter:
 
     def _use_compact(self, md) -> bool:
         wanted = envs.NSA_CP_SGLANG_COMPACT if self.compact is None else self.compact
-        if not wanted or not int_list(md, "per_rank_logical_token"):
-            return False
-        if self._attn_dp is None:
-            # with attention DP SGLang leaves through its own DP take-back over padded slots
-            self._attn_dp = runtime.attn_dp_size() > 1
-            if self._attn_dp:
-                logger.info("nsa_cp: NSA_CP_SGLANG_COMPACT ignored with attention DP (padded MoE gather)")
-        return not self._attn_dp
+        return bool(wanted) and bool(int_list(md, "per_rank_logical_token"))
 
     def _first_use(self, compact: bool) -> None:
         self.used = True
         logger.info("nsa_cp: SGLang CP moves in use (rank %d of the attention-CP group, %s MoE gather)",
                     dist.get_rank(self.group), "compact" if compact else "padded")
 
+    def _note_p2p_capacity(self, layout: ShardLayout) -> None:
+        transport = get_p2p(self.group)
+        if transport is not None and not layout.is_even and layout.max_rank_len > transport.max_tokens_per_rank:
+            state.STATE.nccl_batches += 1
+            state.once("p2p-capacity", logging.INFO, "nsa_cp: a batch of %d rows per rank exceeds the P2P transport's "
+                       "%d: such batches take the NCCL path", layout.max_rank_len, transport.max_tokens_per_rank)
+
+    # --- which batches SGLang's own moves take
+    def decline(self, name: str, hidden_states, forward_batch) -> Optional[str]:
+        """Why SGLang's own ``name`` move must take this batch, or None. The same answer on every rank
+        (it reads the batch's metadata and the row counts, which SGLang makes equal across ranks). A
+        reason reads ``"<kind> (<this batch's details>)"``; the kind is what is logged once and counted."""
+        md = getattr(forward_batch, "attn_cp_metadata", None)
+        if md is None:
+            return "no attn_cp_metadata on the batch"
+        if getattr(md, "graph_num_tokens", None) is not None:
+            return "a batch under SGLang's breakable CUDA graph"
+        if runtime.attn_dp_size() > 1:
+            return "attention DP (SGLang returns over its own DP slots)"
+        try:
+            layout = layout_from_cp_metadata(md)
+        except ValueError as e:
+            return f"metadata nsa_cp cannot read ({e})"
+        size = dist.get_world_size(self.group)
+        if layout.cp_size != size:
+            return f"metadata for another group size ({layout.cp_size} ranks, the attention-CP group has {size})"
+        if name != "gather":
+            rows = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else None
+            if rows not in (layout.padded_len, layout.total_len):
+                return (f"{name} input rows not the metadata's ({rows}; padded {layout.padded_len}, compact "
+                        f"{layout.total_len})")
+        return None
+
     # --- CpMoves
     def gather(self, hidden_states, residual, forward_batch, norm, *, gather: Callable, update=NOT_GIVEN,
                cache=None, **call):
-        """Run SGLang's read step ``gather`` (residual add + norm) on the local ``[physical, H]`` rows, then
-        gather every rank's real rows: returns ``([max_rank_len * cp, H] rank-major, residual)``, the
-        padding rows zero, or with compact ``([sum(n), H], residual)``, rank q's rows at ``off[q]``."""
+        """SGLang's read step ``gather`` (residual add + norm) on the local ``[physical, H]`` rows, then a
+        gather of every rank's real rows: returns ``([max_rank_len * cp, H] rank-major, residual)``, the
+        padding rows zero, or with compact ``([sum(n), H], residual)``, rank q's rows at ``off[q]``. A
+        plain add + RMSNorm step runs fused with the gather (module docstring)."""
+        return self.gather_rows(hidden_states, residual, forward_batch, norm, gather=gather, update=update,
+                                cache=cache, compact_ok=True, **call)
+
+    def gather_rows(self, hidden_states, residual, forward_batch, norm, *, gather: Callable, update=NOT_GIVEN,
+                    cache=None, compact_ok: bool, **call):
+        """:meth:`gather`, compact only where ``compact_ok`` (the stage's consumer is per-row: an FFN)."""
+        md, layout, rank, rows = self._geometry(forward_batch)
+        n = layout.count(rank)
+        compact = compact_ok and self._use_compact(md)
+        if not self.used:
+            self._first_use(compact)
+        self._transport_once()
+        self._note_p2p_capacity(layout)
+        kw = dict(group=self.group, compact=compact, backend=self.backend, validate=self.validate)
+        fused = readstep.NotFusable("fuse=False") if not self.fuse else readstep.plain_add_rmsnorm(
+            gather, hidden_states, residual, norm, None if update is NOT_GIVEN else update, call)
+        if not isinstance(fused, readstep.NotFusable) and hidden_states.shape[0] == rows and n <= rows:
+            weight, eps = fused
+            if n < rows:  # SGLang's step writes its padding rows into the residual too; nothing gathers them
+                residual[n:rows].add_(hidden_states[n:rows])
+            gathered, _ = fused_add_rmsnorm_all_gather(hidden_states[:n], residual[:n], weight, eps, layout, **kw)
+            state.count(state.STATE.gathers, "fused_add_rmsnorm_all_gather")
+            return gathered, residual
+        if isinstance(fused, readstep.NotFusable):
+            state.count(state.STATE.unfused, str(fused))
+            state.once(f"unfused:{fused}", logging.INFO, "nsa_cp: MoE gather not fused with the read step (%s); "
+                       "SGLang's step, then nsa_cp's gather", fused)
         if update is not NOT_GIVEN:
             call["update"] = update
         x, residual = gather(hidden_states, residual, forward_batch, norm, cache=cache, **call)
-        md, layout, rank, rows = self._geometry(forward_batch)
-        n = layout.count(rank)
         if x.shape[0] != rows or n > rows:
-            raise ValueError(
+            raise Declined(
                 f"hidden_states: expected {rows} local rows (per_rank_actual_token[{rank}], of which {n} real), "
-                f"got shape {list(x.shape)}"
-            )
-        compact = self._use_compact(md)
-        if not self.used:
-            self._first_use(compact)
-        self.communicator  # noqa: B018  creates the P2P transport where asked (collective, once)
-        gathered = cp_all_gather(x[:n], layout, self.group, compact=compact, backend=self.backend,
-                                 validate=self.validate)
-        return gathered, residual
+                f"got shape {list(x.shape)}", f"local rows not the metadata's ({x.shape[0]}; {rows})", x, residual)
+        state.count(state.STATE.gathers, "read_then_gather")
+        return cp_all_gather(x[:n], layout, **kw), residual
 
     def take_back(self, hidden_states, residual, forward_batch, **kwargs):
         """This rank's ``[physical, H]`` rows of a complete output, padded ``[max_rank_len * cp, H]`` (a
@@ -197,7 +281,11 @@ class CpMovesAdapter:
         """Where a MoE you call yourself can write its partials for ``reduce_scatter`` (the P2P
         transport's reduce buffer when that is in use: no copy in). Padded layout."""
         _, layout, _, _ = self._geometry(forward_batch)
-        return self.communicator.mlp_output_buffer(layout, like)
+        self._transport_once()
+        if self._comm is None:
+            self._comm = NSACPLayerCommunicator(self.group, _passthrough_norm, _passthrough_norm, mlp_mode="full",
+                                                backend=self.backend, validate=self.validate)
+        return self._comm.mlp_output_buffer(layout, like)
 
 
 def _passthrough_norm(x, residual=None):

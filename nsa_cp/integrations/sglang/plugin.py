@@ -3,22 +3,29 @@
 Contract:
 
 * :func:`sglang_plugin` is the entry point ``nsa_cp`` of the group ``sglang.srt.plugins``
-  (``nsa_cp.integrations.sglang:sglang_plugin``). It registers an ``AROUND`` hook on :data:`HOOK_TARGET`
-  with SGLang's ``HookRegistry``; SGLang's ``load_plugins()`` then patches every module of
-  :data:`BOUNDARY_MODULES`. ``NSA_CP_SGLANG=0``: nothing registered. Registering twice is a no-op.
+  (``nsa_cp.integrations.sglang:sglang_plugin``). It registers three ``AROUND`` hooks with SGLang's
+  ``HookRegistry`` (:data:`HOOKS`), which SGLang's ``load_plugins()`` then applies (in every module that
+  imported a target by name): ``_cp_moves`` (nsa_cp's moves), ``construction._bind_stage`` (which stage the
+  moves are bound for: compact only for FFN stages) and ``ModelRunner.initialize`` (the transport, once
+  per scheduler, before the KV cache is sized: ``scheduler``). ``NSA_CP_SGLANG=0``: nothing registered.
+  Registering twice is a no-op.
+* The log says what happened: "hooks handed to SGLang" when registered; "registered" only once SGLang
+  has applied them (checked from the first hook that runs); the cause when the target module does not
+  import (the usual reason SGLang then fails to apply them).
 * :func:`install` patches the same bindings by hand, in this process only; ``Installed.uninstall()``
   undoes it. Neither stacks on the other.
 * The patched ``_cp_moves`` asks SGLang's for its choice and replaces only the DSA/MLA kind (the one with
-  a ``reduce_scatter``); GQA's moves keep SGLang's, and so does every batch under SGLang's breakable CUDA
-  graphs (``attn_cp_metadata.graph_num_tokens`` set), move by move.
-* :func:`status` says what is bound in this process.
+  a ``reduce_scatter``); GQA's moves keep SGLang's. Every batch nsa_cp declines (graph capture, attention
+  DP, geometry: ``CpMovesAdapter.decline``) runs SGLang's own move, logged once per reason.
+* :func:`status` says what is bound and what ran in this process.
 
-Only SGLang's hook registry is imported to register; the group is resolved when the moves first run.
-How SGLang loads plugins and why the three bindings: docs/sglang.md.
+How SGLang loads plugins and why these bindings: docs/sglang.md.
 """
 
 from __future__ import annotations
 
+import contextvars
+import importlib
 import logging
 import sys
 from typing import Any, Callable, List, Optional
@@ -27,52 +34,83 @@ import torch.distributed as dist
 
 from ... import envs
 from . import moves as _moves
-from .adapter import CpMovesAdapter
+from . import scheduler, state
+from .adapter import CpMovesAdapter, Declined
 from .runtime import TESTED_SGLANG, sglang_version, warn_if_untested
 
 logger = logging.getLogger("nsa_cp")
 
 # the hook target, and every module of SGLang 0.5.23 that binds ``_cp_moves`` by name
 HOOK_TARGET = "sglang.srt.layers.layer_boundary.boundary._cp_moves"
+BIND_STAGE_TARGET = "sglang.srt.layers.layer_boundary.construction._bind_stage"
+INITIALIZE_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 BOUNDARY_MODULES = (
     "sglang.srt.layers.layer_boundary.boundary",
     "sglang.srt.layers.layer_boundary.construction",
     "sglang.srt.layers.layer_boundary.factories",
 )
+# the stage whose boundary SGLang is binding (its declaration's kind name), while _bind_stage runs
+_STAGE_KIND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("nsa_cp_stage_kind", default=None)
 
 
 class Installed:
-    """What :func:`install` patched; ``uninstall()`` puts SGLang's ``_cp_moves`` back."""
+    """What :func:`install` patched; ``uninstall()`` puts SGLang's functions back."""
 
-    def __init__(self, adapter: CpMovesAdapter, original: Callable, patched: List[Any]):
+    def __init__(self, adapter: CpMovesAdapter, original: Callable, patched: List[Any], restore=()):
         self.adapter, self.original, self.patched = adapter, original, patched
+        self._restore = list(restore)  # (module, name, original) of the other bindings
 
     def uninstall(self) -> None:
         for module in self.patched:
             module._cp_moves = self.original
-        self.patched = []
-
-
-def _in_graph(forward_batch) -> bool:
-    return getattr(getattr(forward_batch, "attn_cp_metadata", None), "graph_num_tokens", None) is not None
+        for module, name, original in self._restore:
+            setattr(module, name, original)
+        self.patched, self._restore = [], []
 
 
 def _is_ours(moves) -> bool:
     return getattr(moves.gather, "_nsa_cp_moves", False)
 
 
-def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter]):
+def _passthrough(rows, residual):
+    """A read step that was already run: SGLang's gather then only moves ``rows``."""
+    def done(*args, **kwargs):
+        return rows, residual
+
+    return done
+
+
+def _declined(reason: str) -> None:
+    kind = reason.split(" (", 1)[0]  # the kind of reason, without this batch's details
+    state.count(state.STATE.declined, kind)
+    state.once(f"declined:{kind}", logging.INFO, "nsa_cp: SGLang's own CP move for such batches: %s", reason)
+
+
+def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool = False):
     """SGLang's ``CpMoves`` -> nsa_cp's for the DSA/MLA kind (the one with a ``reduce_scatter``); GQA's
-    moves and nsa_cp's own (a second install or the plugin on top of install) come back as they are."""
+    moves and nsa_cp's own (a second install or the plugin on top of install) come back as they are.
+    ``compact_ok``: the stage's consumer is per row (an FFN), so its gather may be compact."""
     if theirs.reduce_scatter is None or _is_ours(theirs):
         return theirs
     from sglang.srt.layers.layer_boundary.contracts import CpMoves
 
     def routed(name: str) -> Callable:
-        """The move ``name``: SGLang's own for graph-captured batches, else the adapter's."""
+        """The move ``name``: the adapter's, or SGLang's own for a batch the adapter declines."""
         def move(hidden_states, residual, forward_batch, *args, **kwargs):
-            owner = theirs if _in_graph(forward_batch) else adapter_of()
-            return getattr(owner, name)(hidden_states, residual, forward_batch, *args, **kwargs)
+            adapter = adapter_of()
+            reason = adapter.decline(name, hidden_states, forward_batch)
+            if reason is None:
+                if name != "gather":
+                    return getattr(adapter, name)(hidden_states, residual, forward_batch, *args, **kwargs)
+                try:
+                    return adapter.gather_rows(hidden_states, residual, forward_batch, *args, compact_ok=compact_ok,
+                                               **kwargs)
+                except Declined as declined:  # SGLang's read step ran: its gather moves what it returned
+                    _declined(declined.reason)
+                    kwargs["gather"] = _passthrough(declined.rows, declined.residual)
+                    return theirs.gather(declined.rows, declined.residual, forward_batch, *args, **kwargs)
+            _declined(reason)
+            return getattr(theirs, name)(hidden_states, residual, forward_batch, *args, **kwargs)
 
         move.__name__, move._nsa_cp_moves = f"{name}_", True
         return move
@@ -85,15 +123,59 @@ def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter]):
     )
 
 
+def _confirm_applied(where: str) -> None:
+    """The first of nsa_cp's hooks to run says what SGLang applied ("registered" only when it did)."""
+    if not state.STATE.handed or state.STATE.registered or state.STATE.register_error:
+        return
+    bound = status()["bound"]
+    if bound and all(bound.values()):
+        state.STATE.registered = True
+        logger.info("nsa_cp: SGLang plugin registered: SGLang applied its hooks (%s bound in %s; seen from %s)",
+                    HOOK_TARGET.rsplit(".", 1)[1], ", ".join(m.rsplit(".", 1)[1] for m in bound), where)
+    else:
+        state.STATE.registered = False
+        state.STATE.register_error = f"SGLang did not apply the _cp_moves hook in {bound}"
+        logger.error("nsa_cp: SGLang plugin NOT active: SGLang did not apply its _cp_moves hook (%s); see SGLang's "
+                     "'Failed to apply hooks' line for the cause", bound)
+
+
 def _cp_moves_hook(original_fn: Callable, *args, **kwargs):
     """The plugin's ``AROUND`` hook on SGLang's ``_cp_moves``: nsa_cp's moves on the module-level adapter
-    (:func:`configure`), resolved when the moves run (after SGLang's distributed init)."""
+    (:func:`configure`), resolved when the moves run (after SGLang's distributed init); compact allowed
+    only for an FFN stage's boundary."""
+    _confirm_applied("_cp_moves")
     theirs = original_fn(*args, **kwargs)
     try:
-        return _moves_on(theirs, _moves.configured)
+        return _moves_on(theirs, _moves.configured, compact_ok=_STAGE_KIND.get() == "FFN")
     except Exception:  # noqa: BLE001  never break model construction: SGLang's own moves, said loudly
         logger.exception("nsa_cp: could not build nsa_cp's CP moves; SGLang's own are used")
         return theirs
+
+
+def _bind_stage_hook(original_fn: Callable, declaration, *args, **kwargs):
+    """The plugin's ``AROUND`` hook on SGLang's ``construction._bind_stage``: the stage's kind is known to
+    ``_cp_moves`` while its boundary binds."""
+    token = _STAGE_KIND.set(getattr(getattr(declaration, "kind", None), "name", None))
+    try:
+        return original_fn(declaration, *args, **kwargs)
+    finally:
+        _STAGE_KIND.reset(token)
+
+
+def _initialize_hook(original_fn: Callable, runner, *args, **kwargs):
+    """The plugin's ``AROUND`` hook on ``ModelRunner.initialize``: the model loads, then this scheduler's
+    attention-CP transport is created (before SGLang sizes the KV cache)."""
+    _confirm_applied("ModelRunner.initialize")
+    result = original_fn(runner, *args, **kwargs)
+    try:
+        scheduler.setup_transport(runner)
+    except Exception:  # noqa: BLE001  setup_transport logs its own failures; this is a last guard
+        logger.exception("nsa_cp: attention-CP transport setup failed; the NCCL path is used")
+    return result
+
+
+# target -> the AROUND hook the plugin registers on it
+HOOKS = {HOOK_TARGET: _cp_moves_hook, BIND_STAGE_TARGET: _bind_stage_hook, INITIALIZE_TARGET: _initialize_hook}
 
 
 def _binds_nsa_cp(fn: Any) -> bool:
@@ -113,56 +195,90 @@ def _binds_nsa_cp(fn: Any) -> bool:
     return False
 
 
-_PLUGIN = {"registered": False}
+def _target_problem() -> Optional[str]:
+    """Why SGLang will not be able to apply the hooks: its layer_boundary does not import here (SGLang
+    only logs 'Failed to apply hooks ...', without the cause)."""
+    try:
+        importlib.import_module(HOOK_TARGET.rsplit(".", 1)[0])
+    except Exception as e:  # noqa: BLE001  any import failure is the answer
+        return f"{HOOK_TARGET.rsplit('.', 1)[0]} does not import: {type(e).__name__}: {e}"
+    return None
 
 
 def sglang_plugin() -> None:
     """SGLang's entry point (group ``sglang.srt.plugins``, name ``nsa_cp``): route SGLang's DSA/MLA
-    prefill-CP moves through nsa_cp in every process that calls ``load_plugins()`` (every scheduler).
+    prefill-CP moves through nsa_cp, and create the attention-CP transport, in every process that calls
+    ``load_plugins()`` (every scheduler).
 
-    Registers an ``AROUND`` hook on ``sglang.srt.layers.layer_boundary.boundary._cp_moves``; SGLang's
-    ``apply_hooks`` then patches it there and in every module that imported it by name. Imports only
-    SGLang's hook registry; the group is resolved when the moves first run. ``NSA_CP_SGLANG=0``:
-    registers nothing. Registering twice in one process is a no-op. Logs one line either way, and the
-    reason when it fails (SGLang itself only logs a plugin's exception).
+    Registers the ``AROUND`` hooks of :data:`HOOKS`; SGLang's ``apply_hooks`` then patches each target and
+    every module that imported it by name. Imports SGLang's hook registry and the ``_cp_moves`` target's
+    module (which SGLang imports to apply the hook anyway), so that a module that does not import is
+    reported with its cause and nothing is registered. ``NSA_CP_SGLANG=0``: registers nothing.
+    Registering twice in one process is a no-op. Logs one line either way.
     """
+    if not envs.NSA_CP_SGLANG:
+        logger.info("nsa_cp: NSA_CP_SGLANG=0, SGLang plugin off: SGLang's own CP moves are used")
+        return
+    if state.STATE.handed:
+        return
+    problem = _target_problem()
+    if problem is not None:
+        state.STATE.register_error = problem
+        logger.error("nsa_cp: SGLang plugin NOT registered, SGLang's own CP moves are used: %s", problem)
+        return
     try:
-        if not envs.NSA_CP_SGLANG:
-            logger.info("nsa_cp: NSA_CP_SGLANG=0, SGLang plugin off: SGLang's own CP moves are used")
-            return
-        if _PLUGIN["registered"]:
-            return
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        HookRegistry.register(HOOK_TARGET, _cp_moves_hook, HookType.AROUND)
-        _PLUGIN["registered"] = True
-        version = sglang_version()
-        logger.info("nsa_cp: SGLang plugin registered on %s (SGLang %s, tested %s; compact MoE gather %s)",
-                    HOOK_TARGET, version, TESTED_SGLANG, "on" if envs.NSA_CP_SGLANG_COMPACT else "off")
-        warn_if_untested(version)
+        for target, hook in HOOKS.items():
+            HookRegistry.register(target, hook, HookType.AROUND)
     except Exception as e:
+        state.STATE.register_error = f"{type(e).__name__}: {e}"
         logger.error("nsa_cp: SGLang plugin NOT registered, SGLang's own CP moves are used (%s: %s)",
                      type(e).__name__, e)
         raise
+    state.STATE.handed = True
+    version = sglang_version()
+    logger.info("nsa_cp: SGLang plugin hooks handed to SGLang's HookRegistry (%s; SGLang %s, tested %s; compact MoE "
+                "gather %s, P2P %s); 'registered' follows once SGLang has applied them", ", ".join(HOOKS), version,
+                TESTED_SGLANG, "on" if envs.NSA_CP_SGLANG_COMPACT else "off", "on" if envs.NSA_CP_SGLANG_P2P else "off")
+    warn_if_untested(version)
 
 
 def status() -> dict:
     """Where nsa_cp stands in this process, for a running SGLang server (call it in a scheduler process,
-    e.g. from a plugin or a debugger) or a test: ``bound`` maps every module of
-    :data:`BOUNDARY_MODULES` that is imported to whether its ``_cp_moves`` is nsa_cp's; ``active`` is
-    True when all three are; ``plugin_registered``; ``used``: whether the moves have run (a DSA/MLA
-    prefill-CP extend went through them); ``compact``: the value of NSA_CP_SGLANG_COMPACT."""
+    e.g. from a plugin or a debugger) or a test:
+
+    * ``bound``: every module of :data:`BOUNDARY_MODULES` that is imported -> whether its ``_cp_moves`` is
+      nsa_cp's; ``active``: all three are;
+    * ``plugin_registered``: the hooks were handed to SGLang; ``hooks_applied``: SGLang applied them (seen
+      from a hook that ran); ``register_error``: why not;
+    * ``used``: the moves have run; ``compact``: NSA_CP_SGLANG_COMPACT;
+    * ``p2p``: the scheduler's transport decision (``on``, ``bytes``, ``max_tokens_per_rank``, ``reason``,
+      ``nccl``), None before the model runner decided;
+    * ``fusions``: what the MoE gathers ran as, by kind (``fused_add_rmsnorm_all_gather``,
+      ``read_then_gather``), ``unfused``: why not fused, by reason, and ``reduce_scatter_norm`` (not fused
+      inside SGLang: docs/sglang.md says why);
+    * ``declined``: batches SGLang's own moves took, by reason; ``nccl_batches``: too large for P2P.
+    """
     bound = {}
     for name in BOUNDARY_MODULES:
         module = sys.modules.get(name)
         if module is not None:
             bound[name] = _binds_nsa_cp(getattr(module, "_cp_moves", None))
+    s = state.STATE
     return {
         "active": len(bound) == len(BOUNDARY_MODULES) and all(bound.values()),
         "bound": bound,
-        "plugin_registered": _PLUGIN["registered"],
+        "plugin_registered": s.handed,
+        "hooks_applied": s.registered,
+        "register_error": s.register_error,
         "used": _moves.configured().used,
         "compact": envs.NSA_CP_SGLANG_COMPACT,
+        "p2p": dict(s.p2p) if s.p2p is not None else None,
+        "fusions": {"gather": dict(s.gathers), "unfused": dict(s.unfused),
+                    "reduce_scatter_norm": "not fused: the exit and the next layer's entry are separate stages"},
+        "declined": dict(s.declined),
+        "nccl_batches": s.nccl_batches,
         "sglang": sglang_version(),
     }
 
@@ -175,10 +291,12 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
     scheduler processes started with ``spawn``, where a patch made here is lost; there the SGLang plugin
     does it (:func:`sglang_plugin`, on by default once nsa_cp is installed: docs/sglang.md).
 
-    Patches ``_cp_moves`` in every module of :data:`BOUNDARY_MODULES` (each imports it by name). The
+    Patches ``_cp_moves`` in every module of :data:`BOUNDARY_MODULES` (each imports it by name), and
+    ``_bind_stage`` in ``construction`` and ``factories`` (so compact reaches FFN stages only). The
     patched function asks SGLang's for its choice and replaces only the DSA/MLA kind (the one with a
-    ``reduce_scatter``), keeping SGLang's ``reduce_scatter_group`` (its GroupCoordinator); a batch under
-    SGLang's breakable CUDA graphs (``attn_cp_metadata.graph_num_tokens`` set) takes SGLang's own moves.
+    ``reduce_scatter``), keeping SGLang's ``reduce_scatter_group`` (its GroupCoordinator); a batch the
+    adapter declines (graph capture, attention DP, geometry) takes SGLang's own moves. It creates no
+    transport: call ``nsa_cp.init_p2p`` or ``CpMovesAdapter.create_transport`` for that.
     Never stacks: on top of the plugin's hook it patches nothing (the moves are nsa_cp's already) and
     makes ``group`` / ``kwargs`` the plugin adapter's (:func:`configure`); a second install raises.
 
@@ -189,8 +307,6 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
         ImportError when SGLang (its ``layer_boundary`` package) is not importable; RuntimeError when
         install() already patched these modules.
     """
-    import importlib
-
     modules = [importlib.import_module(name) for name in BOUNDARY_MODULES]
     warn_if_untested(sglang_version())
     importlib.import_module("sglang.srt.layers.layer_boundary.contracts")
@@ -205,7 +321,7 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
     adapter = CpMovesAdapter(group, **kwargs)
 
     def cp_moves():
-        return _moves_on(original(), lambda: adapter)
+        return _moves_on(original(), lambda: adapter, compact_ok=_STAGE_KIND.get() == "FFN")
 
     cp_moves._nsa_cp_adapter = adapter
     patched = []
@@ -213,5 +329,15 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
         if getattr(module, "_cp_moves", None) is original:
             module._cp_moves = cp_moves
             patched.append(module)
+    bind_stage = getattr(modules[1], "_bind_stage", None)
+    restore = []
+
+    def bind_stage_kind(declaration, *args, **kw):
+        return _bind_stage_hook(bind_stage, declaration, *args, **kw)
+
+    for module in modules[1:] if bind_stage is not None else ():
+        if getattr(module, "_bind_stage", None) is bind_stage:
+            module._bind_stage = bind_stage_kind
+            restore.append((module, "_bind_stage", bind_stage))
     logger.info("nsa_cp: SGLang CP moves installed in %s", ", ".join(m.__name__ for m in patched))
-    return Installed(adapter, original, patched)
+    return Installed(adapter, original, patched, restore)
