@@ -7,8 +7,9 @@
 # exactly one shard (the last takes whatever the others do not name), so nothing is left out.
 #
 #   bash scripts/gpu_test_line.sh            # after: python3 -m pip install --no-deps --no-build-isolation -e .
+#                                            # (and SGLang's wheels, for tests/sglang/: scripts/gpu_sglang.sh)
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
-#   SHARDS="p2p boundary rest faults" bash scripts/gpu_test_line.sh   # then SHARDS="example runs": the
+#   SHARDS="p2p boundary rest faults" bash scripts/gpu_test_line.sh   # then SHARDS="example runs sglang": the
 #                                                # line over two calls (every shard in one of them)
 #
 # Each shard runs under `timeout -s INT` (pytest stops where it is and still prints its counts and the
@@ -25,16 +26,18 @@ mkdir -p "$LOGS"
 # shards (files), the busiest first; "rest" is every other test file but the fault tests
 SHARD_p2p="tests/test_p2p_gpu.py"
 SHARD_example="tests/test_example.py tests/test_example_exit.py"
-SHARD_runs="tests/test_benchmarks_smoke.py tests/test_sglang_gpu.py"
+SHARD_runs="tests/test_benchmarks_smoke.py tests/sglang/test_sglang_gpu.py tests/sglang/test_sglang_boundary_gpu.py"
+# SGLang's own code on CPU / gloo (they skip where SGLang is not installed: scripts/gpu_sglang.sh)
+SHARD_sglang="tests/sglang/test_sglang.py tests/sglang/test_sglang_real.py tests/sglang/test_sglang_fast_path.py tests/sglang/test_sglang_boundary.py"
 SHARD_boundary="tests/test_boundary_gloo.py tests/test_boundary_gpu.py tests/test_collectives_gloo.py tests/test_collectives_gpu.py tests/test_compile.py"
 FAULTS="tests/test_p2p_faults.py"
-named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_boundary $FAULTS "
+named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_sglang $SHARD_boundary $FAULTS "
 SHARD_rest=""
-for f in tests/test_*.py; do
+for f in tests/test_*.py tests/sglang/test_*.py; do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 
-ALL="p2p example runs boundary rest faults"
+ALL="p2p example runs sglang boundary rest faults"
 SHARDS=${SHARDS:-$ALL}
 for shard in $SHARDS; do
   [[ " $ALL " == *" $shard "* ]] || { echo "unknown shard '$shard' (shards: $ALL)" >&2; exit 2; }
@@ -42,7 +45,7 @@ done
 want() { [[ " $SHARDS " == *" $1 "* ]]; }
 
 pids=()
-for shard in p2p example runs boundary rest; do
+for shard in p2p example runs sglang boundary rest; do
   want "$shard" || continue
   var="SHARD_$shard"
   # shellcheck disable=SC2086

@@ -13,17 +13,19 @@ Contract:
 * :func:`configure` and the module-level ``gather`` / ``take_back`` / ``reduce_scatter`` /
   ``reduce_scatter_group`` run on the process's configured adapter (``moves``).
 * :func:`sglang_plugin` (the entry point ``nsa_cp`` of the group ``sglang.srt.plugins``), :func:`install`
-  and :func:`status` bind those moves into SGLang's ``_cp_moves`` (``plugin``).
+  and :func:`status` bind those moves into SGLang's ``_cp_moves`` (``plugin``); in every scheduler the
+  plugin also creates the attention-CP transport after the model loads (``scheduler``). Whether SGLang's
+  read step fuses with the gather: ``readstep``; what ran, for ``status()``: ``state``.
 
-Only the DSA/MLA kind of CP moves is replaced; GQA's MoE-CP moves and batches captured in SGLang's
-breakable CUDA graphs keep SGLang's own functions. What SGLang does at this boundary, how the plugin
+Only the DSA/MLA kind of CP moves is replaced; GQA's MoE-CP moves, and batches the adapter declines
+(graph capture, attention DP, geometry), keep SGLang's own functions. What SGLang does at this boundary, how the plugin
 gets in and what the adapter changes: docs/sglang.md.
 """
 
 from .adapter import CpMovesAdapter
 from .metadata import layout_from_cp_metadata
 from .moves import configure, gather, mask_padding_topk_ids_for_batch, reduce_scatter, reduce_scatter_group, take_back
-from .plugin import BOUNDARY_MODULES, HOOK_TARGET, Installed, install, sglang_plugin, status
+from .plugin import BOUNDARY_MODULES, HOOK_TARGET, HOOKS, Installed, install, sglang_plugin, status
 from .runtime import TESTED_SGLANG
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "install",
     "Installed",
     "BOUNDARY_MODULES",
+    "HOOK_TARGET",
+    "HOOKS",
     "sglang_plugin",
     "status",
     "TESTED_SGLANG",

@@ -100,7 +100,11 @@ def _row_fn(seed: int):
     so each output row depends on that row's values only, bit for bit, whatever the row count."""
     g = torch.Generator().manual_seed(seed)
     a, b, c = (torch.randn(H, generator=g) for _ in range(3))
-    return lambda x: torch.tanh(x.float() * a + x.float().roll(1, dims=-1) * b + c).to(x.dtype)
+    def f(x):
+        k = [t.to(x.device) for t in (a, b, c)]
+        return torch.tanh(x.float() * k[0] + x.float().roll(1, dims=-1) * k[1] + k[2]).to(x.dtype)
+
+    return f
 
 
 def _stand_ins(seed: int):
@@ -130,7 +134,7 @@ def _full_row_layers(full_row_attention, layers):
     return {full_row_attention} if isinstance(full_row_attention, int) else set(full_row_attention)
 
 
-def build_stack(layers: int, full_rows, dtype, seed: int):
+def build_stack(layers: int, full_rows, dtype, seed: int, device="cpu"):
     """``[(attn_boundary, ffn_boundary, full_row)]`` bound by SGLang's layer_stack, and the final norm."""
     from sglang.srt.layers.layer_boundary import SumGroup, append_stages, declare_attn, declare_ffn, layer_stack
 
@@ -139,10 +143,11 @@ def build_stack(layers: int, full_rows, dtype, seed: int):
         for i in range(layers):
             attn = declare_attn(tp_group=SumGroup.TP) if i in full_rows else declare_attn()
             ffn = declare_ffn(sparse=True, next_layer_sparse=True)
-            a, f = append_stages((attn, _norm(seed + 10 * i + 1, dtype), {"qkv_latent_func": None, "fusions": None}),
-                                 (ffn, _norm(seed + 10 * i + 2, dtype), {"fusions": None}))
+            a, f = append_stages(
+                (attn, _norm(seed + 10 * i + 1, dtype).to(device), {"qkv_latent_func": None, "fusions": None}),
+                (ffn, _norm(seed + 10 * i + 2, dtype).to(device), {"fusions": None}))
             stack.append((a, f, i in full_rows))
-    return stack, _norm(seed + 3, dtype)
+    return stack, _norm(seed + 3, dtype).to(device)
 
 
 def forward_batch(seq_lens, md):
@@ -163,15 +168,18 @@ def _inputs(rank, physical, real, dtype, seed):
     return x.to(dtype)
 
 
-def run_stack(rank, world, *, seq_lens, strategy, dtype, layers=2, full_row_attention=False, seed=0) -> dict:
+def run_stack(rank, world, *, seq_lens, strategy, dtype, layers=2, full_row_attention=False, seed=0,
+              device="cpu") -> dict:
     """Build the stack (now: it binds the ``_cp_moves`` in place) and run one prefill-CP extend on it.
 
     ``full_row_attention``: False, True (the last layer's attention is full-row), a layer index or indices.
+    ``device``: where the rows live ("cpu", or a CUDA device for ranks sharing a GPU over gloo).
     The stand-ins' calls are recorded; padding rows [n_real:] of the outputs carry what the stack made of
     the garbage there (compare rows [:n_real], e.g. with :func:`reference_rows`).
     Returns ``hidden`` (the final norm's output) and ``residual`` (the updated residual it normed), both
     [physical, H]; ``n_real`` / ``physical`` (this rank's real and padded rows), ``logical`` (every
-    rank's real count), ``moe_rows`` (the rows each MoE call got), ``full_row_rows`` (each full-row
+    rank's real count), ``moe_rows`` (the rows each MoE call got), ``moe_ptrs`` (the address of the tensor
+    each MoE call wrote into), ``full_row_rows`` (each full-row
     attention's), ``variant`` (the batch variant the stages took) and ``cp_gather`` (module and name of
     the ``cp_moves.gather`` the first FFN bound: SGLang's ``_then_attn_cp_gather`` or an adapter's).
     """
@@ -182,17 +190,18 @@ def run_stack(rank, world, *, seq_lens, strategy, dtype, layers=2, full_row_atte
     with sglang_runtime(strategy), torch.no_grad():  # a model forward runs without autograd
         md, logical = sglang_env.build_metadata(seq_lens, world, strategy)
         physical, real = md.per_rank_actual_token[0], logical[rank]
-        stack, final = build_stack(layers, _full_row_layers(full_row_attention, layers), dtype, seed)
+        stack, final = build_stack(layers, _full_row_layers(full_row_attention, layers), dtype, seed, device)
         share = _share(rank, world)
         attend, mix, moe_f = _stand_ins(seed)
-        moe_rows, full_row_rows = [], []
+        moe_rows, moe_ptrs, full_row_rows = [], [], []
 
         def moe(x):
             moe_rows.append(x.shape[0])
+            moe_ptrs.append(x.data_ptr())
             return x.copy_(moe_f(x).float().mul(share).to(x.dtype))
 
         fb = forward_batch(seq_lens, md)
-        hidden = _inputs(rank, physical, real, dtype, seed)
+        hidden = _inputs(rank, physical, real, dtype, seed).to(device)
         residual_batch.start(fb)
         for attn_boundary, ffn_boundary, full_row in stack:
             x = attn_boundary.prepare(hidden, fb)
@@ -216,7 +225,7 @@ def run_stack(rank, world, *, seq_lens, strategy, dtype, layers=2, full_row_atte
         moves = plan.edges[variant].cp_moves
         gather = getattr(moves, "gather", None)
         return {"hidden": hidden, "residual": kept["r"], "n_real": real, "physical": physical,
-                "logical": logical, "moe_rows": moe_rows, "full_row_rows": full_row_rows, "variant": variant.name,
+                "logical": logical, "moe_rows": moe_rows, "moe_ptrs": moe_ptrs, "full_row_rows": full_row_rows, "variant": variant.name,
                 "cp_gather": f"{getattr(gather, '__module__', None)}.{getattr(gather, '__qualname__', gather)}"}
 
 
@@ -238,3 +247,22 @@ def reference_rows(rank, world, *, seq_lens, strategy, dtype, layers=2, full_row
             hid = moe_f(_norm(seed + 10 * i + 2, dtype).double().forward_native(res))
         res = res + hid
         return _norm(seed + 3, dtype).double().forward_native(res), res
+
+
+# one rounding of the dtype, relative to the rows' size (they are O(1): norms and tanh)
+ROUNDING = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}
+# the stack against the float64 reference: the stack rounds to the dtype between its steps
+REFERENCE = {torch.float32: 1e-4, torch.bfloat16: 0.1}
+
+
+def _close(got, want, tol, what):
+    err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+    assert err <= tol * (1 + want.double().abs().max().item() if want.numel() else 1), f"{what}: max diff {err}"
+
+
+def compare(on, off, ref, dtype, what):
+    """Plugin on against off (one rounding) and both against the reference, on this rank's real rows."""
+    n = off["n_real"]
+    for key, want in zip(("hidden", "residual"), ref):
+        _close(on[key][:n].cpu(), off[key][:n].cpu(), ROUNDING[dtype], f"{what}: {key}, plugin on vs off")
+        _close(off[key][:n].cpu(), want, REFERENCE[dtype], f"{what}: {key}, SGLang's own vs reference")

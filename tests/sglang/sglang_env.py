@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own code on CPU / gloo, for tests/test_sglang_*.py.
+"""SGLang 0.5.23's own code on CPU / gloo, for tests/sglang/.
 
 ``require_sglang()`` skips (or, with NSA_TEST_REQUIRE_SGLANG=1 as .ci/run sets, fails) where SGLang's
 modules do not import. Two shims make them run on a CPU-only machine (both only in the test process):
@@ -7,8 +7,8 @@ modules do not import. Two shims make them run on a CPU-only machine (both only 
 * ``parallel_state._is_cpu = True`` sends SGLang's GroupCoordinator collectives down its own CPU branch
   (``torch.distributed`` on the group) instead of its CUDA custom ops.
 
-torchvision: where none is importable, ``sglang_shims/`` (an import-only stand-in, see its docstring)
-goes on ``sys.path``.
+SGLang imports torchvision at import time: CI installs SGLang's pin (torch 2.14.1 + torchvision 0.29.1),
+the GPU machine has its own torchvision.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import sys
 from unittest import mock
 
-SHIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_shims")
 REQUIRED = os.environ.get("NSA_TEST_REQUIRE_SGLANG", "") == "1"
 MODULES = (
     "sglang.srt.layers.layer_boundary.boundary", "sglang.srt.layers.layer_boundary.construction",
@@ -30,10 +28,8 @@ MODULES = (
 
 
 def prepare_process() -> None:
-    """The shims, before anything imports SGLang (in every process that will)."""
+    """The shim, before anything imports SGLang (in every process that will)."""
     os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
-    if importlib.util.find_spec("torchvision") is None and SHIMS not in sys.path:
-        sys.path.insert(0, SHIMS)
 
 
 def import_error():
