@@ -43,6 +43,8 @@ SMOKE = {
     ],
     "stages.py": [("cpu", ["--M", "16", "--hidden", "256", "--cp", "3", "--rounds", "2", "--warmup", "1",
                            "--csv", "{out}/stages.csv", "--json", "{out}/stages.json"], ["stages.csv", "stages.json"])],
+    "sglang_boundary.py": [("cpu", ["--cpu-ranks", "2", "--M", "8", "--hidden", "128", "--rounds", "1", "--warmup", "0",
+                                    "--compact", "--csv", "{out}/sb.csv", "--json", "{out}/sb.json"], ["sb.csv", "sb.json"])],
     "dispatch_overhead.py": [("cpu", ["--worlds", "2", "--M", "8", "--H", "64", "--calls", "20", "--rounds", "2"], [])],
     "readme_tables.py": [("committed-csv", ["benchmarks/results/2xH200.csv"], [])],
     "plot_busbw.py": [("committed-csv", ["benchmarks/results/2xH200.csv", "--out", "{out}/plot.png"], ["plot.png"])],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from unittest import mock
 
 REQUIRED = os.environ.get("NSA_TEST_REQUIRE_SGLANG", "") == "1"
@@ -27,9 +28,34 @@ MODULES = (
 )
 
 
+# imported with CUDA hidden on a GPU machine without sgl_kernel (see prepare_process)
+_CPU_VIEW = MODULES + ("sglang.srt.layers.layernorm", "sglang.srt.model_executor.forward_batch_info",
+                       "sglang.srt.layers.layer_boundary.residual.add_norm", "sglang.srt.layers.cp.interleave",
+                       "sglang.srt.model_executor.model_runner")
+
+
 def prepare_process() -> None:
-    """The shim, before anything imports SGLang (in every process that will)."""
+    """The shims, before anything imports SGLang (in every process that will).
+
+    On a GPU machine without SGLang's CUDA kernels (``sgl_kernel``, gigabytes, not carried: the GPU tests
+    run SGLang's native norms and its CPU-branch collectives on CUDA tensors), SGLang's modules are imported
+    with ``torch.cuda.is_available()`` reading False, and its cached ``is_cuda()`` keeps that answer, so
+    no module imports ``sgl_kernel``. nsa_cp and the tests see the GPU as it is."""
     os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
+    import torch
+
+    if (not torch.cuda.is_available() or importlib.util.find_spec("sgl_kernel") is not None
+            or importlib.util.find_spec("sglang") is None or "sglang.srt.utils.common" in sys.modules):
+        return
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        from sglang.srt.utils import common
+
+        common.is_cuda()  # cached: False from here on
+        for name in _CPU_VIEW:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001  import_error() reports it, with the cause
+                break
 
 
 def import_error():
