@@ -8,8 +8,7 @@ one ``[sum(n), H]``. Prints a Markdown table of ``padding rows / (P * cp)``. CPU
     python benchmarks/sglang_padding.py
 
 Needs sglang==0.5.23 (``bash .ci/install_sglang.sh``); the metadata comes from the tests' SGLang
-environment (``tests/sglang_env.py``, which needs no pytest for this: where no torchvision imports, the
-stand-in ``tests/sglang_shims`` goes on the path).
+environment (``tests/sglang/sglang_env.py``, which needs no pytest for this).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "sglang"))
 import sglang_env  # noqa: E402  SGLang's own metadata on a CPU-only machine (the tests' stand-ins)
 
 BATCHES = {

@@ -97,12 +97,16 @@ def setup_parallel(rank: int, world: int):
     from sglang.srt.runtime_context import get_parallel
 
     ps._is_cpu = True
+    import torch
+
+    # SGLang's GroupCoordinator puts a tensor on cuda:<local_rank>: ranks sharing one GPU all use cuda:0
+    local_rank = rank % torch.cuda.device_count() if torch.cuda.is_available() else rank
     parallel = get_parallel()
     parallel.override_permanently(tp_size=world, attn_cp_size=world, attn_dp_size=1, pp_size=1, moe_ep_size=1,
                                   moe_dp_size=1, attn_dcp_size=1, shared_experts_tp_size=None)
-    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=local_rank, backend="gloo",
                                     distributed_init_method="file:///unused")
-    group = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
+    group = ps.init_model_parallel_group([list(range(world))], local_rank, "gloo", use_pynccl=False,
                                          use_custom_allreduce=False, use_mscclpp=False,
                                          use_torch_symm_mem_allreduce=False, group_name="attn_cp")
     parallel.override_permanently(attn_cp_group=group, attn_cp_rank=group.rank_in_group, attn_tp_size=1,
