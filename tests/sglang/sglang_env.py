@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import sys
 from unittest import mock
 
 REQUIRED = os.environ.get("NSA_TEST_REQUIRE_SGLANG", "") == "1"
@@ -34,6 +33,9 @@ _CPU_VIEW = MODULES + ("sglang.srt.layers.layernorm", "sglang.srt.model_executor
                        "sglang.srt.model_executor.model_runner")
 
 
+_CPU_VIEW_SET: list = []
+
+
 def prepare_process() -> None:
     """The shims, before anything imports SGLang (in every process that will).
 
@@ -45,11 +47,13 @@ def prepare_process() -> None:
     import torch
 
     if (not torch.cuda.is_available() or importlib.util.find_spec("sgl_kernel") is not None
-            or importlib.util.find_spec("sglang") is None or "sglang.srt.utils.common" in sys.modules):
+            or importlib.util.find_spec("sglang") is None or _CPU_VIEW_SET):
         return
+    _CPU_VIEW_SET.append(True)
     with mock.patch.object(torch.cuda, "is_available", return_value=False):
         from sglang.srt.utils import common
 
+        common.is_cuda.cache_clear()  # an earlier import may have cached True
         common.is_cuda()  # cached: False from here on
         for name in _CPU_VIEW:
             try:
