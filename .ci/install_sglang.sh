@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs SGLang 0.5.23's own torch pin (torch 2.14.1 + torchvision 0.29.1, from local disk where pip
 # finds them there), then SGLang and the pure-Python packages its CP / layer-boundary / parallel-state /
-# plugin modules import, all with --no-deps, into the active environment, so that tests/sglang/ runs
+# plugin modules import, all with --no-deps, into the active environment, so that tests/integrations/sglang/ runs
 # against SGLang's own code on CPU / gloo. See .ci/sglang-requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SGLang 0.5.23 on the GPU machine, for tests/sglang/ (sourced by a device call: it exports PYTHONPATH).
+# SGLang 0.5.23 on the GPU machine, for tests/integrations/sglang/ (sourced by a device call: it exports PYTHONPATH).
 #
 # The GPU machine reaches no registry, so SGLang travels as wheels in the ignored folder .whl/ (carry it):
 # its cp312 wheel and the pure-Python packages its CP / layer-boundary / plugin / model-runner modules
@@ -23,5 +23,5 @@ if [ -d .whl ] && ls .whl/sglang-*.whl >/dev/null 2>&1; then
     .whl/*.whl && export PYTHONPATH=/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import sglang, torch; print('gpu_sglang: sglang', sglang.__version__, 'torch', torch.__version__)"
 else
-  echo "gpu_sglang: no .whl/sglang-*.whl: tests/sglang/ will skip (SGLang not installed)"
+  echo "gpu_sglang: no .whl/sglang-*.whl: tests/integrations/sglang/ will skip (SGLang not installed)"
 fi

@@ -7,7 +7,7 @@
 # exactly one shard (the last takes whatever the others do not name), so nothing is left out.
 #
 #   bash scripts/gpu_test_line.sh            # after: python3 -m pip install --no-deps --no-build-isolation -e .
-#                                            # (and SGLang's wheels, for tests/sglang/: scripts/gpu_sglang.sh)
+#                                            # (and SGLang's wheels, for tests/integrations/sglang/: scripts/gpu_sglang.sh)
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
 #   SHARDS="p2p boundary rest faults" bash scripts/gpu_test_line.sh   # then SHARDS="example runs sglang": the
 #                                                # line over two calls (every shard in one of them)
@@ -26,14 +26,14 @@ mkdir -p "$LOGS"
 # shards (files), the busiest first; "rest" is every other test file but the fault tests
 SHARD_p2p="tests/test_p2p_gpu.py"
 SHARD_example="tests/test_example.py tests/test_example_exit.py"
-SHARD_runs="tests/test_benchmarks_smoke.py tests/sglang/test_sglang_gpu.py tests/sglang/test_sglang_boundary_gpu.py"
+SHARD_runs="tests/test_benchmarks_smoke.py tests/integrations/sglang/test_sglang_gpu.py tests/integrations/sglang/test_sglang_boundary_gpu.py"
 # SGLang's own code on CPU / gloo (they skip where SGLang is not installed: scripts/gpu_sglang.sh)
-SHARD_sglang="tests/sglang/test_sglang.py tests/sglang/test_sglang_real.py tests/sglang/test_sglang_fast_path.py tests/sglang/test_sglang_boundary.py"
+SHARD_sglang="tests/integrations/sglang/test_sglang.py tests/integrations/sglang/test_sglang_real.py tests/integrations/sglang/test_sglang_fast_path.py tests/integrations/sglang/test_sglang_boundary.py"
 SHARD_boundary="tests/test_boundary_gloo.py tests/test_boundary_gpu.py tests/test_collectives_gloo.py tests/test_collectives_gpu.py tests/test_compile.py"
 FAULTS="tests/test_p2p_faults.py"
 named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_sglang $SHARD_boundary $FAULTS "
 SHARD_rest=""
-for f in tests/test_*.py tests/sglang/test_*.py; do
+for f in tests/test_*.py tests/integrations/sglang/test_*.py; do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 

@@ -1,5 +1,5 @@
 """A DeepSeek-V3.2-like decoder layer stack, bound by SGLang 0.5.23's own layer-boundary code, run on
-CPU / gloo with ranks = the attention-CP group (tests/sglang_env.py's parallel state).
+CPU / gloo with ranks = the attention-CP group (tests/integrations/sglang/sglang_env.py's parallel state).
 
 What it builds, with SGLang's API only (nothing of SGLang's is copied):
 

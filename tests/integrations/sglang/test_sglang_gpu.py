@@ -6,7 +6,7 @@ NSA_CP_P2P_MEMORY=cuda_ipc), worlds 2 and 3, both layouts, both P2P gather engin
 gather's result is a view of the transport's gather buffer, so this checks that the reduce-scatter reads
 the MoE's output from there correctly, that its result and take_back's survive the next gathers (no view
 of a reused buffer leaks out), and that odd numbers of back-to-back layers keep the double buffer in step.
-SGLang is not needed: the metadata is duck-typed with SGLang 0.5.23's field names (tests/test_sglang_real.py
+SGLang is not needed: the metadata is duck-typed with SGLang 0.5.23's field names (tests/integrations/sglang/test_sglang_real.py
 checks those moves against SGLang's own on gloo). Skips cleanly without CUDA or nsa_cp._C.
 """
 
@@ -32,7 +32,7 @@ pytestmark = [
 H = 256
 LAYERS = 3  # an odd number of back-to-back gathers: both gather buffers, and back to the first
 # per-rank logical counts, padded up to a multiple of 2 * cp as SGLang's zigzag padding does
-COUNTS = {2: {"uneven": [13, 7], "zero-token-rank": [5, 0], "even": [8, 8]},  # empty: tests/test_sglang_real.py (never on P2P)
+COUNTS = {2: {"uneven": [13, 7], "zero-token-rank": [5, 0], "even": [8, 8]},  # empty: tests/integrations/sglang/test_sglang_real.py (never on P2P)
           3: {"uneven": [9, 4, 11], "zero-token-ranks": [0, 6, 0], "even": [6, 6, 6]}}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own code on CPU / gloo, for tests/sglang/.
+"""SGLang 0.5.23's own code on CPU / gloo, for tests/integrations/sglang/.
 
 ``require_sglang()`` skips (or, with NSA_TEST_REQUIRE_SGLANG=1 as .ci/run sets, fails) where SGLang's
 modules do not import. Two shims make them run on a CPU-only machine (both only in the test process):
