@@ -96,7 +96,11 @@ from sglang_boundary_methods import (SIDES, BoundaryCtx, Method, check_methods, 
 
 SHARED_NOTE = ("ranks SHARE ONE GPU (gloo for control, P2P over CUDA IPC for data): each time is the total work of "
                "every rank, not a latency, and the floor counts every rank's bytes. The two-GPU comparison "
-               "(plugin / sglang) was NOT run: the sglang rows would time gloo, not SGLang's NCCL")
+               "(plugin / sglang) was NOT run: the sglang rows would time gloo, not SGLang's NCCL. On 1x H200 "
+               "(2026-12-01) every row read 4.5-4.9 ms at M = 2048 and 8192 alike: a P2P kernel spins until "
+               "the peer process has launched its own, so these device times hold the processes' skew, not "
+               "the kernels' work; read the GPU ops and bytes here, and time the stages one process at a time "
+               "(benchmarks/stages.py)")
 
 
 def norm_label(device: torch.device, dtype: torch.dtype) -> str:
