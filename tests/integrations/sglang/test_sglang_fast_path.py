@@ -19,7 +19,6 @@ Skipped where SGLang does not import (failed instead with NSA_TEST_REQUIRE_SGLAN
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from functools import partial
 from types import SimpleNamespace as NS
@@ -328,17 +327,7 @@ def _blocked_probe(queue):
 
 def test_registration_log_names_the_cause():
     sglang_env.require_sglang()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_blocked_probe, args=(queue,))
-    proc.start()
-    try:
-        out = queue.get(timeout=240)
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-    assert "error" not in out, out["error"]
+    out = sglang_env.run_spawned(_blocked_probe)
     log = "\n".join(out["log"])
     assert "NOT registered" in log and "torchvision" in log, log
     assert "registered:" not in log and "handed" not in log, log

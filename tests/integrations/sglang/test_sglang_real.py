@@ -14,7 +14,6 @@ Skipped where SGLang does not import (failed instead with NSA_TEST_REQUIRE_SGLAN
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from functools import partial
 from types import SimpleNamespace as NS
@@ -243,18 +242,7 @@ def _plugin_probe(env, order, queue):
 
 
 def _spawn_probe(env, order="plugins-first"):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_plugin_probe, args=(env, order, queue))
-    proc.start()
-    try:
-        out = queue.get(timeout=240)
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-    assert "error" not in out, out["error"]
-    return out
+    return sglang_env.run_spawned(_plugin_probe, env, order)
 
 
 def _require_entry_point():
