@@ -136,9 +136,11 @@ def _worker(rank, world, payload):
     return results
 
 
-CASES = {f"{s}-{c}-{lay}{'-fullrow' if fr else ''}": (s, lens, lay == "compact", fr)
-         for s in ("zigzag", "interleave") for c, lens in SEQS.items()
-         for lay in ("padded", "compact") for fr in (False, True)}
+# both strategies x the batches x both layouts, and a full-row (KDA-like) attention stage on one of them
+CASES = {f"{s}-{c}-{lay}": (s, lens, lay == "compact", False)
+         for s in ("zigzag", "interleave") for c, lens in SEQS.items() for lay in ("padded", "compact")}
+CASES.update({f"zigzag-uneven-{lay}-fullrow": ("zigzag", SEQS["uneven"], lay == "compact", True)
+              for lay in ("padded", "compact")})
 WORLDS = (2, 4, 8)
 _WORLDS = {}
 
