@@ -121,6 +121,8 @@ def format_host_summary(result) -> str:
                 if r is None:
                     continue
                 us = r["host_ms"] * 1e3
+                if smoke:  # a CPU run's collectives are gloo's, not NCCL's
+                    label = label.replace("NCCL", "gloo")
                 ratio = r["host_ms"] / base["host_ms"] if base and base["host_ms"] > 0 else float("nan")
                 verdict = "" if target is None or smoke or base is None else (
                     f"  target <= {target:.2f}x: {'ok' if ratio <= target else 'MISS'}")
