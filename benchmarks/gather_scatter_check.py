@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, poisoning, the timing protocol, env tags, writers
+harness.part_of("gather_scatter.py", __name__)  # run as a script, it says which script to run
 from gather_scatter_report import EVEN  # noqa: E402
 from harness import Ctx  # noqa: E402
 

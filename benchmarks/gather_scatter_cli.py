@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, poisoning, the timing protocol, env tags, writers
+harness.part_of("gather_scatter.py", __name__)  # run as a script, it says which script to run
 
 
 def parse_args(argv=None, doc: str = ""):

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, poisoning, the timing protocol, env tags, writers
+harness.part_of("gather_scatter.py", __name__)  # run as a script, it says which script to run
 
 EVEN = {"ag": "even_ag", "rs": "even_rs"}  # each direction's reference: the even collective
 SYMM_CONFIG_BASE = 1000  # the symmetric-memory run's configurations are numbered from here

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, poisoning, the timing protocol, env tags, writers
+harness.part_of("gather_scatter.py", __name__)  # run as a script, it says which script to run
 from harness import Ctx  # noqa: E402
 
 

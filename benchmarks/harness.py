@@ -734,3 +734,17 @@ def write_rows(tags: Optional[dict], rows: List[dict], csv_path: Optional[str], 
     for path in (csv_path, json_path):
         if path:
             print(f"wrote {path}", flush=True)
+
+
+def part_of(script: Optional[str], name: str) -> None:
+    """Called at the top of a script's part with the part's ``__name__`` (and at the end of this module):
+    run directly, a part says which script it belongs to and exits with status 2 instead of doing
+    nothing. The parts carry no ``__main__`` guard, so the smoke test does not take them for scripts."""
+    if name == "__main__":
+        what = f"a part of benchmarks/{script}" if script else "the harness every benchmark script shares"
+        run = script or "gather_scatter.py"
+        print(f"{sys.argv[0]}: {what}, not a script: run python benchmarks/{run} --help", file=sys.stderr)
+        sys.exit(2)
+
+
+part_of(None, __name__)

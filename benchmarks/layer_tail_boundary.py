@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, the timing protocol, env tags, writers
+harness.part_of("layer_tail.py", __name__)  # run as a script, it says which script to run
 from layer_tail_common import (EPS, FP8, Row, TailBufs, TailCtx, _comm, _needs_fused, _needs_p2p,  # noqa: E402
                                _needs_quant, _prepare_p2p, _rms, make_tail_bufs, quant_ref)
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, the timing protocol, env tags, writers
+harness.part_of("layer_tail.py", __name__)  # run as a script, it says which script to run
 
 EPS = 1e-6
 FP8 = "fp8_e4m3_g128"

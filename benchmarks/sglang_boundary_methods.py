@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  seeds, poisoning, verdicts, the P2P hooks
+harness.part_of("sglang_boundary.py", __name__)  # run as a script, it says which script to run
 
 EPS = 1e-6
 TOL = 1e-2  # relative L2 error of every checked output against its float32 reference (NaN never passes)

@@ -37,6 +37,10 @@ def split(strategy: str, seq_lens, cp: int):
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Needs sglang==0.5.23 "
+                            "(bash .ci/install_sglang.sh). Takes no arguments.").parse_args()
     sglang_env.prepare_process()
     import sglang
 

@@ -88,6 +88,25 @@ def test_every_script_has_a_smoke_run():
     assert not stale, f"SMOKE / GPU_ONLY name scripts that are gone: {stale}"
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_without_measuring(script):
+    proc, took = _run([str(BENCH / script), "--help"], timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), f"{script} --help: rc {proc.returncode}\n" \
+        f"{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
+    assert took < 30, f"{script} --help took {took:.0f} s: it measured something?"
+
+
+PARTS = sorted(p.name for p in BENCH.glob("*.py") if p.name not in SCRIPTS)
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_a_part_run_as_a_script_names_the_script_to_run(part):
+    proc, _ = _run([str(BENCH / part)], timeout=60)
+    owner = "gather_scatter.py" if part == "harness.py" else next(s for s in SCRIPTS if part.startswith(s[:-3] + "_"))
+    assert proc.returncode == 2 and f"run python benchmarks/{owner} --help" in proc.stderr, \
+        f"{part}: rc {proc.returncode}\n{proc.stderr[-1500:]}"
+
+
 @pytest.mark.parametrize("script,case", [(s, c) for s, cases in SMOKE.items() for c in cases],
                          ids=[f"{s}-{c[0]}" for s, cases in SMOKE.items() for c in cases])
 def test_script_runs_at_a_tiny_size(script, case, tmp_path):
