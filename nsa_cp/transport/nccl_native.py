@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .. import _native, envs
 from ..support import Support
-from .torch_dist import resolve_group
+from .torch_dist import check_group, resolve_group
 from .registry import GroupRegistry
 
 __all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_support", "nccl_unavailable_reason", "NCCL_DTYPES"]
@@ -47,7 +47,8 @@ _REGISTRY = GroupRegistry()
 
 
 def nccl_support(group: Optional[dist.ProcessGroup] = None) -> Support:
-    """Whether ``init_nccl(group)`` can work here, and why not."""
+    """Whether ``init_nccl(group)`` can work here, and why not (ValueError for a ``group`` that is none)."""
+    check_group(group)
     mod = _native.load()
     if mod is None or not hasattr(mod, "NcclComm"):
         return Support.no(_native.unavailable_reason() or "nsa_cp._C has no NcclComm (built before it existed)")

@@ -26,15 +26,32 @@ from torch.distributed import distributed_c10d as _c10d
 
 from .. import envs
 
-__all__ = ["Collectives", "group_rank_and_size", "resolve_group"]
+__all__ = ["Collectives", "check_group", "group_rank_and_size", "resolve_group"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def check_group(group) -> None:
+    """ValueError naming ``group`` unless it is None or a ProcessGroup this process is a member of
+    (``dist.new_group`` hands a non-member a marker, not a group; a name or a rank is no group)."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if group is _c10d.GroupMember.NON_GROUP_MEMBER:
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        raise ValueError(f"group: expected a process group this rank is a member of (or None: the default group), "
+                         f"got GroupMember.NON_GROUP_MEMBER: global rank {rank} is not in the group "
+                         f"dist.new_group(ranks) made; call the collective on that group's ranks only")
+    raise ValueError(f"group: expected a torch.distributed ProcessGroup (or None: the default group), got "
+                     f"{group!r} ({type(group).__name__})")
+
+
 def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    """``group``, or the default group for None (raises when torch.distributed is not initialized)."""
+    """``group``, or the default group for None (raises when torch.distributed is not initialized);
+    ValueError naming ``group`` for anything that is not a group of this rank (``check_group``)."""
     if group is not None:
+        if not isinstance(group, dist.ProcessGroup):
+            check_group(group)
         return group
     world = _c10d.GroupMember.WORLD  # the default group once initialized: an attribute read, not a call
     if world is not None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _native, envs
+from ..torch_dist import check_group
 
 __all__ = ["p2p_unavailable_reason", "survey", "share_function", "memory_kind"]
 
@@ -41,6 +42,7 @@ def survey(group, device, config: Optional[dict] = None) -> Tuple[Optional[str],
     on every rank, naming each rank's value, because the kernels would silently disagree on where rows
     go (e.g. one rank double-buffering a call that another writes into its first buffer).
     """
+    check_group(group)
     local = None
     if _native.load() is None:
         local = _native.unavailable_reason()
