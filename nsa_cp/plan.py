@@ -46,11 +46,9 @@ def cache_size() -> int:
     return len(_CACHE)
 
 
-# A plan's runner is bound to its process group, so this cache keeps a group alive after
-# dist.destroy_process_group(). Emptied at exit, before the interpreter finalizes, such a gloo group is
-# destroyed while its worker threads can still take the GIL; left to finalization, a worker thread that
-# released the last collective's tensor then aborted the process ("terminate called without an active
-# exception", SIGABRT, after the program's last line).
+# A plan holds its process group: a destroyed group's plans go at the next miss. Emptied at exit, before the
+# interpreter finalizes, a gloo group is destroyed while its threads can still take the GIL; left to
+# finalization, a worker thread that released the last collective's tensor aborted the process (SIGABRT).
 atexit.register(clear_cache)
 
 
@@ -68,6 +66,7 @@ def lookup(req: Request):
     except TypeError:  # an unhashable layout: the plan checks say what is wrong with it
         plan, key = None, None
     if plan is None:
+        torch_dist.forget_destroyed_groups(_CACHE)  # on a miss only: a new group may follow destroyed ones
         plan = (GatherPlan if req.is_gather else ScatterPlan)(req, pg)
         if key is not None:
             if len(_CACHE) >= _CACHE_LIMIT:

@@ -26,7 +26,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from .. import envs
 
-__all__ = ["Collectives", "check_group", "group_rank_and_size", "resolve_group"]
+__all__ = ["Collectives", "check_group", "forget_destroyed_groups", "group_rank_and_size", "resolve_group"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -59,6 +59,17 @@ def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("nsa_cp collectives need torch.distributed to be initialized")
     return _c10d._get_default_group()
+
+
+def forget_destroyed_groups(cache: dict) -> None:
+    """Drop the entries of a plan cache (keys ``(request, group, ...)``) whose group
+    ``dist.destroy_process_group`` has destroyed, and with them the plans' buffers and the group itself."""
+    live = getattr(getattr(_c10d, "_world", None), "pg_map", None)
+    if live is None:  # torch moved it: keep everything (the cache's size limit still bounds it)
+        return
+    dead = [key for key in cache if key[1] not in live]
+    for key in dead:
+        del cache[key]
 
 
 def group_rank_and_size(group: Optional[dist.ProcessGroup]):
