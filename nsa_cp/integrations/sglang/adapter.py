@@ -224,14 +224,15 @@ class CpMovesAdapter:
             gather, hidden_states, residual, norm, None if update is NOT_GIVEN else update, call)
         if not isinstance(fused, readstep.NotFusable) and hidden_states.shape[0] == rows and n <= rows:
             weight, eps = fused
+            gathered, _ = fused_add_rmsnorm_all_gather(hidden_states[:n], residual[:n], weight, eps, layout, **kw)
             if n < rows:  # SGLang's step writes its padding rows into the residual too; nothing gathers them
                 residual[n:rows].add_(hidden_states[n:rows])
-            gathered, _ = fused_add_rmsnorm_all_gather(hidden_states[:n], residual[:n], weight, eps, layout, **kw)
             state.count(state.STATE.gathers, "fused_add_rmsnorm_all_gather")
             return gathered, residual
         if isinstance(fused, readstep.NotFusable):
-            state.count(state.STATE.unfused, str(fused))
-            state.once(f"unfused:{fused}", logging.INFO, "nsa_cp: MoE gather not fused with the read step (%s); "
+            kind = fused.split(" (", 1)[0]  # without this batch's details
+            state.count(state.STATE.unfused, kind)
+            state.once(f"unfused:{kind}", logging.INFO, "nsa_cp: MoE gather not fused with the read step (%s); "
                        "SGLang's step, then nsa_cp's gather", fused)
         if update is not NOT_GIVEN:
             call["update"] = update

@@ -27,7 +27,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class NotFusable(str):
-    """Why the read step is not nsa_cp's fused add + RMSNorm (a str: the reason)."""
+    """Why the read step is not nsa_cp's fused add + RMSNorm (a str: the reason, ``"<kind> (<details>)"``
+    where it has details of the batch; the kind is what is logged once and counted)."""
 
 
 def _sglang():
@@ -70,7 +71,7 @@ def _norm_reason(norm: Any, RMSNorm, hidden: int) -> str:
         return f"RMSNorm with {', '.join(changed) or 'has_weight=False'}"
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.shape != (hidden,):
-        return f"RMSNorm weight of shape {getattr(weight, 'shape', None)} for rows of {hidden}"
+        return f"RMSNorm weight not [H] ({getattr(weight, 'shape', None)} for rows of {hidden})"
     return ""
 
 
@@ -86,9 +87,10 @@ def plain_add_rmsnorm(step, hidden_states, residual, norm, update, call) -> Tupl
     if not isinstance(hidden_states, torch.Tensor) or not isinstance(residual, torch.Tensor):
         return NotFusable("the input is not a tensor (a sum still owed)")
     if hidden_states.dim() != 2 or residual.shape != hidden_states.shape or residual.dtype != hidden_states.dtype:
-        return NotFusable(f"rows {list(hidden_states.shape)} / residual {list(residual.shape)} not alike and 2-D")
+        return NotFusable(f"rows and residual not alike 2-D tensors ({list(hidden_states.shape)}, "
+                          f"{list(residual.shape)})")
     if hidden_states.dtype not in _DTYPES or not (hidden_states.is_contiguous() and residual.is_contiguous()):
-        return NotFusable(f"{hidden_states.dtype} or non-contiguous rows")
+        return NotFusable(f"rows not contiguous bf16 / fp16 / fp32 ({hidden_states.dtype})")
     if update is not None and type(update) is not PlainAdd:
         return NotFusable(f"update {type(update).__name__} is not a plain add")
     extra = sorted(k for k, v in call.items() if v is not None and v != "" and k != "cache")
