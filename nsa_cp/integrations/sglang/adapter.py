@@ -13,8 +13,8 @@ Contract (shapes per rank; ``n`` = this rank's real rows, ``physical`` = its loc
 * ``reduce_scatter(partials [M * cp, H] | [T, H], residual, forward_batch)`` -> ``([physical, H],
   residual)``, the sum over ranks of this rank's real rows, zeros after, in a fresh tensor;
 * ``reduce_scatter_group()`` -> SGLang's attention-CP GroupCoordinator, or a view with ``ranks``;
-* :meth:`CpMovesAdapter.decline` -> why SGLang's own move must take a batch (graph capture, attention DP,
-  geometry), or None; :meth:`CpMovesAdapter.create_transport` creates the group's P2P transport (collective).
+* :meth:`CpMovesAdapter.admit` -> why SGLang's own move must take a batch (graph capture, attention DP,
+  geometry), or the batch's geometry for nsa_cp's move; :meth:`CpMovesAdapter.create_transport` creates the group's P2P transport (collective).
 
 Padded is SGLang's own layout; compact (``NSA_CP_SGLANG_COMPACT=1`` or ``compact=True``) hands the MoE
 only the real rows, and only through moves bound with ``compact_ok`` (the plugin binds it for FFN stages
@@ -105,6 +105,7 @@ class CpMovesAdapter:
         self.fuse = fuse
         self._sizes = (p2p_max_tokens_per_rank, hidden_size, dtype) if p2p_max_tokens_per_rank is not None else None
         self._comm: Optional[NSACPLayerCommunicator] = None
+        self._attn_dp: Optional[bool] = None  # SGLang's attention DP, fixed for the process: read once
         self.used = False
 
     # --- plumbing
@@ -123,17 +124,16 @@ class CpMovesAdapter:
         every rank of the group calls it, and every rank reaches the same decision. Returns the decision
         ``{"on", "bytes", "max_tokens_per_rank", "reason", "nccl"}`` (``on``: P2P is on; ``reason``: why not)."""
         group = self.group
-        decision = {"on": False, "bytes": None, "max_tokens_per_rank": int(max_tokens_per_rank), "reason": None,
-                    "nccl": None}
         reason = "NSA_CP_SGLANG_P2P=0" if not p2p else p2p_unavailable_reason(group, device)
         if reason is None:
-            existing = get_p2p(group)
-            transport = existing if existing is not None and existing.max_tokens_per_rank >= max_tokens_per_rank \
-                and existing.hidden_size == hidden_size and existing.dtype == dtype else \
-                init_p2p(group, max_tokens_per_rank, hidden_size, dtype, device)
-            decision.update(on=True, bytes=transport.workspace_bytes, max_tokens_per_rank=transport.max_tokens_per_rank)
-            return decision
-        decision["reason"] = reason
+            transport = get_p2p(group)
+            fits = transport is not None and transport.max_tokens_per_rank >= max_tokens_per_rank \
+                and transport.hidden_size == hidden_size and transport.dtype == dtype
+            if not fits:
+                transport = init_p2p(group, max_tokens_per_rank, hidden_size, dtype, device)
+            return state.transport_decision(on=True, bytes=transport.workspace_bytes,
+                                            max_tokens_per_rank=transport.max_tokens_per_rank)
+        decision = state.transport_decision(reason=reason, max_tokens_per_rank=int(max_tokens_per_rank))
         # the NCCL path: nsa_cp's own communicator where it can be made (less host time per uneven call)
         nccl_reason = nccl_unavailable_reason(group) if torch.cuda.is_available() else "no CUDA device"
         if nccl_reason is None:
@@ -174,30 +174,35 @@ class CpMovesAdapter:
                        "%d: such batches take the NCCL path", layout.max_rank_len, transport.max_tokens_per_rank)
 
     # --- which batches SGLang's own moves take
-    def decline(self, name: str, hidden_states, forward_batch) -> Optional[str]:
-        """Why SGLang's own ``name`` move must take this batch, or None. The same answer on every rank
-        (it reads the batch's metadata and the row counts, which SGLang makes equal across ranks). A
-        reason reads ``"<kind> (<this batch's details>)"``; the kind is what is logged once and counted."""
+    def admit(self, name: str, hidden_states, forward_batch) -> Tuple[Optional[str], Optional[tuple]]:
+        """``(reason, None)``: why SGLang's own ``name`` move must take this batch; else ``(None, geometry)``,
+        the batch's ``(md, layout, rank, rows)`` for nsa_cp's move (``geometry=``: read once per move). The
+        same answer on every rank (it reads the batch's metadata and the row counts, which SGLang makes
+        equal across ranks). A reason reads ``"<kind> (<this batch's details>)"``; the kind is what is
+        logged once and counted."""
         md = getattr(forward_batch, "attn_cp_metadata", None)
         if md is None:
-            return "no attn_cp_metadata on the batch"
+            return "no attn_cp_metadata on the batch", None
         if getattr(md, "graph_num_tokens", None) is not None:
-            return "a batch under SGLang's breakable CUDA graph"
-        if runtime.attn_dp_size() > 1:
-            return "attention DP (SGLang returns over its own DP slots)"
+            return "a batch under SGLang's breakable CUDA graph", None
+        if self._attn_dp is None:
+            self._attn_dp = runtime.attn_dp_size() > 1
+        if self._attn_dp:
+            return "attention DP (SGLang returns over its own DP slots)", None
         try:
             layout = layout_from_cp_metadata(md)
         except ValueError as e:
-            return f"metadata nsa_cp cannot read ({e})"
+            return f"metadata nsa_cp cannot read ({e})", None
         size = dist.get_world_size(self.group)
         if layout.cp_size != size:
-            return f"metadata for another group size ({layout.cp_size} ranks, the attention-CP group has {size})"
+            return f"metadata for another group size ({layout.cp_size} ranks, the attention-CP group has {size})", None
         if name != "gather":
             rows = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else None
             if rows not in (layout.padded_len, layout.total_len):
                 return (f"{name} input rows not the metadata's ({rows}; padded {layout.padded_len}, compact "
-                        f"{layout.total_len})")
-        return None
+                        f"{layout.total_len})"), None
+        rank = dist.get_rank(self.group)
+        return None, (md, layout, rank, physical_rows(md, rank, layout))
 
     # --- CpMoves
     def gather(self, hidden_states, residual, forward_batch, norm, *, gather: Callable, update=NOT_GIVEN,
@@ -210,9 +215,10 @@ class CpMovesAdapter:
                                 cache=cache, compact_ok=True, **call)
 
     def gather_rows(self, hidden_states, residual, forward_batch, norm, *, gather: Callable, update=NOT_GIVEN,
-                    cache=None, compact_ok: bool, **call):
-        """:meth:`gather`, compact only where ``compact_ok`` (the stage's consumer is per-row: an FFN)."""
-        md, layout, rank, rows = self._geometry(forward_batch)
+                    cache=None, compact_ok: bool, geometry: Optional[tuple] = None, **call):
+        """:meth:`gather`, compact only where ``compact_ok`` (the stage's consumer is per-row: an FFN);
+        ``geometry``: what :meth:`admit` read of this batch."""
+        md, layout, rank, rows = geometry or self._geometry(forward_batch)
         n = layout.count(rank)
         compact = compact_ok and self._use_compact(md)
         if not self.used:
@@ -230,10 +236,8 @@ class CpMovesAdapter:
             state.count(state.STATE.gathers, "fused_add_rmsnorm_all_gather")
             return gathered, residual
         if isinstance(fused, readstep.NotFusable):
-            kind = fused.split(" (", 1)[0]  # without this batch's details
-            state.count(state.STATE.unfused, kind)
-            state.once(f"unfused:{kind}", logging.INFO, "nsa_cp: MoE gather not fused with the read step (%s); "
-                       "SGLang's step, then nsa_cp's gather", fused)
+            state.record(state.STATE.unfused, fused, "nsa_cp: MoE gather not fused with the read step (%s); "
+                         "SGLang's step, then nsa_cp's gather")
         if update is not NOT_GIVEN:
             call["update"] = update
         x, residual = gather(hidden_states, residual, forward_batch, norm, cache=cache, **call)
@@ -244,11 +248,11 @@ class CpMovesAdapter:
         state.count(state.STATE.gathers, "read_then_gather")
         return cp_all_gather(x[:n], layout, **kw), residual
 
-    def take_back(self, hidden_states, residual, forward_batch, **kwargs):
+    def take_back(self, hidden_states, residual, forward_batch, *, geometry: Optional[tuple] = None, **kwargs):
         """This rank's ``[physical, H]`` rows of a complete output, padded ``[max_rank_len * cp, H]`` (a
         view, or a copy where a P2P transport serves the group) or compact ``[sum(n), H]`` (a copy, the
         rows past the real count zero)."""
-        md, layout, rank, rows = self._geometry(forward_batch)
+        md, layout, rank, rows = geometry or self._geometry(forward_batch)
         compact = which_layout("hidden_states", hidden_states, layout)
         if compact:
             n, start = layout.count(rank), layout.offsets[rank]
@@ -260,10 +264,11 @@ class CpMovesAdapter:
         # an in-place MoE's output can be the P2P transport's gather buffer, which the next gathers reuse
         return (back.clone() if get_p2p(self.group) is not None else back), residual
 
-    def reduce_scatter(self, hidden_states, residual, forward_batch, **kwargs):
+    def reduce_scatter(self, hidden_states, residual, forward_batch, *, geometry: Optional[tuple] = None,
+                       **kwargs):
         """Sum the ranks' partials (padded ``[max_rank_len * cp, H]`` or compact ``[sum(n), H]``) and return
         this rank's ``[physical, H]`` rows (the rows past the real count zero), in a fresh tensor."""
-        md, layout, rank, rows = self._geometry(forward_batch)
+        md, layout, rank, rows = geometry or self._geometry(forward_batch)
         compact = which_layout("hidden_states", hidden_states, layout)
         n = layout.count(rank)
         out = hidden_states.new_empty((rows, *hidden_states.shape[1:]))

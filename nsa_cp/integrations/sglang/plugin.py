@@ -16,7 +16,7 @@ Contract:
   undoes it. Neither stacks on the other.
 * The patched ``_cp_moves`` asks SGLang's for its choice and replaces only the DSA/MLA kind (the one with
   a ``reduce_scatter``); GQA's moves keep SGLang's. Every batch nsa_cp declines (graph capture, attention
-  DP, geometry: ``CpMovesAdapter.decline``) runs SGLang's own move, logged once per reason.
+  DP, geometry: ``CpMovesAdapter.admit``) runs SGLang's own move, logged once per reason.
 * :func:`status` says what is bound and what ran in this process.
 
 How SGLang loads plugins and why these bindings: docs/sglang.md.
@@ -81,9 +81,7 @@ def _passthrough(rows, residual):
 
 
 def _declined(reason: str) -> None:
-    kind = reason.split(" (", 1)[0]  # the kind of reason, without this batch's details
-    state.count(state.STATE.declined, kind)
-    state.once(f"declined:{kind}", logging.INFO, "nsa_cp: SGLang's own CP move for such batches: %s", reason)
+    state.record(state.STATE.declined, reason, "nsa_cp: SGLang's own CP move for such batches: %s")
 
 
 def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool = False):
@@ -98,13 +96,14 @@ def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool
         """The move ``name``: the adapter's, or SGLang's own for a batch the adapter declines."""
         def move(hidden_states, residual, forward_batch, *args, **kwargs):
             adapter = adapter_of()
-            reason = adapter.decline(name, hidden_states, forward_batch)
+            reason, geometry = adapter.admit(name, hidden_states, forward_batch)
             if reason is None:
                 if name != "gather":
-                    return getattr(adapter, name)(hidden_states, residual, forward_batch, *args, **kwargs)
+                    return getattr(adapter, name)(hidden_states, residual, forward_batch, *args, geometry=geometry,
+                                                  **kwargs)
                 try:
                     return adapter.gather_rows(hidden_states, residual, forward_batch, *args, compact_ok=compact_ok,
-                                               **kwargs)
+                                               geometry=geometry, **kwargs)
                 except Declined as declined:  # SGLang's read step ran: its gather moves what it returned
                     _declined(declined.reason)
                     kwargs["gather"] = _passthrough(declined.rows, declined.residual)

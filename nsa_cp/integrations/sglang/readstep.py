@@ -31,6 +31,7 @@ class NotFusable(str):
     where it has details of the batch; the kind is what is logged once and counted)."""
 
 
+@functools.lru_cache(maxsize=1)  # on every gather: import once (a failed import is not cached)
 def _sglang():
     from sglang.srt.layers.layer_boundary import prepare
     from sglang.srt.layers.layer_boundary.contracts import SumGroup

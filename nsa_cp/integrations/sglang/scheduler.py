@@ -34,10 +34,6 @@ def max_tokens_per_rank(server_args: Any, cp_size: int, align: int) -> Optional[
     return -(-rows // align) * align
 
 
-def _off(reason: str) -> dict:
-    return {"on": False, "bytes": None, "max_tokens_per_rank": None, "reason": reason, "nccl": None}
-
-
 def setup_transport(runner: Any) -> dict:
     """Create (or reuse) this scheduler's attention-CP transport; returns and records the decision."""
     if state.STATE.p2p is not None and state.STATE.p2p.get("on"):
@@ -56,18 +52,18 @@ def setup_transport(runner: Any) -> dict:
 
 def _decide(runner: Any) -> dict:
     if not runtime.cp_gathers_over_attn_cp():
-        return _off("not a DSA/MLA prefill-CP deployment: nsa_cp's moves are not on this path")
+        return state.transport_decision(reason="not a DSA/MLA prefill-CP deployment: nsa_cp's moves are not on this path")
     coordinator = runtime.attn_cp_group()
     cp = getattr(coordinator, "world_size", 1) if coordinator is not None else 1
     if cp < 2:
-        return _off(f"attention-CP size {cp}")
+        return state.transport_decision(reason=f"attention-CP size {cp}")
     server_args = getattr(runner, "server_args", None)
     config = getattr(runner, "model_config", None)
     rows = max_tokens_per_rank(server_args, cp, runtime.cp_align(cp))
     hidden = getattr(config, "hidden_size", None)
     dtype = getattr(config, "dtype", None) or getattr(runner, "dtype", None)
     if rows is None or hidden is None or dtype is None:
-        return _off(f"SGLang's sizes not found (rows per rank {rows}, hidden_size {hidden}, dtype {dtype})")
+        return state.transport_decision(reason=f"SGLang's sizes not found (rows per rank {rows}, hidden_size {hidden}, dtype {dtype})")
     if getattr(server_args, "enable_symm_mem", False):
         # SGLang's symmetric pool (NCCL window-registered) serves its own collectives; nsa_cp's buffers are
         # separate allocations, and its moves replace the two collectives that would read that pool here
@@ -77,4 +73,4 @@ def _decide(runner: Any) -> dict:
         return moves.configured().create_transport(rows, int(hidden), dtype, p2p=envs.NSA_CP_SGLANG_P2P)
     except Exception as e:  # noqa: BLE001  never break SGLang's start: the NCCL path, said loudly
         logger.exception("nsa_cp: could not create the attention-CP transport")
-        return _off(f"creating it failed ({type(e).__name__}: {e})")
+        return state.transport_decision(reason=f"creating it failed ({type(e).__name__}: {e})")

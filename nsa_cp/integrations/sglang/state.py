@@ -48,6 +48,20 @@ def count(table: Dict[str, int], key: str) -> None:
     table[key] = table.get(key, 0) + 1
 
 
+def transport_decision(*, on: bool = False, bytes: Optional[int] = None, max_tokens_per_rank: Optional[int] = None,
+                       reason: Optional[str] = None, nccl: Optional[str] = None) -> dict:
+    """The scheduler's transport decision, as ``status()["p2p"]`` reports it (``IntegrationState.p2p``)."""
+    return {"on": on, "bytes": bytes, "max_tokens_per_rank": max_tokens_per_rank, "reason": reason, "nccl": nccl}
+
+
+def record(table: Dict[str, int], reason: str, msg: str) -> None:
+    """Count ``reason`` in ``table`` by its kind (``"<kind> (<this batch's details>)"``: the text before the
+    details) and log ``msg % reason`` the first time that kind comes up."""
+    kind = reason.split(" (", 1)[0]
+    count(table, kind)
+    once(f"{id(table)}:{kind}", logging.INFO, msg, reason)
+
+
 def once(key: str, level: int, msg: str, *args) -> None:
     """Log ``msg`` the first time ``key`` comes up in this process."""
     if key not in _LOGGED:

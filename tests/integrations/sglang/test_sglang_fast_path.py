@@ -234,8 +234,10 @@ def _check_declines(rank, world):
     # rows the metadata does not describe, seen after SGLang's read step ran: its gather moves them as they are
     got, _ = ours.gather(x[:-2], res[:-2], NS(attn_cp_metadata=md), None, gather=step)
     assert got[:2] == ("sglang", "gather") and torch.equal(got[2], (x + res)[:-2]), got
-    with mock.patch.object(runtime, "attn_dp_size", return_value=2):
-        got, _ = ours.gather(x, res, NS(attn_cp_metadata=md), None, gather=step)
+    with mock.patch.object(runtime, "attn_dp_size", return_value=2):  # read once per adapter: a fresh one
+        dp = nsa_sglang.CpMovesAdapter(compact=True)
+        got, _ = plugin._moves_on(rec.moves, lambda: dp, compact_ok=True).gather(x, res, NS(attn_cp_metadata=md),
+                                                                                 None, gather=step)
         assert got[:2] == ("sglang", "gather"), "attention DP"
     declined = nsa_sglang.status()["declined"]
     assert declined == {"a batch under SGLang's breakable CUDA graph": 2, "reduce_scatter input rows not the metadata's": 1,
