@@ -71,12 +71,6 @@ from .validation import LayoutMismatchError
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-# `python -m nsa_cp.envs` (the CLI) imports this package first, which imports nsa_cp.envs; runpy then warns
-# that the module is already loaded. Harmless here (the CLI only reads): silence exactly that message.
-import warnings as _warnings
-
-_warnings.filterwarnings("ignore", message=r"'nsa_cp\.envs' found in sys\.modules", category=RuntimeWarning)
-
 __all__ = [
     "ShardLayout",
     "cp_all_gather",
@@ -114,6 +108,8 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'nsa_cp' has no attribute {name!r}")
     import importlib
 
-    _warnings.warn(f"nsa_cp.{name} is deprecated: use {home}.{name} (removed from the top level in 0.3)",
+    import warnings
+
+    warnings.warn(f"nsa_cp.{name} is deprecated: use {home}.{name} (removed from the top level in 0.3)",
                    DeprecationWarning, stacklevel=2)
     return getattr(importlib.import_module(home), name)

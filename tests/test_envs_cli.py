@@ -1,4 +1,4 @@
-"""``python -m nsa_cp.envs``: --help, every variable, and what this machine can run (nsa_cp._C, P2P, the
+"""``python -m nsa_cp`` (nsa_cp/__main__.py): --help, every variable, and what this machine can run (nsa_cp._C, P2P, the
 native NCCL communicator) with the reason when not; ``nsa_cp.__version__`` against the installed
 distribution (a fake dist-info on PYTHONPATH stands in for an install)."""
 
@@ -12,6 +12,7 @@ import pytest
 
 import nsa_cp
 from nsa_cp import _native, envs
+from nsa_cp.__main__ import machine_report, main
 from nsa_cp.support import Support
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,16 +24,16 @@ def _run(*args, pythonpath=None):
 
 
 def test_help():
-    proc = _run("-m", "nsa_cp.envs", "--help")
+    proc = _run("-m", "nsa_cp", "--help")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m nsa_cp.envs")
-    assert "RuntimeWarning" not in proc.stderr, proc.stderr  # runpy's 'found in sys.modules' is silenced
+    assert proc.stdout.startswith("usage: python -m nsa_cp")
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr  # the CLI is a module the package never imports
     for word in ("NSA_CP_*", "nsa_cp._C", "P2P transport", "NCCL communicator", "--vars-only"):
         assert word in proc.stdout, word
 
 
 def test_report_lists_every_variable_and_the_machine():
-    proc = _run("-m", "nsa_cp.envs")
+    proc = _run("-m", "nsa_cp")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for name in envs.ENVIRONMENT_VARIABLES:
@@ -72,7 +73,7 @@ def test_report_where_the_extension_serves(monkeypatch, opens):
     monkeypatch.setattr(_native, "available", lambda: True)
     monkeypatch.setattr(_native, "device_support", lambda i: Support.yes())
     monkeypatch.setenv("NSA_CP_NCCL_LIBRARY", "libnccl.so.2")
-    report = envs.machine_report()
+    report = machine_report()
     assert seen == ["libnccl.so.2"]  # the variable's value reaches the loader
     assert report["P2P transport"].startswith("yes")
     want = "yes" if opens else "no: nccl_library: cannot open"
@@ -80,11 +81,11 @@ def test_report_where_the_extension_serves(monkeypatch, opens):
 
 
 def test_vars_only_and_bad_arguments(capsys):
-    assert envs.main(["--vars-only"]) == 0
+    assert main(["--vars-only"]) == 0
     out = capsys.readouterr().out
     assert "# this machine" not in out and "NSA_CP_BACKEND=" in out
     with pytest.raises(SystemExit) as exit_info:
-        envs.main(["--bogus"])
+        main(["--bogus"])
     assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
