@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "codes.h"
 #include "ops.h"
 
 namespace py = pybind11;
@@ -58,11 +59,14 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ERR_RECORD_WORDS") = nsa_cp::kErrRecordWords;
   m.attr("FP_BASE") = nsa_cp::kFpBase;
   m.attr("FP_WORDS") = nsa_cp::kFpWords;
-  m.attr("QUANT_NONE") = 0;
-  m.attr("QUANT_FP8_E4M3_G128") = 1;
-  m.attr("DTYPE_BF16") = 0;
-  m.attr("DTYPE_FP16") = 1;
-  m.attr("DTYPE_FP32") = 2;
+  m.attr("QUANT_NONE") = static_cast<int>(nsa_cp::Quant::kNone);
+  m.attr("QUANT_FP8_E4M3_G128") = static_cast<int>(nsa_cp::Quant::kFp8G128);
+  m.attr("FP8_GROUP") = nsa_cp::kFp8Group;
+  m.attr("FP8_MAX") = nsa_cp::kFp8Max;
+  m.attr("FP8_AMAX_FLOOR") = nsa_cp::kFp8AmaxFloor;
+  m.attr("DTYPE_BF16") = static_cast<int>(nsa_cp::kBF16);
+  m.attr("DTYPE_FP16") = static_cast<int>(nsa_cp::kFP16);
+  m.attr("DTYPE_FP32") = static_cast<int>(nsa_cp::kFP32);
   m.attr("CUDA_ARCHS") = NSA_CP_CUDA_ARCHS;  // archs compiled in, e.g. "90a;100a"
 
   // ---- queries --------------------------------------------------------------------------------

@@ -7,10 +7,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-namespace nsa_cp {
+#include "codes.h"
 
-// _C.DTYPE_* codes.
-enum DType : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+namespace nsa_cp {
 
 template <int D>
 struct Elem;

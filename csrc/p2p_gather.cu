@@ -47,9 +47,6 @@ namespace nsa_cp {
 namespace {
 
 constexpr int kUnroll = 4;  // independent loads in flight per thread (copy stage)
-constexpr int kFp8Group = 128;
-constexpr float kFp8Max = 448.0f;
-constexpr float kFp8AmaxFloor = 1e-10f;
 
 template <typename W>
 __device__ __forceinline__ W load_src(const char* p) {

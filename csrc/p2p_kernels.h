@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include "codes.h"
 #include "common.cuh"
 
 namespace nsa_cp {
@@ -45,9 +46,6 @@ struct NormSource {
   int64_t hidden;        // elements per row
   int64_t scale_offset;  // fp8: byte offset of the scale block in every rank's buffer (q block at 0)
 };
-
-// Quantization of the norm stage.
-enum class Quant : int { kNone = 0, kFp8G128 = 1 };
 
 void enqueue_gather_copy(const GatherParams& p, const CopySource& src, const SignalArgs& s, int vec, int num_blocks,
                          cudaStream_t stream);

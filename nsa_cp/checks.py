@@ -19,10 +19,10 @@ from typing import Optional, Sequence
 import torch
 
 from .layout import ShardLayout
-from .wire import FP8_GROUP, QUANTS  # noqa: F401  (QUANTS: what quant= accepts)
+from .wire import QUANTS, format_of  # noqa: F401  (QUANTS: what quant= accepts)
 
 __all__ = [
-    "shape_str", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
+    "shape_str", "check_plan", "check_norm_partials", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
     "check_device_counts", "check_positions", "check_call_tensors", "check_outs", "check_row_stage", "check_permutation", "ordered_rows", "check_norm_args", "SUM_DTYPES", "FP8_DTYPES", "GATHER_DTYPES",
     "NORM_DTYPES", "QUANTS",
 ]
@@ -87,6 +87,26 @@ def check_out(name: str, out, expected_shape, dtype: torch.dtype, device: torch.
                          f"differentiable), got one with requires_grad=True")
 
 
+def check_plan(req, group_size: int, dtypes, algos, backends) -> None:
+    """The plan checks every call shares (``req``: an nsa_cp.request.Request): its layout against the
+    group, ``algo``, ``backend``, the input's dtype, and device counts only with the padded layout."""
+    check_layout(req.layout, group_size)
+    check_choice("algo", req.algo, algos)
+    check_choice("backend", req.backend, backends)
+    check_dtype(req.input_name, req, dtypes)
+    if req.has_device_counts and (req.compact or req.ordered):
+        raise ValueError("device_counts: supported for the padded layout only (compact and ordered shapes depend "
+                         f"on the counts), got compact={req.compact}, positions={'given' if req.ordered else None}")
+
+
+def check_norm_partials(req) -> None:
+    """Plan check of ``reduce_scatter_fused_add_rmsnorm``: 2-D partials of a norm dtype."""
+    if len(req.row_shape) != 1:
+        raise ValueError(f"partials: expected a 2-D tensor [rows, hidden], got shape "
+                         f"{shape_str((req.result_rows, *req.row_shape))}")
+    check_dtype("partials", req, NORM_DTYPES)
+
+
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
@@ -122,15 +142,16 @@ def check_outs(out, shapes, dtypes, device: torch.device) -> None:
 
 
 def check_row_stage(req) -> None:
-    """Plan check of a gather with a row stage (norm, FP8): rows ``[n_r, H]``, H a multiple of
-    ``FP8_GROUP`` for the FP8 wire (``req``: an nsa_cp.request.Request)."""
+    """Plan check of a gather with a row stage (norm, a wire format): rows ``[n_r, H]`` that the format
+    takes (``req``: an nsa_cp.request.Request)."""
     shape = shape_str(req.row_shape)
     if len(req.row_shape) != 1:
         raise ValueError(f"x: expected a 2-D tensor [n_r, hidden], got a tensor of {len(req.row_shape) + 1} dims, "
                          f"rows of shape {shape}")
-    if req.quant is not None and req.row_shape[0] % FP8_GROUP:
-        raise ValueError(f"x: quant={req.quant!r} needs a hidden size that is a multiple of {FP8_GROUP}, got rows of "
-                         f"shape {shape}")
+    fmt = format_of(req.quant)
+    verdict = fmt.support(req.row_shape[0]) if fmt is not None else None
+    if verdict is not None and not verdict:
+        raise ValueError(f"x: {verdict.reason}, got rows of shape {shape}")
 
 
 def check_positions(positions, layout: ShardLayout, device: torch.device) -> None:

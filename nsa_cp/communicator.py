@@ -53,6 +53,7 @@ from .collectives import (
 from .layout import ShardLayout
 from .norm import fused_add_rmsnorm_into
 from .transport.p2p import get_p2p, init_p2p, p2p_unavailable_reason
+from .wire import format_of
 
 __all__ = ["NSACPLayerCommunicator", "norm_parameters"]
 
@@ -174,8 +175,7 @@ class NSACPLayerCommunicator:
         mlp_spec = _check_norm("post_attention_layernorm", post_attention_layernorm)
         if mlp_mode not in _MLP_MODES:
             raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
-        if quant not in (None, "fp8_e4m3_g128"):
-            raise ValueError(f"quant: expected None or 'fp8_e4m3_g128', got {quant!r}")
+        format_of(quant)  # ValueError naming quant for a format nsa_cp does not know
         if p2p_max_tokens_per_rank is not None:
             if hidden_size is None or dtype is None:
                 raise ValueError("hidden_size, dtype: expected both with p2p_max_tokens_per_rank, got None")

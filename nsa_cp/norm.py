@@ -114,6 +114,21 @@ def norm_in_place(h: torch.Tensor, residual: Optional[torch.Tensor], weight: tor
     return fused_add_rmsnorm_into(h, residual, weight, eps, out=h)  # y overwrites h
 
 
+def norm_before(move):
+    """A plain gather's ``run(x, outs, dc, pos, norm_args)`` after the add + RMSNorm kernel (for a transport
+    that cannot fuse the norm): the normed rows ``y [n_r, H]`` move, the residual is updated in place."""
+    def run(x, outs, dc, pos, norm_args):
+        y, _ = fused_add_rmsnorm_into(x, *norm_args, out=torch.empty_like(x))
+        return move(y, outs, dc, pos, None)
+    return run
+
+
+def norm_after(move):
+    """A reduce-scatter's ``run(y, out, dc, pos)`` followed by ``norm_in_place`` of its result (for a
+    transport that did not fuse the norm): ``run(y, out, dc, pos, norm_args) -> (normed, residual)``."""
+    return lambda y, out, dc, pos, norm_args: norm_in_place(move(y, None, dc, pos), *norm_args)
+
+
 def _log_choice(impl: str, why: str) -> None:
     if impl not in _logged:
         _logged.add(impl)

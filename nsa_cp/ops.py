@@ -19,7 +19,8 @@ import torch.distributed as dist
 from . import checks, plan
 from .layout import ShardLayout
 from .request import Request
-from .wire import FP8_G128, FP8_GROUP
+from .stage import ALL_GATHER, NORM_ALL_GATHER, NORM_REDUCE_SCATTER, REDUCE_SCATTER, Op, stage_of
+from .wire import FORMATS, WireFormat
 
 __all__ = ["call", "body"]
 
@@ -31,21 +32,22 @@ _NORM_INPUTS = "Tensor(a1!)? residual, Tensor weight, float eps, "
 
 class _Spec(NamedTuple):
     name: str  # torch.ops.nsa_cp.<name>
-    op: str  # the public function (Request.op)
-    quant: Optional[str]
-    tensor: str  # the input's name in the schema
+    kind: Op  # the public function
+    fmt: Optional[WireFormat]  # a gather's wire format
     returns: str
 
+    @property
+    def quant(self) -> Optional[str]:
+        return None if self.fmt is None else self.fmt.name
 
-_SPECS = (
-    _Spec("cp_all_gather", "cp_all_gather", None, "x", "Tensor"),
-    _Spec("cp_all_gather_fp8", "cp_all_gather", FP8_G128, "x", "(Tensor, Tensor)"),
-    _Spec("cp_reduce_scatter", "cp_reduce_scatter", None, "y", "Tensor"),
-    _Spec("fused_add_rmsnorm_all_gather", "fused_add_rmsnorm_all_gather", None, "x", "Tensor"),
-    _Spec("fused_add_rmsnorm_all_gather_fp8", "fused_add_rmsnorm_all_gather", FP8_G128, "x", "(Tensor, Tensor)"),
-    _Spec("reduce_scatter_fused_add_rmsnorm", "reduce_scatter_fused_add_rmsnorm", None, "partials", "(Tensor, Tensor)"),
+
+# one op per public call and wire format: a gather per format, the reduce-scatters once
+_SPECS = tuple(
+    _Spec(kind.name if fmt is None else f"{kind.name}_{fmt.short}", kind, fmt,
+          "Tensor" if (kind.is_gather and fmt is None) or kind is REDUCE_SCATTER else "(Tensor, Tensor)")
+    for kind in (ALL_GATHER, REDUCE_SCATTER, NORM_ALL_GATHER, NORM_REDUCE_SCATTER)
+    for fmt in ((None, *FORMATS.values()) if kind.is_gather else (None,))
 )
-_NORM_OPS = ("fused_add_rmsnorm_all_gather", "reduce_scatter_fused_add_rmsnorm")
 
 
 @functools.lru_cache(maxsize=256)
@@ -75,7 +77,7 @@ def _owned(result: torch.Tensor) -> torch.Tensor:
 
 def _split(spec: _Spec, args):
     """An op's positional arguments as ``(tensor, norm_args or None, tail)``."""
-    if spec.op in _NORM_OPS:
+    if spec.kind.norm:
         return args[0], tuple(args[1:4]), args[4:]
     return args[0], None, args[1:]
 
@@ -88,16 +90,16 @@ def _real(spec: _Spec):
         device_counts = None if dc is None and do is None else (dc, do)
         layout = _layout(tuple(counts), align)
         out = None
-        if spec.name == "cp_all_gather":  # owned by the op, never a view: NCCL/gloo write into it directly
+        if spec.kind is ALL_GATHER and spec.fmt is None:  # owned by the op, never a view: NCCL/gloo write into it
             out = t.new_empty((layout.global_len(compact or positions is not None), *t.shape[1:]))
-        req = Request.of(spec.op, t, layout, _group(group_name), compact, algo, backend, spec.quant, out,
+        req = Request.of(spec.kind.name, t, layout, _group(group_name), compact, algo, backend, spec.quant, out,
                          device_counts, positions, None if norm_args is None else norm_args[0])
         result = plan.call(req, t, out, device_counts, positions, norm_args, validate)
-        if spec.op == "reduce_scatter_fused_add_rmsnorm":  # (y, h): h only when residual is None
+        if spec.kind is NORM_REDUCE_SCATTER:  # (y, h): h only when residual is None
             y, reduced = result
             return (y, reduced) if norm_args[0] is None else (y, y.new_empty((0, *y.shape[1:])))
         if spec.returns == "Tensor":
-            return result if out is not None or spec.op == "cp_reduce_scatter" else _owned(result)
+            return result if out is not None or spec.kind is REDUCE_SCATTER else _owned(result)
         return _owned(result[0]), _owned(result[1])
     return impl
 
@@ -106,26 +108,24 @@ def _fake(spec: _Spec):
     """The op's fake: output shapes from the layout, without communicating."""
     def fake(*args):
         t, norm_args, (counts, align, _group_name, rank, compact, *_, positions) = _split(spec, args)
-        if spec.op in ("cp_reduce_scatter", "reduce_scatter_fused_add_rmsnorm"):
+        if not spec.kind.is_gather:
             # a rank outside the counts is a cp_size mismatch: the real call raises the eager ValueError
             y = t.new_empty((counts[rank] if 0 <= rank < len(counts) else 0, *t.shape[1:]))
-            if spec.op == "cp_reduce_scatter":
+            if not spec.kind.norm:
                 return y
             return y, (torch.empty_like(y) if norm_args[0] is None else y.new_empty((0, *y.shape[1:])))
         rows = _gather_rows(counts, align, compact or positions is not None)
-        if spec.quant is None:
-            return t.new_empty((rows, *t.shape[1:]))
-        hidden = t.shape[-1]
-        return (t.new_empty((rows, hidden), dtype=torch.float8_e4m3fn),
-                t.new_empty((rows, hidden // FP8_GROUP), dtype=torch.float32))
+        streams = stage_of(spec.kind.norm, spec.quant).streams(tuple(t.shape[1:]), t.dtype)
+        results = tuple(t.new_empty((rows, *shape), dtype=dtype) for shape, dtype, _ in streams)
+        return results[0] if spec.fmt is None else results
     return fake
 
 
 _OPS = {}  # (Request.op, quant) -> the op packet
 _BODIES = {}  # op name -> its implementation without the dispatcher (benchmarks/dispatch_overhead.py)
 for _spec in _SPECS:
-    _norm = _spec.op in _NORM_OPS
-    _schema = f"(Tensor {_spec.tensor}, {_NORM_INPUTS if _norm else ''}{_TAIL}) -> {_spec.returns}"
+    _norm = _spec.kind.norm
+    _schema = f"(Tensor {_spec.kind.input_name}, {_NORM_INPUTS if _norm else ''}{_TAIL}) -> {_spec.returns}"
     _op = torch.library.custom_op(f"nsa_cp::{_spec.name}", _real(_spec), mutates_args=("residual",) if _norm else (),
                                   schema=_schema)
     _op.register_fake(_fake(_spec))
@@ -135,7 +135,7 @@ for _spec in _SPECS:
     _packet = getattr(torch.ops.nsa_cp, _spec.name)
     torch.fx.node.has_side_effect(_packet)
     torch.fx.node.has_side_effect(_packet.default)
-    _OPS[(_spec.op, _spec.quant)] = _packet
+    _OPS[(_spec.kind.name, _spec.quant)] = _packet
     _BODIES[_spec.name] = _op._init_fn
 del _spec, _norm, _schema, _op, _packet
 

@@ -3,35 +3,33 @@
 ``call(request, ...)`` is the one eager entry point (the public functions when not compiling, and the
 torch.library ops of nsa_cp/ops.py when a compiled graph runs): it finds the cached plan of the
 ``Request`` (built on a miss), runs the call checks, the rank agreement when asked, and the plan's one
-runner. A plan holds the choices (backend, algorithm, source stage) and a runner bound to its
-transport: a P2P runner of the transport's native state, or an NCCL/gloo runner of nsa_cp/dist_path.py
-bound to the process group. ``init_p2p`` / ``init_nccl`` and their ``destroy_*`` empty the cache.
-docs/design.md ("Plans") has the design record.
+runner. A plan holds the choices (transport, algorithm, source stage) and the runner of the route its
+transport gave: the first registered transport whose verdict is yes (nsa_cp/transport/base.py; the
+torch.distributed one serves every call and is asked last). ``init_p2p`` / ``init_nccl``, their
+``destroy_*`` and registering a transport empty the cache. docs/design.md ("Plans") has the design record.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
-import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from . import checks, dist_path, envs, validation
-from .layout import ShardLayout
-from .norm import fused_add_rmsnorm_into, norm_in_place
+from . import checks, envs, validation
+from .norm import norm_after, norm_before
 from .request import Request
+from .stage import COPY, NORM
 from .support import Support
-from .transport import nccl_native, p2p, registry, torch_dist
+from .transport import base, registry, torch_dist
 
 __all__ = ["call", "lookup", "buffer", "GatherPlan", "ScatterPlan", "clear_cache", "cache_size"]
 
 logger = logging.getLogger("nsa_cp")
 
 _ALGOS = ("auto", "padded", "coalesced")
-_BACKENDS = ("auto", "nccl", "p2p")
 _CACHE: dict = {}
 _CACHE_LIMIT = 1024
 _state = {"generation": None}
@@ -46,9 +44,8 @@ def cache_size() -> int:
     return len(_CACHE)
 
 
-# A plan holds its process group: a destroyed group's plans go at the next miss. Emptied at exit, before the
-# interpreter finalizes, a gloo group is destroyed while its threads can still take the GIL; left to
-# finalization, a worker thread that released the last collective's tensor aborted the process (SIGABRT).
+# A plan holds its process group: a destroyed group's plans go at the next miss. Emptied at exit: left to
+# finalization, a gloo worker thread that released the last collective's tensor aborted the process.
 atexit.register(clear_cache)
 
 
@@ -87,7 +84,7 @@ def call(req: Request, t: torch.Tensor, out=None, device_counts=None, positions=
     if validate is None:
         validate = _VALIDATE()
     if validate:
-        plan = _agreed(req, t, out, device_counts, positions, norm_args)
+        plan = validation.agreed_plan(lookup, req, t, out, device_counts, positions, norm_args)
     else:
         if req.row_shape is None:  # not a tensor of 2+ dims (Request.of)
             checks.check_tensor(req.input_name, t, "tokens")
@@ -107,146 +104,71 @@ def buffer(req: Request, like) -> torch.Tensor:
     return lookup(req).buffer()
 
 
-def _agreed(req, t, out, device_counts, positions, norm_args):
-    """The plan after every rank's checks agreed: one small all-reduce whatever this rank's own checks
-    said, so a rank with bad input or another layout makes every rank raise instead of leaving the others
-    in a collective (nsa_cp/validation.py). Positions are then also checked to be a permutation."""
-    rank, size = torch_dist.group_rank_and_size(req.group)
-    try:
-        if req.row_shape is None:  # not a tensor of 2+ dims (Request.of)
-            checks.check_tensor(req.input_name, t, "tokens")
-        plan, error = lookup(req), None
-        plan.check(t, out, device_counts, positions, norm_args)
-        if positions is not None:
-            checks.check_permutation(positions, req.layout.total_len)
-    except ValueError as err:
-        plan, error = None, err
-    layout = req.layout if isinstance(req.layout, ShardLayout) else None
-    validation.agree(req.op, layout, req.group, rank, size, req.device or _comm_device(req.group), error,
-                     plan.signature if plan is not None else "")
-    return plan
-
-
-def _comm_device(group) -> torch.device:
-    """Where the agreement's all-reduce runs when the call's tensor is not one: the group's device."""
-    nccl = dist.get_backend(torch_dist.resolve_group(group)) == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-
-# --------------------------------------------------------------------------- choices (when a plan is built)
-def _transport(req: Request, norm: bool) -> Tuple[object, bool]:
-    """``(transport, fused)``: the P2P transport this plan uses (None for NCCL/gloo; the same answer on
-    every rank), and whether it runs the plan's fused stage (norm, FP8) in its own kernel.
-
-    A norm it cannot fuse (rows of an odd byte size) runs as a kernel of its own before the P2P move
-    (``fused`` False); a quantization it cannot serve, or rows it cannot move at all, take NCCL under
-    backend "auto" and raise, saying why, under "p2p"."""
+# --------------------------------------------------------------------------- the transport (when a plan is built)
+def _route(req: Request, pg, stage, gather: bool):
+    """``(transport, route)``: the first registered transport whose verdict on ``(req, stage)`` is yes.
+    ``backend`` (or NSA_CP_BACKEND under "auto") insists on one: its no is the ValueError. Under "auto" the
+    even layout keeps torch's collective (the contract). A norm a transport cannot fuse (P2P rows of an
+    odd byte size) runs as a kernel of its own before its plain move (``Route.norm`` False)."""
     backend = envs.NSA_CP_BACKEND if req.backend == "auto" else req.backend
-    if backend == "nccl" or (backend == "auto" and (req.device.type != "cuda" or not p2p.any_registered())):
-        return None, False
-    transport = p2p.get_p2p(req.group)
-    row_shape, fused = tuple(req.row_shape), norm or req.quant is not None
-    if transport is None:
-        verdict = Support.no("'p2p' needs nsa_cp.init_p2p(group, max_tokens_per_rank, hidden_size, dtype) first")
-    else:
-        verdict = transport.support(req.layout, row_shape, req.dtype, req.device, quant=req.quant, norm=norm)
-        if not verdict and norm and req.quant is None:
-            plain = transport.support(req.layout, row_shape, req.dtype, req.device)
-            if plain:
-                verdict, fused = plain, False
-    if backend == "p2p":
-        if not verdict:
-            raise ValueError(f"backend: 'p2p' cannot serve this call ({req.input_name}): {verdict.reason}")
-        return transport, fused
-    # auto: the even layout keeps the plain NCCL collective (the contract); P2P where it serves
-    if req.layout.is_even or not verdict:
-        return None, False
-    return transport, fused
-
-
-def _collectives(pg, device: torch.device, algo: str) -> torch_dist.Collectives:
-    """The plan's collectives: with the group's native NCCL communicator (``init_nccl``) for an uneven
-    movement on its device; the even movement always keeps torch's collective."""
-    native = nccl_native.get_nccl(pg) if device.type == "cuda" and algo != "even" else None
-    if native is not None and (native.device != device or native.closed):
-        native = None
-    return torch_dist.Collectives(pg, native)
-
-
-def _algo(req: Request, min_bytes: int) -> str:
-    """The NCCL/gloo movement: even, padded, padded+compact or coalesced (nsa_cp/dist_path.py)."""
-    layout = req.layout
-    if layout.is_even and not req.has_device_counts:
-        return "even"
-    if not (req.compact or req.ordered):
-        return "padded"
-    algo = envs.NSA_CP_COMPACT_ALGO if req.algo == "auto" else req.algo
-    if req.device.type != "cuda":
-        return "padded+compact"  # gloo has no uneven-list collectives
-    if algo == "auto":
-        slot_bytes = layout.max_rank_len * math.prod(req.row_shape) * req.dtype.itemsize
-        algo = "coalesced" if slot_bytes >= min_bytes else "padded"
-    return "coalesced" if algo == "coalesced" else "padded+compact"
+    providers = base.providers()
+    if not req.layout.total_len:  # nothing moves: the last transport returns the empty results
+        providers, backend = providers[-1:], "auto"
+    elif backend == "auto" and req.layout.is_even:
+        providers = providers[-1:]
+    for provider in providers:
+        if backend != "auto" and provider.name != backend:
+            continue
+        transport = provider.open(req, pg)
+        verdict = transport.support(req, stage) if not isinstance(transport, Support) else transport
+        serve = stage
+        if not verdict and stage.norm and stage.fmt is None and not isinstance(transport, Support):
+            serve = stage.unnormed
+            verdict = transport.support(req, serve)
+        if verdict:
+            return transport, (transport.gather(req, serve) if gather else transport.scatter(req, serve))
+        if backend != "auto":
+            raise ValueError(f"backend: {backend!r} cannot serve this call ({req.input_name}): {verdict.reason}")
+        logger.debug("nsa_cp plan: transport %r declined %s: %s", provider.name, req.op, verdict.reason)
+    raise ValueError(f"backend: {backend!r} is not a registered transport ({', '.join(base.names())})")
 
 
 # --------------------------------------------------------------------------- plans
 class _Plan:
-    """What gathers and reduce-scatters share: the plan checks of the request and the backend choice."""
+    """What gathers and reduce-scatters share: the plan checks of the request and the route's words."""
 
-    __slots__ = ("request", "rank", "rows", "layout", "device", "signature", "backend", "algo", "transport", "fused",
-                 "_runner")
+    __slots__ = ("request", "rank", "rows", "layout", "device", "signature", "backend", "algo", "_runner")
 
-    def __init__(self, req: Request, pg, dtypes, norm: bool):
-        layout = req.layout
-        checks.check_layout(layout, pg.size())
-        checks.check_choice("algo", req.algo, _ALGOS)
-        checks.check_choice("backend", req.backend, _BACKENDS)
-        checks.check_dtype(req.input_name, req, dtypes)
-        if req.has_device_counts and (req.compact or req.ordered):
-            raise ValueError("device_counts: supported for the padded layout only (compact and ordered shapes depend "
-                             f"on the counts), got compact={req.compact}, "
-                             f"positions={'given' if req.ordered else None}")
-        self.request, self.rank, self.layout, self.device = req, pg.rank(), layout, req.device
-        self.transport, self.fused = _transport(req, norm)
-        if self.transport is not None and not layout.total_len:
-            self.transport = None  # nothing moves: the NCCL/gloo runner returns empty results
-        if self.transport is not None:
-            self.backend, self.algo = "p2p", "ordered" if req.ordered else ("compact" if req.compact else "padded")
+    def __init__(self, req: Request, pg, dtypes):
+        checks.check_plan(req, pg.size(), dtypes, _ALGOS, base.names())
+        self.request, self.rank, self.layout, self.device = req, pg.rank(), req.layout, req.device
 
-    def _dist(self, pg, min_bytes: int) -> torch_dist.Collectives:
-        self.algo = _algo(self.request, min_bytes)
-        coll = _collectives(pg, self.device, self.algo)
-        self.backend = "nccl+native" if coll.native is not None else ("nccl" if self.device.type == "cuda" else "gloo")
-        return coll
-
-    def _sign(self) -> None:
+    def _take(self, route) -> None:
+        self.backend, self.algo = route.backend, route.algo
         self.signature = f"{self.request.describe()}|backend={self.backend}|algo={self.algo}"
         logger.debug("nsa_cp plan: %s on %r", self.signature, self.layout)
 
 
 class GatherPlan(_Plan):
-    """A resolved gather (``request.mode``: copy, quant, norm, norm_quant): ``check`` then ``run``.
-    Results: one tensor, or ``(q, scale)`` for the quant modes."""
+    """A resolved gather (its ``request.stage``: copy, norm, a wire format's quantization, or both):
+    ``check`` then ``run``. Results: one tensor, or ``(q, scale)`` for a wire format."""
 
     __slots__ = ("out_shapes", "out_dtypes")
 
     def __init__(self, req: Request, pg):
         checks.check_choice("quant", req.quant, checks.QUANTS)
-        mode = req.mode
-        super().__init__(req, pg, checks.GATHER_DTYPES if mode == "copy" else checks.NORM_DTYPES, mode.startswith("norm"))
-        if mode != "copy":
+        stage = req.stage
+        super().__init__(req, pg, checks.GATHER_DTYPES if stage == COPY else checks.NORM_DTYPES)
+        if stage != COPY:
             checks.check_row_stage(req)
-        source = dist_path.Source(mode, tuple(req.row_shape), req.dtype)
+        streams = stage.streams(tuple(req.row_shape), req.dtype)
         rows = req.result_rows
         self.rows = self.layout.count(self.rank)
-        self.out_shapes = tuple((rows, *shape) for shape, _, _ in source.streams)
-        self.out_dtypes = tuple(dtype for _, dtype, _ in source.streams)
-        if self.transport is not None:
-            self._runner = _p2p_gather(self.transport, mode if self.fused or mode == "copy" else "copy_after_norm", req)
-        else:
-            coll = self._dist(pg, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
-            self._runner = dist_path.gather_runner(coll, req, self.rank, source, self.algo)
-        self._sign()
+        self.out_shapes = tuple((rows, *shape) for shape, _, _ in streams)
+        self.out_dtypes = tuple(dtype for _, dtype, _ in streams)
+        _, route = _route(req, pg, stage, gather=True)
+        self._runner = route.run if route.norm or not stage.norm else norm_before(route.run)
+        self._take(route)
 
     def check(self, x: torch.Tensor, out, device_counts, positions, norm_args) -> None:
         """The call checks (what differs from call to call with this plan); ValueError before any write."""
@@ -268,97 +190,25 @@ class GatherPlan(_Plan):
         return results[0] if len(results) == 1 else (results[0], results[1])
 
 
-def _p2p_gather(transport, mode: str, req: Request):
-    """The P2P runner as ``run(x, outs, device_counts, positions, norm_args) -> results`` (a tuple)."""
-    layout, compact, row_shape, quant, ordered = req.layout, req.compact, tuple(req.row_shape), req.quant, req.ordered
-    if mode in ("copy", "quant"):
-        runner = transport.gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
-        if quant is None:
-            def move(x, outs, dc, pos, norm_args):
-                return (runner(x, dc, pos),)
-        else:
-            def move(x, outs, dc, pos, norm_args):
-                return runner(x, dc, pos)
-    elif mode == "copy_after_norm":  # the transport cannot fuse this row size: the norm kernel, then the move
-        runner = transport.gather_runner(layout, compact, row_shape, ordered=ordered)
-
-        def move(x, outs, dc, pos, norm_args):
-            y, _ = fused_add_rmsnorm_into(x, *norm_args, out=torch.empty_like(x))
-            return (runner(y, dc, pos),)
-    else:
-        runner = transport.norm_gather_runner(layout, compact, row_shape, quant=quant, ordered=ordered)
-
-        def move(x, outs, dc, pos, norm_args):
-            residual, weight, eps = norm_args
-            # the fused kernel moves 16-byte words: an unaligned view (rare: a slice) goes through an aligned copy
-            if _unaligned(x):
-                x = x.clone()
-            if residual is None or not _unaligned(residual):
-                result = runner(x, residual, weight, eps, dc, pos)
-            else:
-                result = _staged(runner, x, residual, weight, eps, dc, pos)
-            return (result,) if quant is None else result
-
-    if not req.has_out:
-        return move  # views of the transport's gather buffer
-    if mode == "copy":  # the common out= gather: no frame between this and the transport's runner
-        def copy_out(x, outs, dc, pos, norm_args):
-            outs[0].copy_(runner(x, dc, pos))
-            return outs
-        return copy_out
-
-    def into_out(x, outs, dc, pos, norm_args):
-        for o, r in zip(outs, move(x, outs, dc, pos, norm_args)):
-            o.copy_(r)
-        return outs
-    return into_out
-
-
-def _unaligned(t: torch.Tensor) -> bool:  # the fused P2P kernels move 16-byte words
-    return bool((t.data_ptr() | (t.stride(0) * t.element_size())) & 15) if t.shape[0] else False
-
-
-def _staged(runner, t, residual, *rest):
-    """``runner(t, residual, *rest)`` (a fused P2P runner, residual updated in place: 16-byte words) through
-    an aligned copy of ``residual``; the callers test ``_unaligned(residual)``, so the aligned case has no frame."""
-    staged = residual.clone()
-    result = runner(t, staged, *rest)
-    residual.copy_(staged)
-    return result
-
-
 class ScatterPlan(_Plan):
     """A resolved reduce-scatter (with ``reduce_scatter_fused_add_rmsnorm``: then the add + RMSNorm):
     ``check`` then ``run``; ``buffer`` hands out where to write partials."""
 
-    __slots__ = ("dtype", "row_shape", "out_shape", "compact")
+    __slots__ = ("dtype", "row_shape", "out_shape", "compact", "_buffer")
 
     def __init__(self, req: Request, pg):
-        super().__init__(req, pg, checks.SUM_DTYPES, req.norm and req.residual)
-        if req.norm:  # plan checks of the norm: 2-D rows of a norm dtype
-            if len(req.row_shape) != 1:
-                raise ValueError(f"partials: expected a 2-D tensor [rows, hidden], got shape "
-                                 f"{checks.shape_str((req.result_rows, *req.row_shape))}")
-            checks.check_dtype("partials", req, checks.NORM_DTYPES)
+        super().__init__(req, pg, checks.SUM_DTYPES)
+        if req.norm:
+            checks.check_norm_partials(req)
         self.dtype, self.row_shape, self.compact = req.dtype, tuple(req.row_shape), req.compact or req.ordered
         self.rows = req.result_rows
         self.out_shape = (self.layout.count(self.rank), *self.row_shape)
-        if self.transport is not None:
-            move = self.transport.reduce_scatter_runner(self.layout, req.compact, self.row_shape, ordered=req.ordered)
-            fused = None
-            if req.norm and self.fused:  # one kernel: the pull's rows are normed before they are stored
-                fused = self.transport.reduce_scatter_runner(self.layout, req.compact, self.row_shape,
-                                                             ordered=req.ordered, norm=True)
-        else:
-            coll = self._dist(pg, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
-            move, fused = dist_path.scatter_runner(coll, req, self.rank, self.algo), None
-        if not req.norm:  # ``run`` calls it without norm_args: no frame around the transport's runner
-            self._runner = move
-        elif fused is not None:
-            self._runner = _fused_scatter(fused)
-        else:
-            self._runner = lambda y, out, dc, pos, norm_args: norm_in_place(move(y, None, dc, pos), *norm_args)
-        self._sign()
+        # the norm fuses into the move only with a residual (a first layer's has none: the norm runs after)
+        transport, route = _route(req, pg, NORM if req.norm and req.residual else COPY, gather=False)
+        # the transport's runner itself (no frame around it), or its move then the norm
+        self._runner = route.run if not req.norm or route.norm else norm_after(route.run)
+        self._buffer = functools.partial(transport.buffer, req)
+        self._take(route)
 
     def check(self, y: torch.Tensor, out, device_counts, positions, norm_args) -> None:
         if y.shape[0] != self.rows:  # the error's wording is built only on the error path
@@ -383,16 +233,4 @@ class ScatterPlan(_Plan):
     def buffer(self) -> torch.Tensor:
         """Where the MoE writes its partials ``[rows, *row]``: the P2P transport's reduce buffer (no copy
         in before the pull), else a fresh tensor (NCCL reads any tensor)."""
-        if self.transport is not None:
-            return self.transport.reduce_buffer(self.layout, self.compact, self.row_shape)
-        return torch.empty((self.rows, *self.row_shape), dtype=self.dtype, device=self.device)
-
-
-def _fused_scatter(fused):
-    """The plan's ``run(y, out, dc, pos, norm_args)`` over a fused P2P reduce-scatter + norm runner."""
-    def run(y, out, dc, pos, norm_args):
-        residual, weight, eps = norm_args
-        if residual is None or not _unaligned(residual):
-            return fused(y, residual, weight, eps, None, dc, pos)
-        return _staged(fused, y, residual, weight, eps, None, dc, pos)
-    return run
+        return self._buffer()

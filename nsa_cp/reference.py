@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from .layout import ShardLayout
-from .wire import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX, FP8_PAD_SCALE  # noqa: F401  re-exported
+from .wire import FP8_AMAX_FLOOR, FP8_E4M3_G128, FP8_GROUP, FP8_MAX, FP8_PAD_SCALE, WireFormat  # noqa: F401  re-exported
 
 __all__ = [
     "pack_into_slot",
@@ -35,6 +35,7 @@ __all__ = [
     "quant_fp8_g128",
     "dequant_fp8_g128",
     "quant_fp8_g128_into_slot",
+    "quant_into_slot",
     "FP8_GROUP",
     "FP8_MAX",
     "FP8_AMAX_FLOOR",
@@ -126,34 +127,30 @@ def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x [rows, H]`` (H a multiple of 128) -> ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``.
 
     Per row and group of 128 columns: ``amax = max(|x|)`` in fp32, clamped to >= 1e-10;
-    ``scale = amax / 448``; ``q = clamp(x / scale, -448, 448)`` rounded to nearest even.
-    Shapes are not checked here (``nsa_cp.quant`` does it).
+    ``scale = amax / 448``; ``q = clamp(x / scale, -448, 448)`` rounded to nearest even (the format's
+    definition: nsa_cp/wire.py). Shapes are not checked here (``nsa_cp.quant`` does it).
     """
-    rows, h = x.shape
-    with torch.no_grad():
-        groups = x.detach().to(torch.float32).reshape(rows, h // FP8_GROUP, FP8_GROUP)
-        amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-        scale = amax / torch.full_like(amax, FP8_MAX)  # a true division on CUDA too (see rmsnorm_fp32)
-        q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(rows, h), scale.reshape(rows, h // FP8_GROUP)
+    return FP8_E4M3_G128.quantize_reference(x)
 
 
 def dequant_fp8_g128(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``q [rows, H]``, ``scale [rows, H/128]`` -> ``q * scale`` in fp32, rounded once to ``dtype``."""
-    rows, h = q.shape
-    groups = q.to(torch.float32).reshape(rows, h // FP8_GROUP, FP8_GROUP)
-    return (groups * scale.to(torch.float32).reshape(rows, h // FP8_GROUP, 1)).reshape(rows, h).to(dtype)
+    return FP8_E4M3_G128.dequantize_reference(q, scale, dtype)
 
 
-def quant_fp8_g128_into_slot(x: torch.Tensor, q_slot: torch.Tensor, scale_slot: torch.Tensor, n: int) -> None:
-    """Quantize rows ``[0, n)`` of x into ``q_slot [M, H]`` / ``scale_slot [M, H/128]``; rows ``[n, M)`` get
-    ``q = 0`` and ``scale = FP8_PAD_SCALE`` (what quantizing a zero row gives)."""
+def quant_into_slot(x: torch.Tensor, q_slot: torch.Tensor, scale_slot: torch.Tensor, n: int,
+                    fmt: WireFormat = FP8_E4M3_G128) -> None:
+    """Quantize rows ``[0, n)`` of x into ``q_slot [M, H]`` / ``scale_slot [M, H/group]`` in the wire format
+    ``fmt``; rows ``[n, M)`` get ``q = 0`` and the format's ``pad_scale`` (what quantizing a zero row gives)."""
     if n:
-        q, scale = quant_fp8_g128(x[:n])
+        q, scale = fmt.quantize_reference(x[:n])
         q_slot[:n].copy_(q)
         scale_slot[:n].copy_(scale)
     q_slot[n:].view(torch.uint8).zero_()  # +0.0 in e4m3fn is the zero byte
-    scale_slot[n:].fill_(FP8_PAD_SCALE)
+    scale_slot[n:].fill_(fmt.pad_scale)
+
+
+quant_fp8_g128_into_slot = quant_into_slot  # the FP8 wire's name (its default format)
 
 
 def fused_add_rmsnorm_quant_into_slot(
@@ -164,11 +161,12 @@ def fused_add_rmsnorm_quant_into_slot(
     q_slot: torch.Tensor,
     scale_slot: torch.Tensor,
     n: int,
+    fmt: WireFormat = FP8_E4M3_G128,
 ) -> None:
-    """``fused_add_rmsnorm_into_slot`` followed by ``quant_fp8_g128`` of y (y rounded to x's dtype first, so the
+    """``fused_add_rmsnorm_into_slot`` followed by the quantization ``fmt`` of y (y rounded to x's dtype first, so the
     result equals quantizing the bf16 rows a norm-then-gather would have sent)."""
     if n:
         y, _ = fused_add_rmsnorm(x[:n], None if residual is None else residual[:n], weight, eps)
-        quant_fp8_g128_into_slot(y, q_slot, scale_slot, n)
+        quant_into_slot(y, q_slot, scale_slot, n, fmt)
     else:
-        quant_fp8_g128_into_slot(x[:0], q_slot, scale_slot, 0)
+        quant_into_slot(x[:0], q_slot, scale_slot, 0, fmt)

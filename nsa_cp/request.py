@@ -14,13 +14,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .stage import OPS, Op, Stage, stage_of
 
-__all__ = ["Request", "GATHER_OPS"]
-
-GATHER_OPS = ("cp_all_gather", "fused_add_rmsnorm_all_gather")  # the others reduce-scatter
-# what each public function calls its tensor, for the error messages
-_INPUT = {"cp_all_gather": "x", "fused_add_rmsnorm_all_gather": "x", "cp_reduce_scatter": "y",
-          "reduce_scatter_fused_add_rmsnorm": "partials", "cp_reduce_scatter_buffer": "like"}
+__all__ = ["Request"]
 
 
 class Request(NamedTuple):
@@ -59,24 +55,27 @@ class Request(NamedTuple):
                                    residual is not None))
 
     @property
+    def kind(self) -> Op:
+        """The public call's ``Op`` (nsa_cp/stage.py)."""
+        return OPS[self.op]
+
+    @property
     def input_name(self) -> str:
-        return _INPUT[self.op]
+        return OPS[self.op].input_name
 
     @property
     def is_gather(self) -> bool:
-        return self.op in GATHER_OPS
+        return OPS[self.op].is_gather
 
     @property
     def norm(self) -> bool:
         """The fused add + RMSNorm is part of the call."""
-        return self.op in ("fused_add_rmsnorm_all_gather", "reduce_scatter_fused_add_rmsnorm")
+        return OPS[self.op].norm
 
     @property
-    def mode(self) -> str:
-        """A gather's source stage: copy, quant (FP8), norm, norm_quant."""
-        if self.op == "fused_add_rmsnorm_all_gather":
-            return "norm" if self.quant is None else "norm_quant"
-        return "copy" if self.quant is None else "quant"
+    def stage(self) -> Stage:
+        """A gather's source stage (copy, norm, a wire format's quantization, or norm and quantization)."""
+        return stage_of(OPS[self.op].norm, self.quant)
 
     @property
     def result_rows(self) -> int:

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LayoutMismatchError", "layout_fingerprint", "agree"]
+__all__ = ["LayoutMismatchError", "layout_fingerprint", "agree", "agreed_plan"]
 
 
 class LayoutMismatchError(ValueError):
@@ -81,3 +81,33 @@ def agree(
             f"{fingerprint:#x}). Every rank of the group must pass the same ShardLayout, dtype, row shape, "
             f"compact flag, algo and backend"
         )
+
+
+def agreed_plan(lookup, req, t, out, device_counts, positions, norm_args):
+    """``lookup(req)``'s plan (nsa_cp/plan.py) after every rank's checks agreed: one small all-reduce whatever
+    this rank's own checks said, so a rank with bad input or another layout makes every rank raise instead
+    of leaving the others in a collective. Positions are then also checked to be a permutation."""
+    from . import checks  # here: the transports import this module (LayoutMismatchError)
+    from .layout import ShardLayout
+    from .transport import torch_dist
+
+    rank, size = torch_dist.group_rank_and_size(req.group)
+    try:
+        if req.row_shape is None:  # not a tensor of 2+ dims (Request.of)
+            checks.check_tensor(req.input_name, t, "tokens")
+        plan, error = lookup(req), None
+        plan.check(t, out, device_counts, positions, norm_args)
+        if positions is not None:
+            checks.check_permutation(positions, req.layout.total_len)
+    except ValueError as err:
+        plan, error = None, err
+    layout = req.layout if isinstance(req.layout, ShardLayout) else None
+    device = req.device or _comm_device(req.group)
+    agree(req.op, layout, req.group, rank, size, device, error, plan.signature if plan is not None else "")
+    return plan
+
+
+def _comm_device(group) -> torch.device:
+    """Where the agreement's all-reduce runs when the call's tensor is not one: the group's device."""
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")

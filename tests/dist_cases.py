@@ -160,7 +160,7 @@ def _run_even_direct(case, rank, world, group, device, nsa_cp) -> Optional[str]:
     """An even layout makes exactly one equal-shard collective on the caller's tensor, no kernel, and the
     result is bitwise torch.distributed's own collective's."""
     import torch.distributed as dist
-    from nsa_cp import dist_path as algorithms
+    from nsa_cp.transport import dist_path as algorithms
     from nsa_cp.transport.torch_dist import Collectives
 
     dtype = DTYPES[case["dtype"]]

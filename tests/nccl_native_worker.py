@@ -114,7 +114,7 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
     def padded_scatter_by_rows():
         # with a native communicator the padded reduce-scatter sums each rank's real rows straight into
         # the result (grouped reduces at offsets q * M): against the fp64 sum, NaN-poisoned output
-        from nsa_cp import dist_path as algorithms
+        from nsa_cp.transport import dist_path as algorithms
         from nsa_cp.request import Request
 
         for counts in ([3, 0, 5, 1, 2, 7, 0, 4][:world], [0] * world, [2] * world, [4] + [0] * (world - 1)):

@@ -241,6 +241,7 @@ def _recording_transport(world=2, rank=1, hidden=256, max_tokens=8, double=8, re
     t.double_buffer_tokens, t.timeout_ns, t._elem, t._row_bytes = double, 10**9, 2, hidden * 2
     t._gathers = tuple(torch.zeros(world * max_tokens, hidden, dtype=torch.bfloat16) for _ in range(2))
     t._stream, t._reduce_views = (lambda index: 77), {}
+    t._codes = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # nsa_cp._C's DTYPE_* codes
     t._buffers = types.SimpleNamespace(reduce=torch.zeros(world * max_tokens, hidden, dtype=torch.bfloat16),
                                         close=lambda: None)
     t.support = lambda *args, **kw: Support.yes()

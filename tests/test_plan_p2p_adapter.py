@@ -1,5 +1,6 @@
-"""The plan's adapters around a P2P transport's runners (nsa_cp/plan.py), on CPU with a recording
-stand-in for the transport: which runner each plan builds, what it hands it, ``out=`` copied from the
+"""The P2P transport's routes (nsa_cp/transport/p2p/routes.py) as the planner takes them, on CPU with a
+recording stand-in for the P2PTransport (its routes registered through the transport seam in place of
+the real provider): which runner each plan builds, what it hands it, ``out=`` copied from the
 transport's buffer, an unaligned residual staged through an aligned copy and written back, and the
 reduce-scatter's runner called without a frame of its own. The transport itself runs on GPUs
 (tests/test_p2p_gpu.py); this pins the layer between it and the public functions."""
@@ -11,6 +12,8 @@ import nsa_cp
 from nsa_cp import plan
 from nsa_cp.request import Request
 from nsa_cp.support import Support
+from nsa_cp.transport import base
+from nsa_cp.transport.p2p.routes import P2PProvider, P2PRoutes
 
 H = 256
 
@@ -76,8 +79,16 @@ def _req(op, quant=None, has_out=False, residual=False):
 @pytest.fixture
 def fake(monkeypatch):
     transport = FakeTransport()
-    monkeypatch.setattr(plan, "_transport", lambda req, norm: (transport, True))
-    return transport
+
+    class FakeProvider:
+        name = "p2p"
+
+        def open(self, req, group):
+            return P2PRoutes(transport)
+
+    base.register(FakeProvider())
+    yield transport
+    base.register(P2PProvider())
 
 
 def test_plain_gather_hands_the_transport_view_back(fake):

@@ -40,7 +40,8 @@ import triton.language as tl
 from .. import reference
 from ..wire import FP8_G128, FP8_GROUP
 
-__all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_fp8_g128_into", "quant_fp8_g128", "QUANT_MODES"]
+__all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_into", "quant_fp8_g128_into", "quant_fp8_g128",
+           "QUANT_MODES"]
 
 QUANT_MODES = (FP8_G128,)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -296,14 +297,18 @@ def fused_add_rmsnorm_into(
     _write_slot(_input_rows(x), residual, weight, eps, dst, dst_scale, count, quant, norm=True)
 
 
-def quant_fp8_g128_into(x: torch.Tensor, dst: torch.Tensor, dst_scale: torch.Tensor, count: torch.Tensor) -> None:
+def quant_into(x: torch.Tensor, dst: torch.Tensor, dst_scale: torch.Tensor, count: torch.Tensor,
+               quant: str = FP8_G128) -> None:
     """Quantize the first n rows of ``x [rows, H]`` into ``dst [M, H]`` (float8_e4m3fn) and
     ``dst_scale [M, H/128]`` (fp32); rows ``[n, M)``: q = 0, scale = 1e-10/448. n read from ``count``
     (int32 device scalar) as for ``fused_add_rmsnorm_into``; for ``cp_all_gather(x, quant=...)``."""
     h = _check_x(x)
-    _check_quant(FP8_G128, h, x)
+    _check_quant(quant, h, x)
     _check_count(count, x.device)
-    _write_slot(_input_rows(x), None, None, 0.0, dst, dst_scale, count, FP8_G128, norm=False)
+    _write_slot(_input_rows(x), None, None, 0.0, dst, dst_scale, count, quant, norm=False)
+
+
+quant_fp8_g128_into = quant_into  # the FP8 wire's name
 
 
 def _write_slot(x, residual, weight, eps, dst, dst_scale, count, quant, norm: bool) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["GroupRegistry", "latest_generation"]
+__all__ = ["GroupRegistry", "latest_generation", "advance"]
 
 _counter = itertools.count(1)
 _latest = 0
@@ -24,7 +24,8 @@ def latest_generation() -> int:
     return _latest
 
 
-def _advance() -> None:
+def advance() -> None:
+    """A new generation: every cached plan is dropped at the next call (a transport came or went)."""
     global _latest
     _latest = next(_counter)
 
@@ -41,14 +42,14 @@ class GroupRegistry:
         """Register ``obj`` for ``group``; returns the object it replaces (the caller releases it), or None."""
         old = self._items.pop(self._key(group), None)
         self._items[self._key(group)] = obj
-        _advance()
+        advance()
         return old
 
     def pop(self, group) -> Optional[Any]:
         """Unregister and return the object of ``group`` (None when there is none; the generation changes
         either way)."""
         obj = self._items.pop(self._key(group), None)
-        _advance()
+        advance()
         return obj
 
     def get(self, group) -> Optional[Any]:

@@ -178,20 +178,15 @@ HOOKS = {HOOK_TARGET: _cp_moves_hook, BIND_STAGE_TARGET: _bind_stage_hook, INITI
 
 
 def _binds_nsa_cp(fn: Any) -> bool:
-    """Whether a ``_cp_moves`` binding is nsa_cp's: install()'s function, or SGLang's hook wrapper
-    around :func:`_cp_moves_hook` (followed through ``__wrapped__``)."""
-    seen = 0
-    while fn is not None and seen < 16:
-        if getattr(fn, "_nsa_cp_adapter", None) is not None:
-            return True
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                if cell.cell_contents is _cp_moves_hook:
-                    return True
-            except ValueError:  # an empty cell
-                pass
-        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
-    return False
+    """Whether a ``_cp_moves`` binding is nsa_cp's, by its markers: install()'s function carries
+    ``_nsa_cp_adapter``; SGLang's hook wrapper carries ``__wrapped__`` (functools' marker of a wrapper: the
+    original is SGLang's bare function) and is nsa_cp's once the plugin handed its hook for this target to
+    SGLang's registry (SGLang chains every hook of a target into that one wrapper)."""
+    if fn is None:
+        return False
+    if getattr(fn, "_nsa_cp_adapter", None) is not None:
+        return True
+    return state.STATE.handed and getattr(fn, "__wrapped__", None) is not None
 
 
 def _target_problem() -> Optional[str]:

@@ -23,9 +23,14 @@ from .memory import memory_kind, share_function, survey
 
 logger = logging.getLogger("nsa_cp")
 
-__all__ = ["P2PBuffers", "DTYPE_CODES"]
+__all__ = ["P2PBuffers", "dtype_codes"]
 
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # csrc: kBF16, kFP16, kFP32
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def dtype_codes(C) -> dict:
+    """torch dtype -> the native module's code of it (csrc/codes.h, exported as ``_C.DTYPE_*``)."""
+    return {torch.bfloat16: C.DTYPE_BF16, torch.float16: C.DTYPE_FP16, torch.float32: C.DTYPE_FP32}
 
 
 class P2PBuffers:
@@ -47,8 +52,8 @@ class P2PBuffers:
             raise ValueError(f"max_tokens_per_rank: expected an int >= 1, got {max_tokens_per_rank}")
         if hidden_size < 1:
             raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size}")
-        if dtype not in DTYPE_CODES:
-            raise ValueError(f"dtype: expected one of {list(DTYPE_CODES)}, got {dtype}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected one of {list(_DTYPES)}, got {dtype}")
         self.max_tokens_per_rank, self.hidden_size, self.dtype = int(max_tokens_per_rank), int(hidden_size), dtype
         self.double_buffer_tokens = workspace.double_buffer_rows(self.max_tokens_per_rank, double_buffer_tokens)
         config = {"max_tokens_per_rank": self.max_tokens_per_rank, "hidden_size": self.hidden_size,
@@ -117,7 +122,7 @@ class P2PBuffers:
             device=self.device.index, rank=self.rank, world=self.world, gather_ptrs=b["gather_ptrs"].data_ptr(),
             reduce_ptrs=b["reduce_ptrs"].data_ptr(), pads=b["pad_ptrs"].data_ptr(), seq=b["seq"].data_ptr(),
             arrive=b["arrive"].data_ptr(), gather_state=b["gather_state"].data_ptr(), err_host=self._err_host,
-            err_dev=self._err_dev, timeout_ns=self.timeout_ns, hidden=self.hidden_size, dtype=DTYPE_CODES[self.dtype],
+            err_dev=self._err_dev, timeout_ns=self.timeout_ns, hidden=self.hidden_size, dtype=dtype_codes(self.C)[self.dtype],
             sm_count=torch.cuda.get_device_properties(self.device).multi_processor_count,
             max_rows_per_rank=self.max_tokens_per_rank, double_buffer_rows=self.double_buffer_tokens,
             check_layout=bool(check_layout),

@@ -7,10 +7,8 @@ ONE call into the native ``P2PState`` (which picks the double buffer) and return
 the runner. Per-call tensors (``device_counts`` for CUDA graphs, ``positions``) are arguments, never
 baked in. A launch refused because the error record is set raises P2PError / P2PTimeoutError /
 LayoutMismatchError (``errors``), and the transport stays unusable. Results are ordered on the calling
-stream (docs/streams_and_graphs.md).
-
-Design record (buffers, engines, norm stage, FP8 byte layout, ordered rows, reuse safety, faults, rank
-agreement): docs/design.md, "The P2P transport".
+stream (docs/streams_and_graphs.md). The planner reaches it through ``routes.py``; the copy engine's
+gather is ``copy_engine.py``. Design record: docs/design.md, "The P2P transport".
 """
 
 from __future__ import annotations
@@ -21,17 +19,17 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ... import _native, envs
+from ... import _native
 from ...layout import ShardLayout
 from ...support import Support
-from ...wire import FP8_G128, FP8_GROUP
-from .buffers import DTYPE_CODES, P2PBuffers
+from ...wire import FORMATS, FP8_G128
+from . import copy_engine
+from .buffers import P2PBuffers, dtype_codes
 from .errors import error_from_record
 
 __all__ = ["P2PTransport", "QUANT_FP8"]
 
-QUANT_FP8 = FP8_G128  # the one quantized wire format (nsa_cp/wire.py)
-_ENGINES = ("auto", "sm", "ce")
+QUANT_FP8 = FP8_G128  # the FP8 wire format's name (nsa_cp/wire.py)
 _NORM_MAX_WORDS = 4 * 512  # 16-byte words of one row the norm stage holds (csrc: 4 per thread, 512 threads)
 _VIEW_CACHE_LIMIT = 256
 
@@ -47,14 +45,12 @@ class P2PTransport:
         dtype: bf16, fp16 or fp32.
         device: this rank's CUDA device (default: the current one).
         timeout_ms: per-wait timeout (default NSA_CP_P2P_TIMEOUT_MS; 0 waits forever).
-        workspace_bytes: optional budget; the transport always allocates exactly
-            ``nsa_cp.transport.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype,
-            double_buffer_tokens)`` and logs a warning (with both numbers and the value to set) when the
-            budget is smaller.
-        double_buffer_tokens: tokens per rank of the second gather buffer (capped at
-            ``max_tokens_per_rank``; 0: none; default NSA_CP_P2P_DOUBLE_BUFFER_TOKENS, 1024). Costs
-            ``cp_size * tokens * hidden * element size`` bytes; gathers up to that size skip the entry
-            barrier (docs/design.md, "Double buffering"). The same on every rank.
+        workspace_bytes: optional budget; the transport allocates exactly ``nsa_cp.transport.workspace_bytes(
+            cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens)`` and logs a warning
+            (both numbers, the value to set) when the budget is smaller.
+        double_buffer_tokens: tokens per rank of the second gather buffer (<= ``max_tokens_per_rank``; 0:
+            none; default NSA_CP_P2P_DOUBLE_BUFFER_TOKENS, 1024), ``cp_size * tokens * hidden * element
+            size`` bytes: gathers up to that size skip the entry barrier (docs/design.md, "Double buffering").
         check_layout: carry and compare the call fingerprint on every launch (docs/design.md, "Rank
             agreement"); False only to measure what it costs.
     """
@@ -78,6 +74,7 @@ class P2PTransport:
         self._row_bytes = self.hidden_size * self._elem
         self._stream = _native.stream_getter()
         self._reduce_views = {}
+        self._codes = dtype_codes(self._C)
 
     # ------------------------------------------------------------------ support
     def support(self, layout: ShardLayout, row_shape: Sequence[int], dtype: torch.dtype, device, *,
@@ -105,10 +102,13 @@ class P2PTransport:
         if device.type != "cuda" or (device.index if device.index is not None else torch.cuda.current_device()) != self.device.index:
             return Support.no(f"device {device} is not the P2P transport's {self.device}")
         if quant is not None:
-            if quant != QUANT_FP8:
-                return Support.no(f"quant {quant!r}: the P2P transport knows None and {QUANT_FP8!r}")
-            if self.hidden_size % FP8_GROUP:
-                return Support.no(f"{QUANT_FP8} needs hidden_size to be a multiple of {FP8_GROUP}, got {self.hidden_size}")
+            fmt = FORMATS.get(quant)
+            if fmt is None or not hasattr(self._C, fmt.native_code):
+                known = [f.name for f in FORMATS.values() if hasattr(self._C, f.native_code)]
+                return Support.no(f"quant {quant!r}: the P2P transport knows None and {known}")
+            verdict = fmt.support(self.hidden_size)
+            if not verdict:
+                return Support.no(f"{verdict.reason}, got hidden_size {self.hidden_size}")
         if norm or quant is not None:
             if self._row_bytes % 16:
                 return Support.no(f"the fused norm/quant stage needs rows of a multiple of 16 bytes, got {self._row_bytes}")
@@ -143,31 +143,19 @@ class P2PTransport:
         head = buffer[:rows]
         return head if row_shape == (self.hidden_size,) else head.view(rows, *row_shape)
 
-    def _fp8_views(self, buffer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(q [rows, H] float8_e4m3fn, scale [rows, H/128] float32)`` over gather buffer ``buffer``
-        (docs/design.md, "FP8 layout")."""
+    def _quant_views(self, fmt, buffer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(q [rows, H] in the format's dtype, scale [rows, H / group] float32)`` over gather buffer
+        ``buffer`` (docs/design.md, "FP8 layout")."""
         raw = self._gathers[buffer].view(-1).view(torch.uint8)
-        h, groups = self.hidden_size, self.hidden_size // FP8_GROUP
-        q = raw[: rows * h].view(torch.float8_e4m3fn).view(rows, h)
+        h, groups = self.hidden_size, self.hidden_size // fmt.group
+        q = raw[: rows * h].view(fmt.dtype).view(rows, h)
         start = self._state.scale_offset(buffer)
         scale = raw[start: start + rows * groups * 4].view(torch.float32).view(rows, groups)
         return q, scale
 
     def choose_engine(self, engine: str, layout: ShardLayout, *, kernel_only: bool = False) -> str:
-        """'sm' or 'ce' for an engine request ("auto": NSA_CP_P2P_ENGINE, then by slot size).
-        ``kernel_only``: the call needs the kernel (fp8, ordered): 'auto' means 'sm', 'ce' is refused."""
-        if engine not in _ENGINES:
-            raise ValueError(f"engine: expected one of {_ENGINES}, got {engine!r}")
-        if kernel_only:
-            if engine == "ce":
-                raise ValueError("engine: 'ce' (the copy engine) cannot quantize or reorder rows; use 'sm' or 'auto'")
-            return "sm"
-        if engine == "auto":
-            engine = envs.NSA_CP_P2P_ENGINE
-        if engine == "auto":
-            slot_bytes = layout.max_rank_len * self._row_bytes
-            engine = "ce" if slot_bytes >= envs.NSA_CP_P2P_CE_MIN_BYTES else "sm"
-        return engine
+        """'sm' or 'ce' for an engine request (nsa_cp/transport/p2p/copy_engine.py, ``choose``)."""
+        return copy_engine.choose(engine, layout.max_rank_len * self._row_bytes, kernel_only=kernel_only)
 
     # ------------------------------------------------------------------ runners
     def gather_runner(self, layout: ShardLayout, compact: bool, row_shape: Sequence[int], *, engine: str = "auto",
@@ -186,7 +174,7 @@ class P2PTransport:
         row_shape = tuple(int(d) for d in row_shape)
         self.support(layout, row_shape, self.dtype, self.device, quant=quant).require("x")
         if self.choose_engine(engine, layout, kernel_only=quant is not None or ordered) == "ce":
-            return self._copy_engine_runner(layout, compact, row_shape)
+            return copy_engine.runner(self, layout, compact, row_shape)
         return self._gather_runner(layout, compact, row_shape, norm=False, quant=quant, ordered=ordered)
 
     def norm_gather_runner(self, layout: ShardLayout, compact: bool, row_shape: Sequence[int], *,
@@ -205,20 +193,14 @@ class P2PTransport:
 
     def reduce_scatter_runner(self, layout: ShardLayout, compact: bool, row_shape: Sequence[int], *,
                               ordered: bool = False, norm: bool = False):
-        """A callable ``run(y, out=None, device_counts=None, positions=None) -> [n_r, *row_shape]``; with
-        ``norm=True``, ``run(y, residual, weight, eps, out=None, device_counts=None, positions=None) ->
-        (out, residual)``: the reduce-scatter fused with the next add + RMSNorm (the sum over ranks rounded
-        to the dtype, as the plain call returns it, then ``s = that + residual`` in fp32, ``residual <- s``
-        rounded in place, ``out = s * rsqrt(mean(s^2) + eps) * weight`` rounded once; ``residual`` and
-        ``out`` 16-byte aligned rows, ``weight`` ``[H]`` bf16 / fp16 / fp32).
-
-        ``y``: every rank's partials ``[rows, *row_shape]`` (rows = ``layout.global_len(compact)``;
-        ``ordered``: ``[T, ...]`` in batch order). Copied into the reduce buffer unless it is the view
-        ``reduce_buffer(layout, compact or ordered, row_shape)`` handed out (or the same memory). The
-        sum over ranks (fp32, rank order) of this rank's rows lands in ``out`` (allocated when None;
-        rows dense, any row stride). ``device_counts``, ``positions``: as for ``gather_runner``; with
-        device counts, rows past this replay's count are left untouched.
-        """
+        """``run(y, out=None, device_counts=None, positions=None) -> [n_r, *row_shape]``: the sum over ranks
+        (fp32, rank order, rounded once) of this rank's rows of every rank's partials ``y [rows, *row_shape]``
+        (``layout.global_len(compact)`` rows; ``ordered``: ``[T, ...]`` in batch order), into ``out``
+        (allocated when None; rows dense). ``y`` is copied into the reduce buffer unless it is the view
+        ``reduce_buffer(layout, compact or ordered, row_shape)`` (or its memory). ``norm=True``: ``run(y,
+        residual, weight, eps, out=None, ...) -> (out, residual)``, then ``s = sum + residual`` in fp32,
+        ``residual <- s``, ``out = rmsnorm(s) * weight`` (16-byte aligned rows; docs/design.md, "Norm stage").
+        ``device_counts``, ``positions``: as for ``gather_runner`` (rows past a replay's count untouched)."""
         row_shape = tuple(int(d) for d in row_shape)
         self.support(layout, row_shape, self.dtype, self.device, norm=norm).require("y")
         view = self.reduce_buffer(layout, compact or ordered, row_shape)
@@ -233,7 +215,7 @@ class P2PTransport:
             return torch.empty(out_shape, dtype=dtype, device=device) if out is None else out
 
         if norm:
-            codes = DTYPE_CODES
+            codes = self._codes
 
             def run(y, residual, weight, eps, out=None, device_counts=None, positions=None):
                 out = stage(y, out)
@@ -272,8 +254,9 @@ class P2PTransport:
         rows = layout.total_len if ordered else layout.global_len(compact)
         # the buffers P2PState may pick: 1 only when the layout fits it (a view of it would not hold the rows)
         buffers = (0, 1) if layout.max_rank_len <= self.double_buffer_tokens else (0, 0)
-        if quant is not None:
-            views = tuple(self._fp8_views(b, rows) for b in buffers)
+        fmt = FORMATS[quant] if quant is not None else None
+        if fmt is not None:
+            views = tuple(self._quant_views(fmt, b, rows) for b in buffers)
         else:
             views = tuple(self._rows_view(self._gathers[b], rows, row_shape) for b in buffers)
         elem = self._elem
@@ -284,7 +267,7 @@ class P2PTransport:
                 return views[call((x.data_ptr(), x.stride(0) * elem), device_counts, positions)]
         else:
             call = self._launcher(self._state.norm_gather, layout, compact, ordered, "gather")
-            qcode, codes = (0 if quant is None else self._C.QUANT_FP8_E4M3_G128), DTYPE_CODES
+            qcode, codes = (0 if fmt is None else getattr(self._C, fmt.native_code)), self._codes
             if norm:
                 def run(x, residual, weight, eps, device_counts=None, positions=None):
                     r, rs = (0, 0) if residual is None else (residual.data_ptr(), residual.stride(0) * elem)
@@ -301,10 +284,9 @@ class P2PTransport:
 
     def _launcher(self, launch, layout: ShardLayout, compact: bool, ordered: bool, what: str):
         """``call(head, device_counts, positions)``: ``launch(*head, counts, offsets, max_rank_len, compact,
-        stream, positions, num_positions)`` with every optional pointer resolved here, in one place: the
-        layout's device counts unless ``device_counts`` are given, the positions (required when
-        ``ordered``), the current raw stream; a launch refused by the error record raises its error
-        (``_guard``'s rule, inlined: one Python frame less per call on the hot path)."""
+        stream, positions, num_positions)``, the tail of every launch's arguments in one place (the layout's
+        device counts unless ``device_counts`` are given, the positions, required when ``ordered``, the raw
+        stream); a launch refused by the error record raises its error (``_guard``'s rule, inlined)."""
         counts, offsets = layout.device_tensors(self.device)
         c0, o0 = counts.data_ptr(), offsets.data_ptr()
         m, kernel_compact = layout.max_rank_len, bool(compact or ordered)
@@ -345,35 +327,6 @@ class P2PTransport:
                 device_error()
 
         return guarded
-
-    def _copy_engine_runner(self, layout: ShardLayout, compact: bool, row_shape):
-        """The copy engine's gather into buffer 0: entry barrier, one copy per rank, local zeroing of
-        padding, done barrier (host counts only)."""
-        start, stop = layout.rows(self.rank, compact)
-        n = stop - start
-        result = self._rows_view(self._gathers[0], layout.global_len(compact), row_shape)
-        targets = [peer[start:stop].view(n, *row_shape) for peer in self._buffers.peer_gather] if n else []
-        padding = []
-        if not compact:
-            m, flat = layout.max_rank_len, self._gathers[0].view(-1)
-            for q, count in enumerate(layout.per_rank_actual_token):
-                if count < m:
-                    padding.append(flat[(q * m + count) * self.hidden_size: (q + 1) * m * self.hidden_size])
-        begin, end = self._guard(self._state.copy_engine_begin), self._state.copy_engine_end
-        stream, index = self._stream, self.device.index
-
-        def run(x, device_counts=None, positions=None):
-            if device_counts is not None:
-                raise ValueError("engine: device_counts needs the 'sm' engine (the copy engine reads host counts), got 'ce'")
-            begin(stream(index))
-            for target in targets:
-                target.copy_(x)
-            for rows_ in padding:
-                rows_.zero_()
-            end(stream(index))
-            return result
-
-        return run
 
     # ------------------------------------------------------------------ group-wide
     def barrier(self) -> None:

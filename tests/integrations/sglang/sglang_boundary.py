@@ -260,9 +260,11 @@ def _close(got, want, tol, what):
     assert err <= tol * (1 + want.double().abs().max().item() if want.numel() else 1), f"{what}: max diff {err}"
 
 
-def compare(on, off, ref, dtype, what):
-    """Plugin on against off (one rounding) and both against the reference, on this rank's real rows."""
+def compare(on, off, ref, dtype, what, roundings=1):
+    """Plugin on against off (``roundings`` roundings of the dtype: one where both sum the MoE partials
+    alike) and both against the float64 reference, on this rank's real rows."""
     n = off["n_real"]
     for key, want in zip(("hidden", "residual"), ref):
-        _close(on[key][:n].cpu(), off[key][:n].cpu(), ROUNDING[dtype], f"{what}: {key}, plugin on vs off")
+        _close(on[key][:n].cpu(), off[key][:n].cpu(), roundings * ROUNDING[dtype], f"{what}: {key}, plugin on vs off")
         _close(off[key][:n].cpu(), want, REFERENCE[dtype], f"{what}: {key}, SGLang's own vs reference")
+        _close(on[key][:n].cpu(), want, REFERENCE[dtype], f"{what}: {key}, plugin on vs reference")

@@ -13,8 +13,9 @@ prefill-CP extend on CUDA. No nsa_cp call in between. Checked:
   plain NCCL collective (the contract), but NCCL refuses two ranks on one GPU and gloo has no CUDA
   reduce-scatter;
 * hidden states and residuals of every real row against the plugin-off run (SGLang's own moves restored;
-  on the CPU over the same gloo group, since SGLang's collectives take CPU tensors on gloo) within one
-  rounding of the dtype, and both against a float64 per-row reference;
+  on the CPU over the same gloo group, since SGLang's collectives take CPU tensors on gloo) within
+  ``world`` roundings of the dtype (gloo sums the bf16 partials with a rounding per add, the P2P
+  reduce-scatter in fp32 with one), and both against a float64 per-row reference;
 * compact: the MoE gets only real rows, a full-row attention stage always SGLang's padded rows.
 
 Skips cleanly without CUDA, nsa_cp._C or SGLang (SGLang is carried to the GPU machine as wheels: see
@@ -83,7 +84,10 @@ def _case(rank, world, strategy, seq_lens, compact, full_row, device):
             p.stop()
     assert "nsa_cp" in on["cp_gather"] and off["cp_gather"].endswith("_then_attn_cp_gather"), (on, off)
     kw.pop("device")
-    sglang_boundary.compare(on, off, sglang_boundary.reference_rows(rank, world, **kw), DTYPE, "stack on the GPU")
+    # the plugin-off run sums the MoE partials over gloo in bf16 (world - 1 roundings, measured: 2 bf16 ulps
+    # at 4 ranks, 2026-12-02), the P2P reduce-scatter in fp32 rounded once: world roundings apart at most
+    sglang_boundary.compare(on, off, sglang_boundary.reference_rows(rank, world, **kw), DTYPE, "stack on the GPU",
+                            roundings=world)
     physical, total = off["physical"], sum(off["logical"])
     assert on["moe_rows"] == [total if compact else physical * world] * 2, on["moe_rows"]
     assert on["full_row_rows"] == ([physical * world] if full_row else []), on["full_row_rows"]

@@ -1,0 +1,79 @@
+"""The torch.distributed transport: NCCL on GPUs (with the group's native NCCL communicator where
+``init_nccl`` made one), gloo on CPU. It serves every call, so the planner asks it last.
+
+Its movements (even, padded, padded+compact, coalesced, ordered) are nsa_cp/transport/dist_path.py's;
+this module picks one per request (``algo``) and binds it to the group's ``Collectives``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import envs
+from ..support import Support
+from . import dist_path, nccl_native, torch_dist
+from .base import Route
+
+__all__ = ["DistTransport", "DistProvider"]
+
+
+def _algo(req, min_bytes: int) -> str:
+    """The movement: even, padded, padded+compact or coalesced (nsa_cp/transport/dist_path.py)."""
+    layout = req.layout
+    if layout.is_even and not req.has_device_counts:
+        return "even"
+    if not (req.compact or req.ordered):
+        return "padded"
+    algo = envs.NSA_CP_COMPACT_ALGO if req.algo == "auto" else req.algo
+    if req.device.type != "cuda":
+        return "padded+compact"  # gloo has no uneven-list collectives
+    if algo == "auto":
+        slot_bytes = layout.max_rank_len * math.prod(req.row_shape) * req.dtype.itemsize
+        algo = "coalesced" if slot_bytes >= min_bytes else "padded"
+    return "coalesced" if algo == "coalesced" else "padded+compact"
+
+
+class DistTransport:
+    """The torch.distributed transport of one process group (nsa_cp/transport/base.py's protocol)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def support(self, req, stage) -> Support:
+        return Support.yes()
+
+    def _collectives(self, req, algo: str):
+        """``(Collectives, backend word)``: with the group's native NCCL communicator for an uneven movement
+        on its device; the even movement always keeps torch's collective (the contract)."""
+        native = nccl_native.get_nccl(self.group) if req.device.type == "cuda" and algo != "even" else None
+        if native is not None and (native.device != req.device or native.closed):
+            native = None
+        coll = torch_dist.Collectives(self.group, native)
+        backend = "nccl+native" if coll.native is not None else ("nccl" if req.device.type == "cuda" else "gloo")
+        return coll, backend
+
+    def gather(self, req, stage) -> Route:
+        algo = _algo(req, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
+        coll, backend = self._collectives(req, algo)
+        source = dist_path.Source(stage, tuple(req.row_shape), req.dtype)
+        return Route(dist_path.gather_runner(coll, req, self.group.rank(), source, algo), backend, algo, stage.norm)
+
+    def scatter(self, req, stage) -> Route:
+        algo = _algo(req, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
+        coll, backend = self._collectives(req, algo)
+        return Route(dist_path.scatter_runner(coll, req, self.group.rank(), algo), backend, algo, False)
+
+    def buffer(self, req) -> torch.Tensor:
+        return torch.empty((req.result_rows, *req.row_shape), dtype=req.dtype, device=req.device)
+
+
+class DistProvider:
+    """Every group has one: torch.distributed serves every call (registered last)."""
+
+    name = "nccl"
+
+    def open(self, req, group):
+        return DistTransport(group)
+
