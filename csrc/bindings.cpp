@@ -59,8 +59,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ERR_RECORD_WORDS") = nsa_cp::kErrRecordWords;
   m.attr("FP_BASE") = nsa_cp::kFpBase;
   m.attr("FP_WORDS") = nsa_cp::kFpWords;
-  m.attr("QUANT_NONE") = static_cast<int>(nsa_cp::Quant::kNone);
-  m.attr("QUANT_FP8_E4M3_G128") = static_cast<int>(nsa_cp::Quant::kFp8G128);
+  for (const nsa_cp::QuantCode& q : nsa_cp::kQuantCodes) m.attr(q.name) = q.code;
   m.attr("FP8_GROUP") = nsa_cp::kFp8Group;
   m.attr("FP8_MAX") = nsa_cp::kFp8Max;
   m.attr("FP8_AMAX_FLOOR") = nsa_cp::kFp8AmaxFloor;

@@ -16,8 +16,24 @@ constexpr int kFp8Group = 128;
 constexpr float kFp8Max = 448.0f;
 constexpr float kFp8AmaxFloor = 1e-10f;
 
-inline bool known_quant(int code) {
-  return code == static_cast<int>(Quant::kNone) || code == static_cast<int>(Quant::kFp8G128);
+// Every wire format: its _C attribute name, code and group (columns per scale; 1 for none). bindings.cpp
+// exports each one, P2PState checks a call's code and the row length against it.
+struct QuantCode {
+  const char* name;
+  int code;
+  int group;
+};
+constexpr QuantCode kQuantCodes[] = {
+    {"QUANT_NONE", static_cast<int>(Quant::kNone), 1},
+    {"QUANT_FP8_E4M3_G128", static_cast<int>(Quant::kFp8G128), kFp8Group},
+};
+
+// Columns per scale of the wire format `code`; 0 for a code that is none of kQuantCodes.
+inline int quant_group(int code) {
+  for (const QuantCode& q : kQuantCodes) {
+    if (q.code == code) return q.group;
+  }
+  return 0;
 }
 
 }  // namespace nsa_cp

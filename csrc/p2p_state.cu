@@ -206,7 +206,7 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
   constexpr const char* fn = "P2PState.norm_gather";
   check_error_record(fn);
   check_call(fn, counts, offsets, max_rank_len, compact, positions, num_positions);  // first: bounds max_rank_len
-  require(known_quant(quant), fn, "quant must be 0 (none) or 1 (fp8_e4m3_g128), got " + std::to_string(quant));
+  require(quant_group(quant) > 0, fn, "quant must be 0 (none) or 1 (fp8_e4m3_g128), got " + std::to_string(quant));
   require(norm || quant != 0, fn, "norm=False needs quant=1: without either there is nothing to compute (use gather)");
   const int words_per_thread = norm_words_per_thread(fn);
   check_norm_rows(fn, "x", x, x_row_stride_bytes, max_rank_len);
@@ -216,9 +216,9 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
   }
   if (norm) check_weight(fn, weight, weight_dtype, eps);
   if (quant != 0) {
-    require(hidden_ % kFp8Group == 0, fn,
-            "fp8_e4m3_g128 needs hidden to be a multiple of " + std::to_string(kFp8Group) + ", got " +
-                std::to_string(hidden_));
+    require(hidden_ % quant_group(quant) == 0, fn,
+            "quant " + std::to_string(quant) + " needs hidden to be a multiple of " +
+                std::to_string(quant_group(quant)) + ", got " + std::to_string(hidden_));
   }
   const DeviceGuard guard(device_, fn);
   const int buffer = next_buffer(max_rank_len);

@@ -57,10 +57,19 @@ Flags that choose the path:
 
 Output (rank 0): ``max_rel_err=<value>`` per method, the largest over ranks of the relative L2 error of
 the rank's final hidden states against the one-process model (with ``--quant``: of the median token's
-relative error); the run exits 1 above ``--tol`` (default
-1e-4 for fp32, 1e-1 for bf16: with bf16 a token whose top-k router scores are nearly tied may pick
-another expert in the two runs, a discrete flip the L2 norm over a rank's tokens absorbs and a per-element
-maximum would not). On CUDA it then prints the prefill time end to end and per phase (attention with its
+relative error); the run exits 1 above ``--tol`` (default 1e-4 for fp32, 1e-1 for bf16).
+
+The check replays the reference's discrete choices. The indexer's top-k keys and the router's top-k
+experts are discrete functions of scores that the CP run computes in another summation order: where the
+k-th and (k+1)-th scores nearly tie, the two runs pick differently, and a single flipped key or expert
+moves a token's output far more than rounding does (at cp = 3 with ``--nsa-index-topk 256`` an fp32 run
+missed 1e-4 for every method, the hand-written baseline included, so the check could not tell a near-tie
+from a broken collective). So the reference runs first (rank 0), records its choices per token and
+layer, and every CP run takes them for its own tokens while computing every score, probability, weight
+and value itself. What remains is rounding, which the tolerance bounds per dtype; a wrong row, a lost
+padding or a misordered gather still changes values (``--fault kv_order`` and ``--fault one_rank_row``, one
+rank's rows wrong, must fail). Each method also
+prints how many of its rows' own choices differed from the reference's. On CUDA it then prints the prefill time end to end and per phase (attention with its
 KV gather, the KV gather alone, the MoE gather, the MoE, the reduce-scatter) for each method: CUDA events,
 ``--warmup`` untimed rounds, the median over ``--iters`` rounds (methods interleaved), the largest over
 ranks.
@@ -98,9 +107,9 @@ CUDA_DEFAULTS = dict(
     experts=32, topk=8, moe_intermediate=2048, shared_intermediate=2048, seq_lens="700x64", page_size=64,
     dtype="bfloat16", comm="both",
 )
-# fp32: the CP run and the reference differ only by summation order. bf16: rounding plus discrete flips (a
-# token whose k-th and (k+1)-th router or indexer scores nearly tie picks differently in the two runs); a
-# bf16 proxy on CPU (H=512, 4 layers, 32 experts top-8, indexer top-256, 2200 tokens) measured 2.7e-2.
+# fp32: the CP run and the reference differ only by summation order (the discrete choices are replayed:
+# class Selections). bf16: rounding of every step, amplified through the layers; a bf16 proxy on CPU (H=512,
+# 4 layers, 32 experts top-8, indexer top-256, 2200 tokens) measured 2.7e-2 before the replay.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 # The FP8 wire (--quant): both runs quantize the MoE input per group of 128 at the same point, but their
 # inputs differ by the rounding above, and an element that close to the midpoint of two e4m3 values rounds
@@ -165,7 +174,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the one-process reference (timing only)")
     # deliberate bugs for the tests, to show the check bites: the KV reaches attention out of order; the
     # reference leaves out the FP8 wire's quantization (so the check tells an FP8 run from a bf16/fp32 one)
-    p.add_argument("--fault", choices=("none", "kv_order", "ref_without_quant"), default="none", help=argparse.SUPPRESS)
+    p.add_argument("--fault", choices=("none", "kv_order", "one_rank_row", "ref_without_quant"), default="none",
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for key, value in defaults.items():
@@ -300,11 +310,47 @@ def make_batch(seq_lens: List[int], positions: torch.Tensor, rows: int, device) 
     return Batch(seq_lens, starts[:-1], groups, pos_in_req.to(device))
 
 
-def attention_core(s: Shape, layer: Layer, q: torch.Tensor, kv: torch.Tensor, batch: Batch, index_q, index_w) -> torch.Tensor:
+class Selections:
+    """The reference's discrete choices, which the check's CP runs replay (``--check`` below says why).
+
+    Per layer: the indexer's top-k keys of every query token (``index``: [T, K], key positions inside the
+    token's request; requests with at most K keys select nothing) and the router's top-k experts of every
+    token (``route``: [T, topk]). The reference records them (``recording``); a CP run then takes the
+    reference's choice for each of its real tokens, computes everything else itself (scores, router
+    probabilities, expert weights, values) and counts the tokens whose own choice differs (``flips``)."""
+
+    def __init__(self, layers: int):
+        self.index: List[Optional[torch.Tensor]] = [None] * layers
+        self.route: List[Optional[torch.Tensor]] = [None] * layers
+        self.recording = True
+        self.flips = {"index": [0, 0], "route": [0, 0]}  # [differing, chosen] token counts
+
+    def choose(self, kind: str, layer: int, tokens: torch.Tensor, own: torch.Tensor, total: int) -> torch.Tensor:
+        """``own`` [n, k]: this run's choice for ``tokens`` [n] (batch positions; -1: a padding row, which
+        keeps its own). Recording: stored. Replaying: the reference's, with the flips counted."""
+        table = getattr(self, kind)
+        if self.recording:
+            if table[layer] is None:
+                table[layer] = torch.full((total, own.shape[1]), -1, dtype=torch.int64, device=own.device)
+            table[layer][tokens] = own
+            return own
+        real = tokens >= 0
+        chosen = own.clone()
+        ref = table[layer].to(own.device)[tokens[real]]
+        chosen[real] = ref
+        differ = (own[real].sort(dim=1).values != ref.sort(dim=1).values).any(dim=1)
+        self.flips[kind][0] += int(differ.sum())
+        self.flips[kind][1] += int(real.sum())
+        return chosen
+
+
+def attention_core(s: Shape, layer: Layer, q: torch.Tensor, kv: torch.Tensor, batch: Batch, index_q, index_w,
+                   selections: Optional[Selections] = None, layer_index: int = 0) -> torch.Tensor:
     """Causal (optionally NSA-selected) attention of the local queries over the batch's keys.
 
     q: [rows, heads, head_dim + rope_dim] (rotary part already rotated); kv: [T, kv_width] in batch token
-    order. Returns [rows, heads * head_dim]; rows without a request (padding) get zeros.
+    order. Returns [rows, heads * head_dim]; rows without a request (padding) get zeros. ``selections``:
+    the indexer's top-k keys are recorded there or replayed from there (class Selections).
     """
     nh, d, dr, r = s.heads, s.head_dim, s.rope_dim, s.kv_lora_rank
     out = q.new_zeros((q.shape[0], nh * d))
@@ -336,6 +382,9 @@ def attention_core(s: Shape, layer: Layer, q: torch.Tensor, kv: torch.Tensor, ba
                 score = (score * index_w[rows_c].float()[:, :, None]).sum(1)              # [nq, L]
                 score = score.masked_fill(~allowed, float("-inf"))
                 top = score.topk(s.nsa_index_topk, dim=-1).indices
+                if selections is not None:
+                    tokens = batch.req_start[i] + qpos_c
+                    top = selections.choose("index", layer_index, tokens, top, sum(batch.seq_lens))
                 allowed = allowed & torch.zeros_like(allowed).scatter_(1, top, True)
             o = F.scaled_dot_product_attention(
                 q[rows_c].transpose(0, 1)[None], qk, vk, attn_mask=allowed[None, None], scale=scale,
@@ -356,10 +405,15 @@ def project_local(s: Shape, layer: Layer, x: torch.Tensor, batch: Batch):
     return q, kv, index_q, index_w
 
 
-def route(s: Shape, layer: Layer, x: torch.Tensor):
-    """Top-k routed experts per row (fp32 router, softmax, renormalised weights)."""
+def route(s: Shape, layer: Layer, x: torch.Tensor, selections: Optional[Selections] = None,
+          tokens: Optional[torch.Tensor] = None, layer_index: int = 0, total: int = 0):
+    """Top-k routed experts per row (fp32 router, softmax, renormalised weights). ``selections``: the ids
+    recorded there or replayed from there for the rows' ``tokens`` (batch positions, -1 for padding)."""
     probs = torch.softmax(x.float() @ layer.w_router, dim=-1)
     weights, ids = probs.topk(s.topk, dim=-1)
+    if selections is not None:
+        ids = selections.choose("route", layer_index, tokens, ids, total)
+        weights = probs.gather(1, ids)
     return weights / weights.sum(-1, keepdim=True), ids
 
 
@@ -392,6 +446,24 @@ class FaultyKV:
         return kv
 
 
+class FaultyRow:
+    """Wraps a communication method; on one rank, the first of its own rows in every MoE gather is replaced
+    by its second (``--fault one_rank_row``): one rank's rows wrong, as a broken collective would leave them."""
+
+    def __init__(self, inner, active: bool):
+        self.inner, self.name, self.active = inner, inner.name, active
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def prepare_mlp(self, i, attn, residual):
+        gathered, residual, normed = self.inner.prepare_mlp(i, attn, residual)
+        own = self.inner.own
+        if self.active and not isinstance(gathered, tuple) and own.stop - own.start >= 2:
+            gathered[own.start] = gathered[own.start + 1]
+        return gathered, residual, normed
+
+
 class NsaComm:
     """nsa_cp: one NSACPLayerCommunicator per layer (it owns the layer's norms) and the ordered KV gather."""
 
@@ -412,6 +484,7 @@ class NsaComm:
         # layer i's reduce-scatter also runs layer i+1's residual add + input norm (one fused pass)
         nsa_cp.NSACPLayerCommunicator.chain(self.comms)
         self.own = slice(*layout.rows(rank, compact=compact))
+        self.compact = compact
 
     def prepare_attn(self, i, h, residual):
         return self.comms[i].prepare_attn(h, residual, self.layout)
@@ -444,6 +517,7 @@ class BaselineComm:
     rows (``nsa_cp.quant_fp8_g128``), then gather q and the scales (padding rows: q = 0, scale = 0)."""
 
     name = "baseline"
+    compact = False
 
     def __init__(self, group, layers, layout, kv_layout, positions, rank, host_staged=False, quant=None,
                  route_padding=False):
@@ -526,11 +600,14 @@ def moe_input(rows, dtype: torch.dtype) -> torch.Tensor:
 
 
 def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch: Batch, comm, logical_layout, rank,
-               timer: Timer, stats: Optional[dict] = None):
+               timer: Timer, stats: Optional[dict] = None, selections: Optional[Selections] = None,
+               tokens: Optional[torch.Tensor] = None):
     """This rank's prefill: x [rows, H] (its tokens, then padding rows on the old path) -> final hidden.
 
     ``stats``: filled with the MoE's rows per layer (``moe_rows``: rows gathered, ``routed_rows``: rows with a
-    routed expert; one host sync per layer, so never while timing)."""
+    routed expert; one host sync per layer, so never while timing). ``selections``: the reference's
+    indexer and router choices to replay; ``tokens``: the batch position of each gathered MoE row (-1:
+    padding), from ``gathered_tokens``."""
     residual = None
     h = x.clone()  # the fused add + norm updates the residual in place (flashinfer's convention); x is reused
     real = logical_layout.per_rank_actual_token[rank]
@@ -540,12 +617,12 @@ def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch
             q, kv_local, index_q, index_w = project_local(s, layer, normed, batch)
             with timer.phase("kv_gather"):
                 kv = comm.kv_gather(kv_local[:real])                    # [T, kv_width], batch order
-            attn = attention_core(s, layer, q, kv, batch, index_q, index_w) @ layer.w_o
+            attn = attention_core(s, layer, q, kv, batch, index_q, index_w, selections, i) @ layer.w_o
         with timer.phase("moe_gather"):
             gathered, residual, normed = comm.prepare_mlp(i, attn, residual)   # [M * cp, H] (or compact [T, H])
         with timer.phase("moe"):
             gathered, normed = moe_input(gathered, x.dtype), moe_input(normed, x.dtype)
-            weights, ids = route(s, layer, gathered)
+            weights, ids = route(s, layer, gathered, selections, tokens, i, sum(batch.seq_lens))
             if not comm.route_padding:
                 # padding rows route nowhere, as a MoE that honours -1 can do (compact: there are none)
                 nsa_cp.mask_padding_topk_ids(ids, logical_layout)
@@ -564,22 +641,36 @@ def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch
 
 
 def forward_reference(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch: Batch,
-                      quant: Optional[str] = None) -> torch.Tensor:
+                      quant: Optional[str] = None, selections: Optional[Selections] = None) -> torch.Tensor:
     """The same model on one process: every token, every expert, no communication. ``quant``: the MoE's
     input rows go through the same per-token-group FP8 quantization as the CP run's wire, at the same
-    point (after the post-attention norm, before the router, the routed and the shared experts)."""
+    point (after the post-attention norm, before the router, the routed and the shared experts).
+    ``selections``: the indexer's and the router's choices are recorded there."""
     residual = None
     h = x
-    for layer in layers:
+    tokens = torch.arange(x.shape[0], device=x.device)
+    for i, layer in enumerate(layers):
         normed, residual = (layer.input_norm(h), h) if residual is None else layer.input_norm(h, residual)
         q, kv, index_q, index_w = project_local(s, layer, normed, batch)
-        attn = attention_core(s, layer, q, kv, batch, index_q, index_w) @ layer.w_o
+        attn = attention_core(s, layer, q, kv, batch, index_q, index_w, selections, i) @ layer.w_o
         normed, residual = layer.post_attention_norm(attn, residual)
         if quant is not None:
             normed = moe_input(nsa_cp.quant_fp8_g128(normed), normed.dtype)
-        weights, ids = route(s, layer, normed)
+        weights, ids = route(s, layer, normed, selections, tokens, i, x.shape[0])
         h = routed_experts(layer, normed, weights, ids).to(normed.dtype) + swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
     return final_norm(h, residual)[0] if layers else final_norm(x)
+
+
+def gathered_tokens(layout, counts: List[int], pos_per_rank: List[torch.Tensor], compact: bool, device) -> torch.Tensor:
+    """The batch position of every row of the MoE gather over ``layout`` (rank-major: padded slots of
+    ``max_rank_len`` rows, or ``compact``), -1 for a padding row. Rank q's first ``counts[q]`` rows are
+    its tokens ``pos_per_rank[q]``; the rest of its rows (the token split's padding) are padding."""
+    parts = []
+    for q, rows in enumerate(layout.per_rank_actual_token):
+        part = torch.full((rows if compact else layout.max_rank_len,), -1, dtype=torch.int64)
+        part[: counts[q]] = pos_per_rank[q]
+        parts.append(part)
+    return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.int64, device=device)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -731,7 +822,11 @@ def _run(args, device) -> dict:
         else:
             comm = BaselineComm(group, layers, layout, logical, positions, rank, host_staged=shared_gpu, quant=quant,
                                 route_padding=m.route_padding)
-        comms[m.label] = FaultyKV(comm) if args.fault == "kv_order" else comm
+        if args.fault == "kv_order":
+            comm = FaultyKV(comm)
+        elif args.fault == "one_rank_row":
+            comm = FaultyRow(comm, active=rank == cp - 1)
+        comms[m.label] = comm
 
     report = {"rank": rank, "counts": counts, "rows": layout.per_rank_actual_token, "errors": {}, "times": {},
               "moe_rows": {}}
@@ -751,10 +846,37 @@ def _run(args, device) -> dict:
 
     outputs = {}
     with torch.no_grad():
+        # the check's reference first (rank 0), recording its discrete choices for the CP runs to replay
+        reference, selections = None, None
+        if not args.no_check:
+            selections = Selections(args.layers)
+            if rank == 0:
+                full_layers = [Layer(s, i, range(s.experts), args.seed, device, dtype) for i in range(args.layers)]
+                ref_batch = make_batch(seq_lens, torch.arange(total), total, device)
+                ref_quant = None if args.fault == "ref_without_quant" else quant
+                reference = forward_reference(s, full_layers, final_norm, x_all, ref_batch, ref_quant,
+                                              selections).to(ctrl)
+                del full_layers
+            tables = [[None if t is None else t.to(torch.int32).cpu() for t in selections.index],
+                      [None if t is None else t.to(torch.int32).cpu() for t in selections.route]]
+            dist.broadcast_object_list(tables, src=0, group=group)
+            selections.index = [None if t is None else t.to(device, torch.int64) for t in tables[0]]
+            selections.route = [None if t is None else t.to(device, torch.int64) for t in tables[1]]
+            selections.recording = False
         for label, comm in comms.items():
             stats: dict = {}
+            if selections is not None:
+                selections.flips = {"index": [0, 0], "route": [0, 0]}
+            tokens = gathered_tokens(layout, counts, pos_per_rank, getattr(comm, "compact", False), device)
             outputs[label] = forward_cp(s, layers, final_norm, x_local, batch, comm, logical, rank, Timer(False),
-                                        stats)[: counts[rank]]
+                                        stats, selections, tokens)[: counts[rank]]
+            if selections is not None:
+                flips = torch.tensor([n for kind in ("index", "route") for n in selections.flips[kind]], device=ctrl)
+                dist.all_reduce(flips, group=group)
+                report.setdefault("flips", {})[label] = flips.tolist()
+                if rank == 0:
+                    print(f"{label}: replayed the reference's choices; its own differed for {flips[0]} of {flips[1]} "
+                          f"indexer top-k rows and {flips[2]} of {flips[3]} router top-k rows", flush=True)
             report["moe_rows"][label] = stats
             if rank == 0 and stats:
                 moe_rows, routed = stats["moe_rows"][0], stats["routed_rows"][0]
@@ -769,13 +891,6 @@ def _run(args, device) -> dict:
             # nothing under test; over gloo on host copies)
             m = max(max(counts), 1)
             place = torch.cat([torch.arange(n) + q * m for q, n in enumerate(counts)])
-            reference = None
-            if rank == 0:
-                full_layers = [Layer(s, i, range(s.experts), args.seed, device, dtype) for i in range(args.layers)]
-                ref_batch = make_batch(seq_lens, torch.arange(total), total, device)
-                ref_quant = None if args.fault == "ref_without_quant" else quant
-                reference = forward_reference(s, full_layers, final_norm, x_all, ref_batch, ref_quant).to(ctrl)
-                del full_layers
             for label, out in outputs.items():
                 padded = F.pad(out, (0, 0, 0, m - out.shape[0])).to(ctrl)
                 gathered = padded.new_empty((m * cp, s.hidden))

@@ -43,13 +43,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .collectives import (
-    cp_all_gather,
-    cp_reduce_scatter,
-    cp_reduce_scatter_buffer,
-    fused_add_rmsnorm_all_gather,
-    reduce_scatter_fused_add_rmsnorm,
-)
+from .collectives import (cp_all_gather, cp_reduce_scatter, cp_reduce_scatter_buffer, fused_add_rmsnorm_all_gather,
+                          reduce_scatter_fused_add_rmsnorm)
 from .layout import ShardLayout
 from .norm import fused_add_rmsnorm_into
 from .transport.p2p import get_p2p, init_p2p, p2p_unavailable_reason
@@ -60,8 +55,6 @@ __all__ = ["NSACPLayerCommunicator", "norm_parameters"]
 logger = logging.getLogger("nsa_cp")
 
 _MLP_MODES = ("full", "scattered")
-
-
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
 

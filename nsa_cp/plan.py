@@ -112,9 +112,7 @@ def _route(req: Request, pg, stage, gather: bool):
     odd byte size) runs as a kernel of its own before its plain move (``Route.norm`` False)."""
     backend = envs.NSA_CP_BACKEND if req.backend == "auto" else req.backend
     providers = base.providers()
-    if not req.layout.total_len:  # nothing moves: the last transport returns the empty results
-        providers, backend = providers[-1:], "auto"
-    elif backend == "auto" and req.layout.is_even:
+    if backend == "auto" and req.layout.is_even:
         providers = providers[-1:]
     for provider in providers:
         if backend != "auto" and provider.name != backend:
@@ -126,6 +124,8 @@ def _route(req: Request, pg, stage, gather: bool):
             serve = stage.unnormed
             verdict = transport.support(req, serve)
         if verdict:
+            if not req.layout.total_len:  # nothing moves: the last transport returns the empty results
+                transport, serve = base.providers()[-1].open(req, pg), stage
             return transport, (transport.gather(req, serve) if gather else transport.scatter(req, serve))
         if backend != "auto":
             raise ValueError(f"backend: {backend!r} cannot serve this call ({req.input_name}): {verdict.reason}")

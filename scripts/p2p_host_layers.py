@@ -76,6 +76,7 @@ def _stub_transport(nsa_cp, layout):
                   device=torch.device("cpu"), max_tokens_per_rank=M, hidden_size=H, dtype=torch.bfloat16,
                   double_buffer_tokens=M, _gathers=gathers, _elem=2, _row_bytes=2 * H, _stream=lambda index: 0,
                   _reduce_views={}, _buffers=buffers, timeout_ns=10 ** 9,
+                  _codes={torch.bfloat16: 0, torch.float16: 1, torch.float32: 2},  # nsa_cp._C's DTYPE_* codes
                   _reduce=reduce)  # _reduce: the reduce buffer of trees before transport/p2p/
     if callable(getattr(cls, "_buffers", None)):  # older trees: a method of that name
         fields.pop("_buffers")
@@ -93,8 +94,12 @@ def rows(nsa_cp):
 
     layout = nsa_cp.ShardLayout([int(M * 0.8)], align=M)
     transport = _stub_transport(nsa_cp, layout)
-    plan.p2p.get_p2p = lambda group=None: transport
-    plan.p2p.any_registered = lambda: True
+    try:  # where the planner finds a group's P2P transport: its provider (transport/p2p/routes.py)
+        finder = importlib.import_module("nsa_cp.transport.p2p.routes")
+    except ImportError:  # a tree from before the transport seam: the planner's own import
+        finder = plan.p2p
+    finder.get_p2p = lambda group=None: transport
+    finder.any_registered = lambda: True
     n, bf16, p2p = layout.per_rank_actual_token[0], torch.bfloat16, "p2p"
     x, res, w = torch.randn(n, H, dtype=bf16), torch.randn(n, H, dtype=bf16), torch.ones(H, dtype=bf16)
     out_pad = torch.empty(layout.padded_len, H, dtype=bf16)

@@ -53,7 +53,6 @@ class EmulatedNative:
 
 def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
     import nsa_cp
-    from nsa_cp import plan
     from nsa_cp.transport.torch_dist import Collectives
 
     group = dist.group.WORLD
@@ -152,7 +151,11 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
 
     def cpu_plans_never_native():
         layout = nsa_cp.ShardLayout([rank + 2 for rank in range(world)])
-        coll = plan._collectives(group, torch.device("cpu"), "padded")
+        from nsa_cp.request import Request
+        from nsa_cp.transport.dist import DistTransport
+
+        req = Request.of("cp_all_gather", torch.empty(layout.count(rank), 4), layout, group)
+        coll, _ = DistTransport(group)._collectives(req, "padded")
         return None if coll.native is None else f"a CPU plan took {coll.native!r} ({layout})"
 
     check("refused", refused)

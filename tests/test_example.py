@@ -39,6 +39,9 @@ CASES_2 = {
     "shared-kv-compact": ([SHARED, "--compact", "--nsa-index-topk", "16"], True),
     "shared-kv-both-bf16": ([SHARED, "--comm", "both", "--dtype", "bfloat16", "--nsa-index-topk", "16"], True),
     "fault-kv-order": ([SHARED, "--fault", "kv_order"], False),
+    # one rank's rows wrong (the last rank's first MoE row is its second): the check replays the reference's
+    # top-k choices, and must still see it
+    "fault-one-rank-row": ([SHARED, "--comm", "all", "--fault", "one_rank_row", "--nsa-index-topk", "16"], False),
     # every method, the padded ones with their padding rows masked and routed
     "shared-kv-all-moe-padding-both": ([SHARED, "--comm", "all", "--moe-padding", "both"], True),
     "even-split-all-routed": (["--comm", "all", "--moe-padding", "routed"], True),

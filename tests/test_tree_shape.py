@@ -1,5 +1,5 @@
 """The tree's shape rules (docs/development.md, "Layout of the tree"), checked on the source so that a
-change breaking one fails CI: no ``nsa_cp`` module over 400 lines, no import circle among the modules'
+change breaking one fails CI: no ``nsa_cp`` module over 350 lines (the planner 250), no import circle among the modules'
 top-level imports, and no benchmark importing another benchmark (a benchmark's parts belong to it alone;
 what benchmarks share lives in ``benchmarks/harness.py``)."""
 
@@ -7,7 +7,8 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAX_LINES = 400
+MAX_LINES = 350
+PLAN_MAX_LINES = 250  # the planner only plans (nsa_cp/plan.py): transports own their routes
 
 
 def _top_level_imports(path: pathlib.Path, package: str):
@@ -38,10 +39,12 @@ def _library_modules():
     return mods
 
 
-def test_no_library_module_is_over_400_lines():
+def test_no_library_module_is_over_350_lines():
     long = {str(path.relative_to(ROOT)): n for path in sorted((ROOT / "nsa_cp").rglob("*.py"))
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+    plan = len((ROOT / "nsa_cp" / "plan.py").read_text().splitlines())
+    assert plan <= PLAN_MAX_LINES, f"nsa_cp/plan.py has {plan} lines (at most {PLAN_MAX_LINES}: it only plans)"
 
 
 def test_no_import_circle_among_library_modules():

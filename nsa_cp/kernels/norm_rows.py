@@ -14,15 +14,12 @@ Design record:
   GPUs), each one rounded operation (no FMA contraction): ``var = fp32(sum(s^2) in fp64) / H``,
   ``rstd = 1 / sqrt(var + eps)``, ``y = (s * rstd) * w``; FP8 ``scale = max(amax, 1e-10) / 448``,
   ``q = clamp(y / scale, +-448)``.
-- The sum of squares is taken in fp64 and rounded once to fp32. ``tl.sum`` adds in the order of the
-  register layout the compiler picks, and the FP8 variant gets another layout than the plain one (its
-  fp8 stores want 16 elements per thread): with an fp32 sum, at H = 7168 the two variants' rstd
-  differed by an fp32 ulp in some rows, and the FP8 path's (q, scale) were not the
-  quantization of the plain path's y. In fp64 every square is exact and the sum's relative error is
-  ~1e-15, so its fp32 rounding (fp32 quanta are ~1e-7 apart) is the same in any order, the
-  reference's included, except for a sum within ~1e-15 of a rounding midpoint (about one row in 10^7). The FP8 path quantizes
-  y after rounding it to x's dtype: the gathered ``(q, scale)`` equal ``quant_fp8_g128`` of the bf16
-  rows a norm-then-gather would have sent.
+- The sum of squares is taken in fp64 and rounded once to fp32: ``tl.sum`` adds in the order of the
+  register layout the compiler picks, which differs between the plain and FP8 variants, and with an fp32
+  sum their rstd differed by an fp32 ulp in some rows at H = 7168. In fp64 every square is exact, so the
+  fp32 rounding is the same in any order (the reference's included) but for a sum within ~1e-15 of a
+  rounding midpoint (about one row in 10^7). The FP8 path quantizes y after rounding it to x's dtype:
+  the gathered ``(q, scale)`` equal ``quant_fp8_g128`` of the rows a norm-then-gather would have sent.
 - The row count of the slot is read from a device scalar, so a CUDA graph replays with new counts;
   the grid covers the whole slot and rows ``[n, M)`` are written as padding (zeros; FP8: q = 0,
   scale = 1e-10/448). x and residual may have more rows than n (a bucket); rows from n on are not
@@ -230,31 +227,12 @@ def _launch(x, residual, weight, eps, y, q, scale, count, rows, quant: bool, nor
     dummy = x  # pointer for absent operands; the constexpr flags keep the kernel from touching it
     if norm:
         weight = weight.detach().contiguous()  # values only: a Parameter that requires grad is read as data
+    operands = [t if t is not None else dummy for t in (residual, weight if norm else None, y, q, scale, count)]
+    strides = [t.stride(0) if t is not None else 0 for t in (residual, y, q, scale)]
     _rows_kernel[(rows,)](
-        x,
-        residual if residual is not None else dummy,
-        weight if norm else dummy,
-        y if y is not None else dummy,
-        q if q is not None else dummy,
-        scale if scale is not None else dummy,
-        count if count is not None else dummy,
-        x.shape[0],
-        float(eps),
-        reference.FP8_PAD_SCALE,
-        x.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        y.stride(0) if y is not None else 0,
-        q.stride(0) if q is not None else 0,
-        scale.stride(0) if scale is not None else 0,
-        ROW_LEN=h,
-        HAS_RESIDUAL=residual is not None,
-        HAS_COUNT=count is not None,
-        NORM=norm,
-        QUANT=quant,
-        BLOCK_G=block_g,
-        GROUP=group,
-        IS_BF16=x.dtype == torch.bfloat16,
-        num_warps=warps,
+        x, *operands, x.shape[0], float(eps), reference.FP8_PAD_SCALE, x.stride(0), *strides,
+        ROW_LEN=h, HAS_RESIDUAL=residual is not None, HAS_COUNT=count is not None, NORM=norm, QUANT=quant,
+        BLOCK_G=block_g, GROUP=group, IS_BF16=x.dtype == torch.bfloat16, num_warps=warps,
         enable_fp_fusion=False,  # every step one rounded fp32 operation: no FMA folds a square into a sum
     )
 
