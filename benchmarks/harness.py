@@ -29,7 +29,7 @@ A benchmark script declares its methods, their expected outputs and its bandwidt
 a larger one keeps the rest in parts of its own (``<script>_<part>.py``, imported by that script alone).
 The layout: docs/performance.md, "Benchmark protocol".
 
-This module is a helper, not a script (it has no ``__main__``): tests/test_benchmarks_smoke.py runs
+This module is a helper, not a script (it has no ``__main__``): tests/bench/test_benchmarks_smoke.py runs
 every benchmark script at a tiny size, and skips this helper and the scripts' parts by that rule.
 """
 

@@ -8,7 +8,7 @@ one ``[sum(n), H]``. Prints a Markdown table of ``padding rows / (P * cp)``. CPU
     python benchmarks/sglang_padding.py
 
 Needs sglang==0.5.23 (``bash .ci/install_sglang.sh``); the metadata comes from the tests' SGLang
-environment (``tests/integrations/sglang/sglang_env.py``, which needs no pytest for this).
+environment (``tests/support/sglang_env.py``, which needs no pytest for this).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integrations", "sglang"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
 import sglang_env  # noqa: E402  SGLang's own metadata on a CPU-only machine (the tests' stand-ins)
 
 BATCHES = {
@@ -31,7 +31,7 @@ CPS = (2, 4, 8)
 
 def split(strategy: str, seq_lens, cp: int):
     """(real counts per rank, physical length) of SGLang's own split and padding (the tests' builder of
-    SGLang's metadata, tests/integrations/sglang/sglang_env.py)."""
+    SGLang's metadata, tests/support/sglang_env.py)."""
     md, logical = sglang_env.build_metadata(seq_lens, cp, strategy)
     return logical, md.per_rank_actual_token[0]
 

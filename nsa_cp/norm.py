@@ -216,20 +216,18 @@ class RMSNorm(nn.Module):
     def _choose(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> str:
         if self.impl == "torch":
             return "torch"
-        if self.impl in ("auto", "flashinfer"):
-            flashinfer = self._flashinfer_support(x, residual)
-            if flashinfer:
-                _log_choice("flashinfer", "CUDA bf16/fp16 contiguous rows")
-                return "flashinfer"
-            if self.impl == "flashinfer":
-                raise ValueError(f"impl: 'flashinfer' cannot serve this call: {flashinfer.reason}")
-        triton = self._triton_support(x, residual)
-        if triton:
-            _log_choice("triton", "CUDA tensors flashinfer does not take")
-            return "triton"
-        if self.impl == "triton":
-            raise ValueError(f"impl: 'triton' cannot serve this call: {triton.reason}")
-        _log_choice("torch", triton.reason)
+        verdict = None
+        for name, support, why in (("flashinfer", self._flashinfer_support, "CUDA bf16/fp16 contiguous rows"),
+                                   ("triton", self._triton_support, "CUDA tensors flashinfer does not take")):
+            if self.impl not in ("auto", name):
+                continue
+            verdict = support(x, residual)
+            if verdict:
+                _log_choice(name, why)
+                return name
+            if self.impl == name:
+                raise ValueError(f"impl: {name!r} cannot serve this call: {verdict.reason}")
+        _log_choice("torch", verdict.reason)
         return "torch"
 
     # ---- the call

@@ -12,7 +12,7 @@ fp32, then one fp32 division; CUDA's ``mean`` multiplies by 1/H, and so does CUD
 scalar, so the divisors here are tensors), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
 rounded steps), ``y = (s * rstd) * w``. The Triton kernels in ``nsa_cp.kernels.norm_rows`` follow that order;
 the fp64 sum rounds to the same fp32 total in any summation order (but for ~1 row in 10^7), so they
-match this oracle almost always bit for bit (see tests/test_norm_kernels.py).
+match this oracle almost always bit for bit (see tests/kernels/test_norm_kernels.py).
 """
 
 from __future__ import annotations

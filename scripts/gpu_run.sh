@@ -142,7 +142,7 @@ if want p2p; then
   reserve=$(reserve_after_tests); want tests && reserve=$((reserve + 60))  # the other tests' least share
   cap=$(budget "${P2P_TEST_TIMEOUT_S:-180}" "$reserve")
   # SIGINT at the limit: pytest stops where it is and still prints its counts (and the failures so far)
-  NSA_CP_P2P_TIMEOUT_MS=20000 timeout -s INT -k 20 "$cap" python3 -m pytest tests/test_p2p_gpu.py -q -rfs \
+  NSA_CP_P2P_TIMEOUT_MS=20000 timeout -s INT -k 20 "$cap" python3 -m pytest tests/transports/test_p2p_gpu.py -q -rfs \
     -p no:cacheprovider >"$LOGS/pytest_p2p.log" 2>&1
   rc=$?; [ "$rc" = 124 ] && rc="timeout"
   note "p2p tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest_p2p.log") (limit $cap s)"
@@ -151,7 +151,7 @@ if want tests; then
   t=$(date +%s)
   cap=$(budget "${TEST_TIMEOUT_S:-330}" "$(reserve_after_tests)")
   # shellcheck disable=SC2086  # TESTS is a list of paths
-  timeout -s INT -k 20 "$cap" python3 -m pytest ${TESTS:-tests} -q -rfs -p no:cacheprovider --ignore tests/test_p2p_gpu.py \
+  timeout -s INT -k 20 "$cap" python3 -m pytest ${TESTS:-tests} -q -rfs -p no:cacheprovider --ignore tests/transports/test_p2p_gpu.py \
     >"$LOGS/pytest.log" 2>&1
   rc=$?; [ "$rc" = 124 ] && rc="timeout"
   note "other tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest.log") (limit $cap s)"
@@ -160,7 +160,7 @@ if want faults; then
   # cp = 8 faults and the call fingerprint (ranks sharing GPU 0 where there are fewer than 8 GPUs)
   t=$(date +%s)
   cap=$(budget "${FAULT_TEST_TIMEOUT_S:-240}" "$(reserve_after_tests)")
-  timeout -s INT -k 20 "$cap" python3 -m pytest tests/test_p2p_faults.py -q -rfs -p no:cacheprovider \
+  timeout -s INT -k 20 "$cap" python3 -m pytest tests/transports/test_p2p_faults.py -q -rfs -p no:cacheprovider \
     >"$LOGS/pytest_faults.log" 2>&1
   rc=$?; [ "$rc" = 124 ] && rc="timeout"
   note "fault tests" "$rc" $(( $(date +%s) - t )) "$(pytest_line "$LOGS/pytest_faults.log") (limit $cap s)"
@@ -188,7 +188,7 @@ if want sanitize; then
     cap=$(budget "${SANITIZE_TIMEOUT_S:-200}" 0)
     # shellcheck disable=SC2086
     timeout -s INT -k 20 "$cap" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \
-      python3 -m pytest ${SANITIZE_TESTS:-tests/test_p2p_faults.py tests/test_norm_kernels.py} -q -s -p no:cacheprovider \
+      python3 -m pytest ${SANITIZE_TESTS:-tests/transports/test_p2p_faults.py tests/kernels/test_norm_kernels.py} -q -s -p no:cacheprovider \
       -k "${SANITIZE_K:-(smaller_worlds and gather-double-buffered-2) or production_row_length}" \
       >"$LOGS/sanitize_$tool.log" 2>&1
     rc=$?; [ "$rc" = 124 ] && rc="timeout"

@@ -24,18 +24,18 @@ LOGS=${LOGS:-${OUT:-$PWD/gpu_out}}
 mkdir -p "$LOGS"
 
 # shards (files), the busiest first; "rest" is every other test file but the fault tests
-SHARD_p2p="tests/test_p2p_gpu.py"
-SHARD_example="tests/test_example.py tests/test_example_exit.py"
-SHARD_runs="tests/test_benchmarks_smoke.py tests/integrations/sglang/test_sglang_gpu.py tests/integrations/sglang/test_sglang_boundary_gpu.py"
+SHARD_p2p="tests/transports/test_p2p_gpu.py"
+SHARD_example="tests/package/test_example.py tests/package/test_example_exit.py"
+SHARD_runs="tests/bench/test_benchmarks_smoke.py tests/integrations/sglang/test_sglang_gpu.py tests/integrations/sglang/test_sglang_boundary_gpu.py"
 # SGLang's own code on CPU / gloo (they skip where SGLang is not installed: scripts/gpu_sglang.sh). With
 # SGLang carried, every rank process imports it: over 370 s on 1x H200's 16 cores beside the other shards
 # (2026-12-01), so give it a call of its own (SHARDS="sglang")
 SHARD_sglang="tests/integrations/sglang/test_sglang.py tests/integrations/sglang/test_sglang_real.py tests/integrations/sglang/test_sglang_fast_path.py tests/integrations/sglang/test_sglang_boundary.py"
-SHARD_boundary="tests/test_boundary_gloo.py tests/test_boundary_gpu.py tests/test_collectives_gloo.py tests/test_collectives_gpu.py tests/test_compile.py"
-FAULTS="tests/test_p2p_faults.py"
+SHARD_boundary="tests/communicator/test_boundary_gloo.py tests/communicator/test_boundary_gpu.py tests/collectives/test_collectives_gloo.py tests/collectives/test_collectives_gpu.py tests/collectives/test_compile.py"
+FAULTS="tests/transports/test_p2p_faults.py"
 named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_sglang $SHARD_boundary $FAULTS "
 SHARD_rest=""
-for f in tests/test_*.py tests/integrations/sglang/test_*.py; do
+for f in $(find tests -name "test_*.py" | sort); do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 

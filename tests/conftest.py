@@ -12,5 +12,6 @@ except Exception:  # pragma: no cover
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# spawned workers import the helpers in this folder by module name
-sys.path.insert(0, os.path.dirname(__file__))
+# the tests import the shared case / worker / harness modules of tests/support/ by module name (spawned
+# workers inherit this path)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))

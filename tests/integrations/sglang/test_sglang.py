@@ -3,7 +3,7 @@
 SGLang is not needed: metadata and forward batches are duck-typed objects with SGLang 0.5.23's field
 names (``attn_cp_metadata``, ``per_rank_actual_token``, ``per_rank_logical_token``, ``max_rank_len``), and
 install() is tested against stand-in ``sglang.srt.layers.layer_boundary`` modules. Two tests use SGLang's
-own code where it imports (tests/integrations/sglang/sglang_env.py); tests/integrations/sglang/test_sglang_real.py runs the moves against it.
+own code where it imports (tests/support/sglang_env.py); tests/integrations/sglang/test_sglang_real.py runs the moves against it.
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def test_install_without_sglang_raises_import_error(monkeypatch):
 
 # ----------------------------------------------------------------------------- SGLang's own metadata
 def test_layout_from_sglang_built_metadata():
-    """Metadata from SGLang 0.5.23's own zigzag strategy and padding (tests/integrations/sglang/sglang_env.py)."""
+    """Metadata from SGLang 0.5.23's own zigzag strategy and padding (tests/support/sglang_env.py)."""
     import sglang_env
 
     sglang_env.require_sglang()

@@ -1,4 +1,4 @@
-"""A DeepSeek-V3.2-like layer stack as SGLang 0.5.23 itself binds it (tests/integrations/sglang/sglang_boundary.py: its
+"""A DeepSeek-V3.2-like layer stack as SGLang 0.5.23 itself binds it (tests/support/sglang_boundary.py: its
 ``layer_stack`` / ``append_stages`` / ``declare_attn`` / ``declare_ffn``, its real RMSNorm, stand-in
 attention and in-place MoE), run on CPU / gloo with nsa_cp's plugin moves on (``install()``) and off
 (SGLang's own), worlds 2, 3 and 4, zigzag and interleave metadata, fp32 and bf16, padded and compact:

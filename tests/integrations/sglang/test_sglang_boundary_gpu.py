@@ -4,7 +4,7 @@ group; the P2P transport maps the peers' buffers through CUDA IPC), worlds 2, 4 
 In every rank, as in a scheduler: SGLang's own ``load_plugins()`` (nsa_cp's entry point) applies the
 plugin's hooks; the plugin's ``ModelRunner.initialize`` hook body creates the attention-CP P2P transport,
 sized from a stand-in runner's SGLang limits (``chunked_prefill_size`` / ``max_prefill_tokens``, hidden
-size, dtype); then the DeepSeek-V3.2-like stack SGLang binds (tests/integrations/sglang/sglang_boundary.py) runs a
+size, dtype); then the DeepSeek-V3.2-like stack SGLang binds (tests/support/sglang_boundary.py) runs a
 prefill-CP extend on CUDA. No nsa_cp call in between. Checked:
 
 * ``status()``: the hooks applied, P2P on with its bytes, the MoE gathers fused (add + RMSNorm + gather);

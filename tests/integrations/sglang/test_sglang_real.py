@@ -1,4 +1,4 @@
-"""nsa_cp's SGLang adapter against SGLang 0.5.23's own code, on CPU / gloo (tests/integrations/sglang/sglang_env.py).
+"""nsa_cp's SGLang adapter against SGLang 0.5.23's own code, on CPU / gloo (tests/support/sglang_env.py).
 
 * worlds 2 and 3 with SGLang's real attention-CP GroupCoordinator and metadata from its own
   ``ZigzagCPStrategy`` / ``InterleaveCPStrategy.build_metadata`` + ``pad_logical_token_to_physical``: nsa_cp's moves equal SGLang's,

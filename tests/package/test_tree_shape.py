@@ -1,0 +1,93 @@
+"""The tree's shape rules (docs/development.md, "Layout of the tree"), checked on the source so that a
+change breaking one fails CI: no ``nsa_cp`` module over 350 lines (the planner 250), no import circle among the modules'
+top-level imports, and no benchmark importing another benchmark (a benchmark's parts belong to it alone;
+what benchmarks share lives in ``benchmarks/harness.py``)."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MAX_LINES = 350
+PLAN_MAX_LINES = 250  # the planner only plans (nsa_cp/plan.py): transports own their routes
+
+
+def _top_level_imports(path: pathlib.Path, package: str):
+    """Module names imported at module level (not inside functions: lazy imports may point anywhere)."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = package.split(".")
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module
+            yield mod
+            yield from (f"{mod}.{alias.name}" for alias in node.names)  # `from . import plan`
+
+
+def _library_modules():
+    mods = {}
+    for path in sorted((ROOT / "nsa_cp").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        mods[".".join(parts)] = (path, ".".join(parts) if is_pkg else ".".join(parts[:-1]))
+    return mods
+
+
+def test_no_library_module_is_over_350_lines():
+    long = {str(path.relative_to(ROOT)): n for path in sorted((ROOT / "nsa_cp").rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+    plan = len((ROOT / "nsa_cp" / "plan.py").read_text().splitlines())
+    assert plan <= PLAN_MAX_LINES, f"nsa_cp/plan.py has {plan} lines (at most {PLAN_MAX_LINES}: it only plans)"
+
+
+def test_no_import_circle_among_library_modules():
+    mods = _library_modules()
+    graph = {name: {m for m in _top_level_imports(path, pkg) if m in mods and m != name}
+             for name, (path, pkg) in mods.items()}
+    # a package's __init__ re-exporting its children is not a circle through them: drop child -> parent
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+    state, stack = {}, []
+
+    def visit(name):
+        state[name] = "open"
+        stack.append(name)
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    assert len(state) == len(mods) > 20  # the walk saw every module (the test can see a circle)
+
+
+def test_no_benchmark_imports_another_benchmark():
+    files = {path.stem: path for path in (ROOT / "benchmarks").glob("*.py")}
+    entry = {stem for stem, path in files.items() if '__name__ == "__main__"' in path.read_text()}
+    imports = {stem: {m for m in _top_level_imports(path, "") if m in files} for stem, path in files.items()}
+    crossing = sorted((a, b) for a in files for b in imports[a] if b in entry and b != a)
+    assert not crossing, f"benchmarks importing another benchmark: {crossing}"
+    owners = {}
+    for stem in sorted(entry):  # every part (not harness) is reached from one entry point only
+        seen, todo = set(), [stem]
+        while todo:
+            for dep in imports[todo.pop()] - seen - {"harness"}:
+                seen.add(dep)
+                todo.append(dep)
+        for part in seen:
+            owners.setdefault(part, set()).add(stem)
+    shared = {part: sorted(who) for part, who in owners.items() if len(who) > 1}
+    assert not shared, f"benchmark parts used by more than one benchmark (move them to harness.py): {shared}"
+    assert "harness" in files and len(entry) >= 5
