@@ -1,15 +1,15 @@
-"""The torch.distributed path (NCCL on GPUs, gloo on CPU): how a plan moves rows when no P2P transport
-serves it.
+"""The torch.distributed path's movements (NCCL on GPUs, gloo on CPU); nsa_cp/transport/dist.py picks one
+per request and hands it to the planner.
 
 Every gather is one *source stage* then one *movement*:
 
-* source stage (``Source``): what this rank contributes, written straight into its slot of the
-  collective's buffer, padding rows included: a copy of ``x`` ("copy"), its FP8 quantization
-  ("quant"), the fused add + RMSNorm ("norm") or both ("norm_quant"). One kernel on CUDA
-  (nsa_cp.kernels), the pure-torch reference on CPU (nsa_cp.reference). FP8 produces two streams,
-  ``q [rows, H]`` (float8_e4m3fn, carried as uint8) and ``scale [rows, H/128]`` (fp32, padding rows
-  ``1e-10/448``, what quantizing a zero row gives); the others one.
-* movement, chosen once per plan (``algo``):
+* source stage (``Source``, over the request's ``Stage``: nsa_cp/stage.py): what this rank contributes,
+  written straight into its slot of the collective's buffer, padding rows included: a copy of ``x``, its
+  quantization to a wire format, the fused add + RMSNorm, or both. One kernel on CUDA (nsa_cp.kernels),
+  the pure-torch reference on CPU (nsa_cp.reference). A wire format produces two streams (FP8: ``q
+  [rows, H]`` float8_e4m3fn carried as uint8, ``scale [rows, H/128]`` fp32, padding rows ``1e-10/448``,
+  what quantizing a zero row gives); the others one.
+* movement, chosen once per plan (``algo``; the gathers' table ``_MOVES``):
   - "even": every rank fills its slot; one equal-shard all-gather, in place. A plain copy of an even
     layout skips the source stage: one all-gather on the caller's tensor, bitwise the old even path.
   - "padded": the source stage writes this rank's slot of the padded output, then an in-place

@@ -1,4 +1,4 @@
-"""A DeepSeek-V3.2-like layer stack as SGLang 0.5.23 itself binds it (tests/support/sglang_boundary.py: its
+"""A DeepSeek-V3.2-like layer stack as SGLang 0.5.23 itself binds it (tests/support/sglang_stack.py: its
 ``layer_stack`` / ``append_stages`` / ``declare_attn`` / ``declare_ffn``, its real RMSNorm, stand-in
 attention and in-place MoE), run on CPU / gloo with nsa_cp's plugin moves on (``install()``) and off
 (SGLang's own), worlds 2, 3 and 4, zigzag and interleave metadata, fp32 and bf16, padded and compact:
@@ -21,7 +21,7 @@ import traceback
 import pytest
 import torch
 
-import sglang_boundary
+import sglang_stack
 import sglang_env
 from dist_harness import case_failures, run_world
 
@@ -36,18 +36,18 @@ def _check(rank, world, strategy, seq_lens, dtype, compact, full_row):
     from nsa_cp.integrations.sglang import state
 
     kw = dict(seq_lens=seq_lens, strategy=strategy, dtype=dtype, full_row_attention=full_row, layers=2)
-    off = sglang_boundary.run_stack(rank, world, **kw)
+    off = sglang_stack.run_stack(rank, world, **kw)
     assert off["cp_gather"].endswith("_then_attn_cp_gather"), off["cp_gather"]
     os.environ["NSA_CP_SGLANG_COMPACT"] = "1" if compact else "0"
     state.reset()
     handle = nsa_sglang.install()
     try:
-        on = sglang_boundary.run_stack(rank, world, **kw)
+        on = sglang_stack.run_stack(rank, world, **kw)
     finally:
         handle.uninstall()
         os.environ.pop("NSA_CP_SGLANG_COMPACT")
     assert "nsa_cp" in on["cp_gather"], on["cp_gather"]
-    sglang_boundary.compare(on, off, sglang_boundary.reference_rows(rank, world, **kw), dtype, "stack")
+    sglang_stack.compare(on, off, sglang_stack.reference_rows(rank, world, **kw), dtype, "stack")
     physical, total = off["physical"], sum(off["logical"])
     assert off["moe_rows"] == [physical * world] * 2, off["moe_rows"]
     assert on["moe_rows"] == [total if compact else physical * world] * 2, on["moe_rows"]
@@ -59,7 +59,7 @@ def _check(rank, world, strategy, seq_lens, dtype, compact, full_row):
 
 
 def _worker(rank, world, payload):
-    sglang_boundary.ensure_parallel(rank, world)
+    sglang_stack.ensure_parallel(rank, world)
     results = {}
     for key, (strategy, seq_lens, dname, layout, full_row) in payload.items():
         try:

@@ -4,7 +4,7 @@ group; the P2P transport maps the peers' buffers through CUDA IPC), worlds 2, 4 
 In every rank, as in a scheduler: SGLang's own ``load_plugins()`` (nsa_cp's entry point) applies the
 plugin's hooks; the plugin's ``ModelRunner.initialize`` hook body creates the attention-CP P2P transport,
 sized from a stand-in runner's SGLang limits (``chunked_prefill_size`` / ``max_prefill_tokens``, hidden
-size, dtype); then the DeepSeek-V3.2-like stack SGLang binds (tests/support/sglang_boundary.py) runs a
+size, dtype); then the DeepSeek-V3.2-like stack SGLang binds (tests/support/sglang_stack.py) runs a
 prefill-CP extend on CUDA. No nsa_cp call in between. Checked:
 
 * ``status()``: the hooks applied, P2P on with its bytes, the MoE gathers fused (add + RMSNorm + gather);
@@ -33,7 +33,7 @@ from unittest import mock
 import pytest
 import torch
 
-import sglang_boundary
+import sglang_stack
 import sglang_env
 from dist_harness import case_failures, rank_device, run_world
 from nsa_cp import _native
@@ -71,14 +71,14 @@ def _case(rank, world, strategy, seq_lens, compact, full_row, device):
         kw["seq_lens"] = [2 * world * world]
     before = dict(nsa_sglang.status()["fusions"]["gather"])
     try:
-        on = sglang_boundary.run_stack(rank, world, **kw)
+        on = sglang_stack.run_stack(rank, world, **kw)
     finally:
         os.environ.pop("NSA_CP_SGLANG_COMPACT")
         os.environ.pop("NSA_CP_BACKEND", None)
     torch.cuda.synchronize()
     patches = _own_moves()
     try:
-        off = sglang_boundary.run_stack(rank, world, **{**kw, "device": "cpu"})
+        off = sglang_stack.run_stack(rank, world, **{**kw, "device": "cpu"})
     finally:
         for p in patches:
             p.stop()
@@ -86,7 +86,7 @@ def _case(rank, world, strategy, seq_lens, compact, full_row, device):
     kw.pop("device")
     # the plugin-off run sums the MoE partials over gloo in bf16 (world - 1 roundings, measured: 2 bf16 ulps
     # at 4 ranks, 2026-12-02), the P2P reduce-scatter in fp32 rounded once: world roundings apart at most
-    sglang_boundary.compare(on, off, sglang_boundary.reference_rows(rank, world, **kw), DTYPE, "stack on the GPU",
+    sglang_stack.compare(on, off, sglang_stack.reference_rows(rank, world, **kw), DTYPE, "stack on the GPU",
                             roundings=world)
     physical, total = off["physical"], sum(off["logical"])
     assert on["moe_rows"] == [total if compact else physical * world] * 2, on["moe_rows"]
@@ -94,7 +94,7 @@ def _case(rank, world, strategy, seq_lens, compact, full_row, device):
     after = nsa_sglang.status()["fusions"]["gather"]
     fused = after.get("fused_add_rmsnorm_all_gather", 0) - before.get("fused_add_rmsnorm_all_gather", 0)
     assert fused == 2, (before, after)
-    transport = get_p2p(sglang_boundary.ensure_parallel(rank, world).device_group)
+    transport = get_p2p(sglang_stack.ensure_parallel(rank, world).device_group)
     # the MoE's input is the gathered tensor: a view of a P2P gather buffer
     spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in transport._gathers]
     assert all(any(lo <= p < hi for lo, hi in spans) for p in on["moe_ptrs"]), "the MoE input is not P2P's"
@@ -108,7 +108,7 @@ def _worker(rank, world, payload):
     device = rank_device(rank)
     torch.cuda.set_device(device)
     logging.getLogger("nsa_cp").setLevel(logging.INFO)
-    coordinator = sglang_boundary.ensure_parallel(rank, world)
+    coordinator = sglang_stack.ensure_parallel(rank, world)
     load_plugins()  # SGLang's own: nsa_cp's entry point registers, SGLang applies the hooks
     import nsa_cp.integrations.sglang as nsa_sglang
     from nsa_cp.integrations.sglang import plugin
@@ -116,8 +116,8 @@ def _worker(rank, world, payload):
     results = {}
     try:
         runner = NS(server_args=NS(chunked_prefill_size=256, max_prefill_tokens=512, enable_symm_mem=False),
-                    model_config=NS(hidden_size=sglang_boundary.H, dtype=DTYPE))
-        with sglang_boundary.sglang_runtime("zigzag"):
+                    model_config=NS(hidden_size=sglang_stack.H, dtype=DTYPE))
+        with sglang_stack.sglang_runtime("zigzag"):
             plugin._initialize_hook(lambda r: None, runner)  # what SGLang's patched initialize runs after loading
         for name in plugin.BOUNDARY_MODULES:  # the model's construction imports them
             importlib.import_module(name)
