@@ -176,6 +176,22 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "model loads, before SGLang sizes its KV cache) where the group is on one node and P2P can serve "
         "it, sized from SGLang's prefill limits; 0 never (nsa_cp's NCCL path)",
     ),
+    "NSA_CP_VLLM": (
+        _flag("NSA_CP_VLLM", True),
+        "vLLM plugin (entry point nsa_cp, group vllm.general_plugins): 1 routes the prefill-CP MoE gather "
+        "and reduce-scatter through nsa_cp in every worker; 0 patches nothing (logged)",
+    ),
+    "NSA_CP_VLLM_COMPACT": (
+        _flag("NSA_CP_VLLM_COMPACT", False),
+        "inside vLLM: 0 keeps vLLM's padded [P * M, H] MoE gather; 1 gathers only the real rows (hidden "
+        "states and router logits), with forward_context.is_padding describing the same rows (docs/vllm.md)",
+    ),
+    "NSA_CP_VLLM_P2P": (
+        _flag("NSA_CP_VLLM_P2P", True),
+        "inside vLLM: 1 creates the PCP group's P2P transport in every worker (after the model loads, "
+        "before vLLM profiles memory for its KV cache) where the group is on one node and P2P can serve "
+        "it, sized from max_num_batched_tokens; 0 never (nsa_cp's NCCL path)",
+    ),
     "NSA_CP_BUILD_CUDA": (
         _choice("NSA_CP_BUILD_CUDA", "auto", ("auto", "0", "1")),
         "setup.py: build nsa_cp._C with nvcc ('1'), never ('0'), or when nvcc is found ('auto')",

@@ -393,3 +393,23 @@ def gloo_case_test(cases_module, world_sizes):
         assert not failures, "\n".join(failures)
 
     return test_case
+
+
+def run_spawned(target, *args, timeout_s: float = 240):
+    """``target(*args, queue)`` in a fresh ``spawn``-ed process, as SGLang starts a scheduler and vLLM a
+    worker; returns the one result it queues (a dict; an ``"error"`` key fails the caller's test with the
+    child's traceback)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    try:
+        out = queue.get(timeout=timeout_s)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert "error" not in out, out["error"]
+    return out

@@ -18,6 +18,8 @@ import importlib.util
 import os
 from unittest import mock
 
+from dist_harness import run_spawned  # noqa: F401  (the SGLang tests call it from here)
+
 REQUIRED = os.environ.get("NSA_TEST_REQUIRE_SGLANG", "") == "1"
 MODULES = (
     "sglang.srt.layers.layer_boundary.boundary", "sglang.srt.layers.layer_boundary.construction",
@@ -161,20 +163,3 @@ def read_step():
     return partial(_update_read, pre_move=None, enters_stack=False, read=NORM_READOUT)
 
 
-def run_spawned(target, *args, timeout_s: float = 240):
-    """``target(*args, queue)`` in a fresh ``spawn``-ed process, as SGLang starts a scheduler; returns the
-    one result it queues (a dict; an ``"error"`` key fails the caller's test with the child's traceback)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
-    proc.start()
-    try:
-        out = queue.get(timeout=timeout_s)
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-    assert "error" not in out, out["error"]
-    return out

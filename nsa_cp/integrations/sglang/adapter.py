@@ -31,13 +31,12 @@ import torch
 import torch.distributed as dist
 
 from ... import envs
-from ...collectives import cp_all_gather, cp_reduce_scatter, fused_add_rmsnorm_all_gather
+from ...collectives import fused_add_rmsnorm_all_gather
 from ...communicator import NSACPLayerCommunicator
 from ...layout import ShardLayout
-from ...transport import init_nccl, init_p2p, nccl_unavailable_reason, p2p_unavailable_reason
-from ...transport.p2p import get_p2p
+from .. import core
 from . import readstep, runtime, state
-from .metadata import int_list, layout_from_cp_metadata, physical_rows, which_layout
+from .metadata import int_list, layout_from_cp_metadata, physical_rows
 
 logger = logging.getLogger("nsa_cp")
 
@@ -119,29 +118,12 @@ class CpMovesAdapter:
 
     def create_transport(self, max_tokens_per_rank: int, hidden_size: int, dtype: torch.dtype, device=None,
                          *, p2p: bool = True) -> dict:
-        """Create this group's transport: the P2P transport where ``p2p`` and the group can take it (one
-        node, ``nsa_cp._C``, CUDA), else nsa_cp's NCCL communicator where the group is NCCL. Collective:
-        every rank of the group calls it, and every rank reaches the same decision. Returns the decision
-        ``{"on", "bytes", "max_tokens_per_rank", "reason", "nccl"}`` (``on``: P2P is on; ``reason``: why not)."""
-        group = self.group
-        reason = "NSA_CP_SGLANG_P2P=0" if not p2p else p2p_unavailable_reason(group, device)
-        if reason is None:
-            transport = get_p2p(group)
-            fits = transport is not None and transport.max_tokens_per_rank >= max_tokens_per_rank \
-                and transport.hidden_size == hidden_size and transport.dtype == dtype
-            if not fits:
-                transport = init_p2p(group, max_tokens_per_rank, hidden_size, dtype, device)
-            return state.transport_decision(on=True, bytes=transport.workspace_bytes,
-                                            max_tokens_per_rank=transport.max_tokens_per_rank)
-        decision = state.transport_decision(reason=reason, max_tokens_per_rank=int(max_tokens_per_rank))
-        # the NCCL path: nsa_cp's own communicator where it can be made (less host time per uneven call)
-        nccl_reason = nccl_unavailable_reason(group) if torch.cuda.is_available() else "no CUDA device"
-        if nccl_reason is None:
-            init_nccl(group, device)
-            decision["nccl"] = "nsa_cp's NCCL communicator"
-        else:
-            decision["nccl"] = f"torch's process group ({nccl_reason})"
-        return decision
+        """Create this group's transport (``integrations.core.create_transport``): P2P where ``p2p`` and the
+        group can take it (one node, ``nsa_cp._C``, CUDA), else nsa_cp's NCCL communicator where the group is
+        NCCL. Collective: every rank of the group calls it, and every rank reaches the same decision. Returns
+        the decision ``{"on", "bytes", "max_tokens_per_rank", "reason", "nccl"}``."""
+        return core.create_transport(self.group, max_tokens_per_rank, hidden_size, dtype, device, p2p=p2p,
+                                     off_reason="NSA_CP_SGLANG_P2P=0")
 
     def _transport_once(self) -> None:
         """The transport asked for in the constructor (``p2p_max_tokens_per_rank``), created on first use."""
@@ -165,13 +147,6 @@ class CpMovesAdapter:
         self.used = True
         logger.info("nsa_cp: SGLang CP moves in use (rank %d of the attention-CP group, %s MoE gather)",
                     dist.get_rank(self.group), "compact" if compact else "padded")
-
-    def _note_p2p_capacity(self, layout: ShardLayout) -> None:
-        transport = get_p2p(self.group)
-        if transport is not None and not layout.is_even and layout.max_rank_len > transport.max_tokens_per_rank:
-            state.STATE.nccl_batches += 1
-            state.once("p2p-capacity", logging.INFO, "nsa_cp: a batch of %d rows per rank exceeds the P2P transport's "
-                       "%d: such batches take the NCCL path", layout.max_rank_len, transport.max_tokens_per_rank)
 
     # --- which batches SGLang's own moves take
     def admit(self, name: str, hidden_states, forward_batch) -> Tuple[Optional[str], Optional[tuple]]:
@@ -224,7 +199,7 @@ class CpMovesAdapter:
         if not self.used:
             self._first_use(compact)
         self._transport_once()
-        self._note_p2p_capacity(layout)
+        core.over_capacity(state.STATE, self.group, layout)
         kw = dict(group=self.group, compact=compact, backend=self.backend, validate=self.validate)
         fused = readstep.NotFusable("fuse=False") if not self.fuse else readstep.plain_add_rmsnorm(
             gather, hidden_states, residual, norm, None if update is NOT_GIVEN else update, call)
@@ -246,35 +221,22 @@ class CpMovesAdapter:
                 f"hidden_states: expected {rows} local rows (per_rank_actual_token[{rank}], of which {n} real), "
                 f"got shape {list(x.shape)}", f"local rows not the metadata's ({x.shape[0]}; {rows})", x, residual)
         state.count(state.STATE.gathers, "read_then_gather")
-        return cp_all_gather(x[:n], layout, **kw), residual
+        return core.gather_rows(x, layout, rank, **kw), residual
 
     def take_back(self, hidden_states, residual, forward_batch, *, geometry: Optional[tuple] = None, **kwargs):
         """This rank's ``[physical, H]`` rows of a complete output, padded ``[max_rank_len * cp, H]`` (a
         view, or a copy where a P2P transport serves the group) or compact ``[sum(n), H]`` (a copy, the
         rows past the real count zero)."""
-        md, layout, rank, rows = geometry or self._geometry(forward_batch)
-        compact = which_layout("hidden_states", hidden_states, layout)
-        if compact:
-            n, start = layout.count(rank), layout.offsets[rank]
-            out = hidden_states.new_zeros((rows, *hidden_states.shape[1:]))
-            out[:n].copy_(hidden_states[start : start + n])
-            return out, residual
-        start = rank * layout.max_rank_len
-        back = hidden_states[start : start + rows]
-        # an in-place MoE's output can be the P2P transport's gather buffer, which the next gathers reuse
-        return (back.clone() if get_p2p(self.group) is not None else back), residual
+        _, layout, rank, rows = geometry or self._geometry(forward_batch)
+        return core.take_back_rows(hidden_states, layout, rank, rows, self.group), residual
 
     def reduce_scatter(self, hidden_states, residual, forward_batch, *, geometry: Optional[tuple] = None,
                        **kwargs):
         """Sum the ranks' partials (padded ``[max_rank_len * cp, H]`` or compact ``[sum(n), H]``) and return
         this rank's ``[physical, H]`` rows (the rows past the real count zero), in a fresh tensor."""
-        md, layout, rank, rows = geometry or self._geometry(forward_batch)
-        compact = which_layout("hidden_states", hidden_states, layout)
-        n = layout.count(rank)
-        out = hidden_states.new_empty((rows, *hidden_states.shape[1:]))
-        out[n:].zero_()
-        cp_reduce_scatter(hidden_states, layout, self.group, compact=compact, out=out[:n], backend=self.backend,
-                          validate=self.validate)
+        _, layout, rank, rows = geometry or self._geometry(forward_batch)
+        out = core.reduce_scatter_rows(hidden_states, layout, rank, rows, self.group, backend=self.backend,
+                                       validate=self.validate)
         return out, residual
 
     def reduce_scatter_group(self):

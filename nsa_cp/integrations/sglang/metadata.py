@@ -23,6 +23,7 @@ from typing import Any, List, Optional
 import torch
 
 from ...layout import ShardLayout
+from ..core import which_layout  # noqa: F401  (re-exported: the adapter and tests read it from here)
 
 logger = logging.getLogger("nsa_cp")
 
@@ -93,18 +94,3 @@ def physical_rows(md: Any, rank: int, layout: ShardLayout) -> int:
     """Rows of this rank's local tensors in SGLang: its physical (padded) count."""
     actual = int_list(md, "per_rank_actual_token")
     return actual[rank] if actual else layout.count(rank)
-
-
-def which_layout(name: str, t: torch.Tensor, layout: ShardLayout) -> bool:
-    """True for the compact ``[total_len, ...]`` rows, False for the padded ``[padded_len, ...]`` (the same
-    when there is no padding); ValueError for anything else."""
-    if isinstance(t, torch.Tensor) and t.dim() >= 1:
-        if t.shape[0] == layout.padded_len:
-            return False
-        if t.shape[0] == layout.total_len:
-            return True
-    got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-    raise ValueError(
-        f"{name}: expected [{layout.padded_len}, ...] (padded: max_rank_len {layout.max_rank_len} * cp_size "
-        f"{layout.cp_size}, rank-major) or [{layout.total_len}, ...] (compact: the real rows), got {got}"
-    )

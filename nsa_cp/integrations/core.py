@@ -1,0 +1,186 @@
+"""The engine-independent core of nsa_cp's engine plugins (``sglang``, ``vllm``); imports no engine.
+
+Both engines pad every CP rank's shard up front to one physical length and move the MoE's rows rank-major;
+only how a batch's counts are found and where the moves are hooked differ. What they share lives here:
+
+* :class:`IntegrationState`, what a plugin did in this process (one instance per engine binding), with
+  :func:`count`, :func:`record` and :func:`once` (a per-batch reason is logged once per process, not per
+  layer) and :func:`transport_decision` (the ``status()["p2p"]`` record);
+* :func:`create_transport`: the CP group's transport, created collectively once per worker: P2P where the
+  group is on one node and P2P can serve it, else nsa_cp's NCCL communicator where one can be made;
+* :func:`over_capacity`: a batch larger than the P2P transport serves (it takes the NCCL path, logged once);
+* the moves on a rank's physical rows (``rows`` local rows, of which the layout's ``n`` are real, padding
+  last): :func:`gather_rows` (``[rows, H]`` -> padded ``[M * cp, H]`` with the padding rows zero, or compact
+  ``[T, H]``), :func:`reduce_scatter_rows` (either layout -> a fresh ``[rows, H]``, zeros past ``n``) and
+  :func:`take_back_rows` (this rank's ``[rows, H]`` of a complete output);
+* :func:`which_layout`: a tensor's row count -> compact or padded.
+
+Shapes: ``M = layout.max_rank_len`` (the engine's physical length: ``align`` is set so), ``T =
+layout.total_len``; rank q's rows sit at ``q * M`` (padded) or ``layout.offsets[q]`` (compact).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import cp_all_gather, cp_reduce_scatter
+from ..layout import ShardLayout
+from ..transport import init_nccl, init_p2p, nccl_unavailable_reason, p2p_unavailable_reason
+from ..transport.p2p import get_p2p
+
+logger = logging.getLogger("nsa_cp")
+
+__all__ = ["IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
+           "over_capacity", "gather_rows", "reduce_scatter_rows", "take_back_rows", "which_layout"]
+
+
+@dataclass
+class IntegrationState:
+    """Everything a plugin's ``status()`` reports beyond its live bindings.
+
+    * ``handed``: the plugin handed its hooks to the engine (or patched them); ``registered``: they are in
+      place (for SGLang: seen from the first hook that ran); ``register_error``: why not.
+    * ``p2p``: the worker's transport decision (:func:`transport_decision`); None until it was made.
+    * ``gathers``: MoE gathers that ran, by kind; ``unfused``: why a gather did not fuse, by reason;
+      ``scatters``: reduce-scatters that ran, by kind.
+    * ``declined``: the engine's own move ran instead of nsa_cp's, by reason (counted per call).
+    * ``nccl_batches``: batches that took the NCCL path though a P2P transport exists (too large for it).
+    """
+
+    handed: bool = False
+    registered: bool = False
+    register_error: Optional[str] = None
+    p2p: Optional[dict] = None
+    gathers: Dict[str, int] = field(default_factory=dict)
+    unfused: Dict[str, int] = field(default_factory=dict)
+    scatters: Dict[str, int] = field(default_factory=dict)
+    declined: Dict[str, int] = field(default_factory=dict)
+    nccl_batches: int = 0
+
+    def reset(self) -> None:
+        """A fresh state, in place (tests)."""
+        self.__dict__.update(IntegrationState().__dict__)
+
+
+_LOGGED: set = set()
+
+
+def count(table: Dict[str, int], key: str) -> None:
+    table[key] = table.get(key, 0) + 1
+
+
+def once(key: str, level: int, msg: str, *args) -> None:
+    """Log ``msg`` the first time ``key`` comes up in this process."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.log(level, msg, *args)
+
+
+def record(table: Dict[str, int], reason: str, msg: str) -> None:
+    """Count ``reason`` in ``table`` by its kind (``"<kind> (<this batch's details>)"``: the text before the
+    details) and log ``msg % reason`` the first time that kind comes up."""
+    kind = reason.split(" (", 1)[0]
+    count(table, kind)
+    once(f"{id(table)}:{kind}", logging.INFO, msg, reason)
+
+
+def reset_logged() -> None:
+    _LOGGED.clear()
+
+
+def transport_decision(*, on: bool = False, bytes: Optional[int] = None, max_tokens_per_rank: Optional[int] = None,
+                       reason: Optional[str] = None, nccl: Optional[str] = None) -> dict:
+    """A worker's transport decision, as ``status()["p2p"]`` reports it: ``on`` (P2P is on), ``bytes`` (its
+    workspace on this GPU), ``max_tokens_per_rank``, ``reason`` (why not), ``nccl`` (what the NCCL path is)."""
+    return {"on": on, "bytes": bytes, "max_tokens_per_rank": max_tokens_per_rank, "reason": reason, "nccl": nccl}
+
+
+def create_transport(group: Optional[dist.ProcessGroup], max_tokens_per_rank: int, hidden_size: int,
+                     dtype: torch.dtype, device=None, *, p2p: bool = True, off_reason: str = "P2P off") -> dict:
+    """Create ``group``'s transport: P2P where ``p2p`` and the group can take it (one node, ``nsa_cp._C``,
+    CUDA; an existing transport that fits is kept), else nsa_cp's NCCL communicator where the group is NCCL.
+    Collective: every rank of the group calls it and reaches the same decision. ``off_reason`` is the
+    reason recorded when ``p2p`` is False (the engine's off switch). Returns :func:`transport_decision`."""
+    reason = off_reason if not p2p else p2p_unavailable_reason(group, device)
+    if reason is None:
+        transport = get_p2p(group)
+        fits = transport is not None and transport.max_tokens_per_rank >= max_tokens_per_rank \
+            and transport.hidden_size == hidden_size and transport.dtype == dtype
+        if not fits:
+            transport = init_p2p(group, max_tokens_per_rank, hidden_size, dtype, device)
+        return transport_decision(on=True, bytes=transport.workspace_bytes,
+                                  max_tokens_per_rank=transport.max_tokens_per_rank)
+    decision = transport_decision(reason=reason, max_tokens_per_rank=int(max_tokens_per_rank))
+    nccl_reason = nccl_unavailable_reason(group) if torch.cuda.is_available() else "no CUDA device"
+    if nccl_reason is None:
+        init_nccl(group, device)
+        decision["nccl"] = "nsa_cp's NCCL communicator"
+    else:
+        decision["nccl"] = f"torch's process group ({nccl_reason})"
+    return decision
+
+
+def over_capacity(state: IntegrationState, group: Optional[dist.ProcessGroup], layout: ShardLayout) -> bool:
+    """Whether this batch is larger than ``group``'s P2P transport serves (it then takes the NCCL path:
+    counted in ``state.nccl_batches``, logged once per process)."""
+    transport = get_p2p(group)
+    if transport is None or layout.is_even or layout.max_rank_len <= transport.max_tokens_per_rank:
+        return False
+    state.nccl_batches += 1
+    once("p2p-capacity", logging.INFO, "nsa_cp: a batch of %d rows per rank exceeds the P2P transport's %d: such "
+         "batches take the NCCL path", layout.max_rank_len, transport.max_tokens_per_rank)
+    return True
+
+
+def which_layout(name: str, t: torch.Tensor, layout: ShardLayout) -> bool:
+    """True for the compact ``[total_len, ...]`` rows, False for the padded ``[padded_len, ...]`` (the same
+    when there is no padding); ValueError naming ``name`` for anything else."""
+    if isinstance(t, torch.Tensor) and t.dim() >= 1:
+        if t.shape[0] == layout.padded_len:
+            return False
+        if t.shape[0] == layout.total_len:
+            return True
+    got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+    raise ValueError(
+        f"{name}: expected [{layout.padded_len}, ...] (padded: max_rank_len {layout.max_rank_len} * cp_size "
+        f"{layout.cp_size}, rank-major) or [{layout.total_len}, ...] (compact: the real rows), got {got}"
+    )
+
+
+def gather_rows(x: torch.Tensor, layout: ShardLayout, rank: int, group, *, compact: bool, **kw) -> torch.Tensor:
+    """``x [rows, ...]`` (this rank's physical rows, the first ``layout.count(rank)`` real) -> every rank's
+    real rows: padded ``[M * cp, ...]`` (padding rows zero) or compact ``[T, ...]``. ``kw``: ``backend``,
+    ``validate`` as for ``cp_all_gather``."""
+    return cp_all_gather(x[: layout.count(rank)], layout, group, compact=compact, **kw)
+
+
+def reduce_scatter_rows(partials: torch.Tensor, layout: ShardLayout, rank: int, rows: int, group, *,
+                        name: str = "hidden_states", **kw) -> torch.Tensor:
+    """Sum the ranks' partials (padded ``[M * cp, ...]`` or compact ``[T, ...]``, told apart by the row count)
+    and return this rank's ``[rows, ...]`` (zeros past its real count) in a fresh tensor."""
+    compact = which_layout(name, partials, layout)
+    n = layout.count(rank)
+    out = partials.new_empty((rows, *partials.shape[1:]))
+    out[n:].zero_()
+    cp_reduce_scatter(partials, layout, group, compact=compact, out=out[:n], **kw)
+    return out
+
+
+def take_back_rows(full: torch.Tensor, layout: ShardLayout, rank: int, rows: int, group, *,
+                   name: str = "hidden_states") -> torch.Tensor:
+    """This rank's ``[rows, ...]`` of a complete output, padded ``[M * cp, ...]`` (a view, or a copy where a
+    P2P transport serves the group: its gathered rows live in a buffer the next gathers reuse) or compact
+    ``[T, ...]`` (a copy, the rows past the real count zero)."""
+    if which_layout(name, full, layout):
+        n, start = layout.count(rank), layout.offsets[rank]
+        out = full.new_zeros((rows, *full.shape[1:]))
+        out[:n].copy_(full[start : start + n])
+        return out
+    start = rank * layout.max_rank_len
+    back = full[start : start + rows]
+    return back.clone() if get_p2p(group) is not None else back

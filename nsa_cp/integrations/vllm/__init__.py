@@ -1,0 +1,23 @@
+"""vLLM adapter: vLLM's prefill-context-parallel (PCP) MoE gather and reduce-scatter on nsa_cp.
+
+Nothing here imports ``vllm`` at load; vLLM is touched when the plugin registers (:func:`vllm_plugin`,
+:func:`install`) and when the wrapped methods run.
+
+* :func:`vllm_plugin`: the entry point ``nsa_cp`` of the group ``vllm.general_plugins``; with it, every
+  worker's ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` move the PCP group's rows through nsa_cp
+  (``moe``), with the per-step counts kept from vLLM's own ``PCPManager`` (``step``), and the PCP
+  group's P2P transport created after the model loads (``worker``). The shared, engine-independent part
+  is ``nsa_cp.integrations.core``.
+* :func:`status`: what is wrapped and what ran in this process.
+* ``NSA_CP_VLLM`` (on), ``NSA_CP_VLLM_COMPACT`` (off), ``NSA_CP_VLLM_P2P`` (on): ``nsa_cp/envs.py``.
+
+What vLLM does at this boundary and what the plugin changes: docs/vllm.md.
+"""
+
+from .moe import admit, combine, dispatch
+from .plugin import TARGETS, install, status, uninstall, vllm_plugin
+from .runtime import TESTED_VLLM
+from .step import StepLayout
+
+__all__ = ["vllm_plugin", "install", "uninstall", "status", "TARGETS", "TESTED_VLLM", "StepLayout", "admit",
+           "dispatch", "combine"]

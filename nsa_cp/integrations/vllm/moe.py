@@ -1,0 +1,127 @@
+"""vLLM's PCP MoE boundary on nsa_cp: ``MoERunner._maybe_dispatch`` / ``_maybe_combine``.
+
+Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's real rows, padding last,
+``T`` = the real rows of all ranks, ``P`` = the PCP size):
+
+* :func:`dispatch` ``(original, runner, hidden_states [M, H], router_logits [M, E])``:
+  - padded (``NSA_CP_VLLM_COMPACT=0``): ``([P * M, H], [P * M, E])`` rank-major as vLLM's all-gather
+    lays them out. The hidden states go through nsa_cp (only the real rows move; the padding rows are
+    zero, where vLLM's carry computed values the routers mask); the router logits through vLLM's own
+    all-gather (small; their padding rows are the ones ``forward_context.is_padding`` masks, as today);
+  - compact (``NSA_CP_VLLM_COMPACT=1``): ``([T, H], [T, E])``, rank q's rows at ``offsets[q]``, both
+    through nsa_cp's compact gather; ``forward_context.is_padding`` is swapped for the compact rows' mask
+    (all real) while the MoE runs, and put back by :func:`combine`. Routing then masks exactly what vLLM
+    masks today: the padding rows are not there.
+* :func:`combine` ``(original, runner, shared_output, routed [P * M, H] | [T, H])``: the sum over ranks of
+  this rank's real rows, ``[M, H]`` with zeros past ``n`` (vLLM's reduce-scatter leaves padding partials
+  there; nothing reads them), returned as vLLM returns it (with ``shared_output`` where the runner has
+  shared experts).
+* :func:`admit` says why vLLM's own moves take a call, and such calls run vLLM's functions untouched:
+  naive DP/EP dispatch first (``do_naive_dispatch_combine``), CUDA-graph capture (vLLM's collectives are
+  what the graph replays), a forward that is not a partitioned step's (dummy, profile, micro-batched), rows
+  that are not the step's. Logged once per reason, counted in ``status()["declined"]``; never a raise.
+  PCP size 1 and the all2all (EP) kernels are not this boundary: vLLM's functions run, nothing is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+from ... import envs
+from .. import core
+from . import runtime, step
+
+logger = logging.getLogger("nsa_cp")
+
+STATE = core.IntegrationState()
+
+
+class _Pending:
+    """What a dispatch nsa_cp served hands its combine: the step, the layout used, the mask to restore."""
+
+    __slots__ = ("step", "compact", "context", "saved_mask")
+
+    def __init__(self, step_layout, compact, context, saved_mask):
+        self.step, self.compact, self.context, self.saved_mask = step_layout, compact, context, saved_mask
+
+    def restore(self) -> None:
+        if self.compact and self.context is not None:
+            self.context.is_padding = self.saved_mask
+
+
+def _this_boundary(runner: Any) -> bool:
+    config = runner.moe_config
+    return config.pcp_size > 1 and not config.moe_parallel_config.use_all2all_kernels
+
+
+def admit(runner: Any, hidden_states: Any) -> Tuple[Optional[str], Optional[Any], Any]:
+    """``(reason, None, context)``: why vLLM's own moves take this call; else ``(None, step, context)``."""
+    context = runtime.forward_context()
+    if runner.do_naive_dispatch_combine:
+        return "naive DP/EP dispatch before the PCP gather (vLLM's moves keep its order)", None, context
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph capture (the graph replays vLLM's own collectives)", None, context
+    current = step.for_forward(context)
+    if current is None:
+        return "a forward that is not a PCP step's (dummy, profile or micro-batched run)", None, context
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
+        return f"hidden states of type {type(hidden_states).__name__}", None, context
+    rows = hidden_states.shape[0]
+    if rows != current.rows or current.layout.max_rank_len != current.rows:
+        return f"rows not the step's ({rows}; M {current.rows}, counts {list(current.layout.per_rank_actual_token)})", \
+            None, context
+    size = runtime.pcp_size()
+    if current.layout.cp_size != size:
+        return f"a layout of another group size ({current.layout.cp_size} ranks, PCP {size})", None, context
+    return None, current, context
+
+
+def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor):
+    """Around ``MoERunner._maybe_dispatch`` (module docstring)."""
+    stale = getattr(runner, "_nsa_cp_pending", None)
+    if stale is not None:  # a MoE that raised between dispatch and combine: its mask back first
+        stale.restore()
+        runner._nsa_cp_pending = None
+    if not _this_boundary(runner):
+        return original(runner, hidden_states, router_logits)
+    reason, current, context = admit(runner, hidden_states)
+    if reason is not None:
+        core.record(STATE.declined, reason, "nsa_cp: vLLM's own PCP MoE moves for such calls: %s")
+        return original(runner, hidden_states, router_logits)
+    layout, group, rank = current.layout, runtime.pcp_device_group(), runtime.pcp_rank()
+    compact = bool(envs.NSA_CP_VLLM_COMPACT)
+    core.over_capacity(STATE, group, layout)
+    hidden = core.gather_rows(hidden_states, layout, rank, group, compact=compact)
+    saved = None
+    if compact:
+        logits = core.gather_rows(router_logits, layout, rank, group, compact=True)
+        saved = context.is_padding
+        context.is_padding = current.compact_padding(hidden)
+        core.count(STATE.gathers, "compact")
+    else:
+        logits = runtime.pcp_group().all_gather(router_logits, dim=0)
+        core.count(STATE.gathers, "padded")
+    runner._nsa_cp_pending = _Pending(current, compact, context, saved)
+    return hidden, logits
+
+
+def combine(original: Callable, runner: Any, shared_output, hidden_states):
+    """Around ``MoERunner._maybe_combine`` (module docstring)."""
+    pending = getattr(runner, "_nsa_cp_pending", None)
+    if pending is None:
+        return original(runner, shared_output, hidden_states)
+    runner._nsa_cp_pending = None
+    pending.restore()
+    if not isinstance(hidden_states, torch.Tensor):  # vLLM raises the same for a deferred output
+        raise RuntimeError("PCP reduce-scatter cannot consume a deferred MoE output.")
+    current = pending.step
+    out = core.reduce_scatter_rows(hidden_states, current.layout, runtime.pcp_rank(), current.rows,
+                                   runtime.pcp_device_group())
+    core.count(STATE.scatters, "compact" if pending.compact else "padded")
+    if runner.shared_experts is not None:
+        assert shared_output is not None
+        return shared_output, out
+    return out

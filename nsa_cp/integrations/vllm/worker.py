@@ -1,0 +1,72 @@
+"""Once per vLLM worker: the PCP group's transport, sized from vLLM's own limits.
+
+Contract: :func:`setup_transport` ``(worker)`` runs right after ``Worker.load_model()`` (the plugin wraps
+it), before ``determine_available_memory()`` profiles the memory left for the KV cache, so the
+transport's buffers are part of what vLLM accounts for. It is collective over the PCP group (every
+worker loads its model), and it never raises into vLLM: a failure is logged with its cause and leaves
+nsa_cp's moves on the NCCL path. The decision goes to ``status()["p2p"]`` and to one log line.
+
+Sizing (:func:`max_tokens_per_rank`): a step schedules at most ``max_num_batched_tokens`` tokens; the
+DualChunkSwap split gives a rank two chunks of ``ceil(len / 2P)`` per prefill (at most ``len / P + 2``
+rows) and replicates short requests, so a rank holds at most ``ceil(T / P) + 2 * max_num_seqs`` rows,
+and never more than ``T``. A step whose shards come out larger takes the NCCL path for that step
+(logged once), never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ... import envs
+from .. import core
+from . import moe, runtime
+
+logger = logging.getLogger("nsa_cp")
+
+
+def max_tokens_per_rank(scheduler_config: Any, pcp: int) -> Optional[int]:
+    """Rows per rank the transport is sized for, from vLLM's scheduler limits; None without them."""
+    tokens = getattr(scheduler_config, "max_num_batched_tokens", None)
+    if not tokens or pcp < 1:
+        return None
+    seqs = int(getattr(scheduler_config, "max_num_seqs", 0) or 0)
+    return min(int(tokens), -(-int(tokens) // pcp) + 2 * seqs)
+
+
+def setup_transport(worker: Any) -> dict:
+    """Create (or reuse) this worker's PCP transport; returns and records the decision."""
+    if moe.STATE.p2p is not None and moe.STATE.p2p.get("on"):
+        return moe.STATE.p2p
+    decision = _decide(worker)
+    moe.STATE.p2p = decision
+    if decision["on"]:
+        logger.info("nsa_cp: P2P transport of the PCP group on: %d rows per rank, %.1f MiB on this GPU, created "
+                    "before vLLM profiles memory for its KV cache", decision["max_tokens_per_rank"],
+                    decision["bytes"] / 2**20)
+    else:
+        logger.info("nsa_cp: P2P transport off (%s); the PCP MoE gather and reduce-scatter take the NCCL path "
+                    "through %s", decision["reason"], decision["nccl"] or "torch's process group")
+    return decision
+
+
+def _decide(worker: Any) -> dict:
+    coordinator = runtime.pcp_group_or_none()
+    pcp = getattr(coordinator, "world_size", 1) if coordinator is not None else 1
+    if pcp < 2:
+        return core.transport_decision(reason=f"prefill context parallel size {pcp}")
+    config = getattr(worker, "vllm_config", None)
+    model_config = getattr(config, "model_config", None)
+    rows = max_tokens_per_rank(getattr(config, "scheduler_config", None), pcp)
+    hidden = model_config.get_hidden_size() if hasattr(model_config, "get_hidden_size") else None
+    dtype = getattr(model_config, "dtype", None)
+    if rows is None or hidden is None or dtype is None:
+        return core.transport_decision(reason=f"vLLM's sizes not found (rows per rank {rows}, hidden size {hidden}, "
+                                       f"dtype {dtype})")
+    try:
+        return core.create_transport(coordinator.device_group, rows, int(hidden), dtype,
+                                     getattr(worker, "device", None), p2p=envs.NSA_CP_VLLM_P2P,
+                                     off_reason="NSA_CP_VLLM_P2P=0")
+    except Exception as e:  # noqa: BLE001  never break vLLM's start: the NCCL path, said loudly
+        logger.exception("nsa_cp: could not create the PCP transport")
+        return core.transport_decision(reason=f"creating it failed ({type(e).__name__}: {e})")
