@@ -26,7 +26,7 @@ mkdir -p "$LOGS"
 # shards (files), the busiest first; "rest" is every other test file but the fault tests
 SHARD_p2p="tests/transports/test_p2p_gpu.py"
 SHARD_example="tests/package/test_example.py tests/package/test_example_exit.py"
-SHARD_runs="tests/bench/test_benchmarks_smoke.py tests/integrations/sglang/test_sglang_gpu.py tests/integrations/sglang/test_sglang_boundary_gpu.py"
+SHARD_runs="tests/bench/test_benchmarks_smoke.py tests/integrations/sglang/test_sglang_gpu.py tests/integrations/sglang/test_sglang_boundary_gpu.py tests/integrations/vllm/test_vllm_shapes.py"
 # SGLang's own code on CPU / gloo (they skip where SGLang is not installed: scripts/gpu_sglang.sh). With
 # SGLang carried, every rank process imports it: over 370 s on 1x H200's 16 cores beside the other shards
 # (2026-12-01), so give it a call of its own (SHARDS="sglang")

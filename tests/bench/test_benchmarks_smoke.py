@@ -50,9 +50,11 @@ SMOKE = {
     "plot_busbw.py": [("committed-csv", ["benchmarks/results/2xH200.csv", "--out", "{out}/plot.png"], ["plot.png"])],
     # counts only (SGLang's own split, no timing): it needs sglang, which CI installs (.ci/install_sglang.sh)
     "sglang_padding.py": [("sglang-split", [], [])],
+    # the same for vLLM's own PCP split: it needs vllm, which CI installs (.ci/install_vllm.sh)
+    "vllm_padding.py": [("vllm-split", [], [])],
 }
 # scripts that time nothing, so print no smoke-run label
-NOT_TIMED = ("readme_tables.py", "plot_busbw.py", "sglang_padding.py")
+NOT_TIMED = ("readme_tables.py", "plot_busbw.py", "sglang_padding.py", "vllm_padding.py")
 GPU_ONLY = {
     "host_overhead.py": "needs 1 CUDA GPU",
     "p2p_latency.py": "needs 2 CUDA GPU",
@@ -115,6 +117,10 @@ def test_script_runs_at_a_tiny_size(script, case, tmp_path):
         pytest.importorskip("matplotlib", reason='plot_busbw.py needs matplotlib (pip install -e ".[bench]")')
     if script == "sglang_padding.py":
         pytest.importorskip("sglang", reason="sglang_padding.py needs sglang==0.5.23 (bash .ci/install_sglang.sh)")
+    if script == "vllm_padding.py":
+        import vllm_env
+
+        vllm_env.require_vllm()
     argv = [str(BENCH / script)] + [a.replace("{out}", str(tmp_path)) for a in args]
     proc, took = _run(argv)
     text = proc.stdout + proc.stderr

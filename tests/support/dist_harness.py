@@ -10,6 +10,9 @@ ranks all use cuda:0, for checks of the P2P transport across processes on a mach
 memory maps the peers' buffers through CUDA IPC; the GPU time-slices the ranks' kernels). Cases ask
 ``rank_device(rank)`` for their device and ``shared_gpu()`` whether NCCL is out of reach.
 
+``run_spawned(target, *args)`` runs one function in a fresh ``spawn``-ed process (as SGLang starts a
+scheduler and vLLM a worker) and returns the dict it queues.
+
 ``WorldPool(world_size, backend, handler)`` keeps one such world alive and serves many small requests
 (``pool.run(payload)``), for tests that make hundreds of calls (the property tests).
 """

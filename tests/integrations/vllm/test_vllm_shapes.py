@@ -1,0 +1,204 @@
+"""nsa_cp's side of the vLLM plugin with vLLM-shaped layouts, without vLLM: the moves of
+``nsa_cp.integrations.vllm.moe`` on DualChunkSwap counts (prefills in 2P chunks, rank r taking chunks r
+and 2P-1-r, decodes round-robin; every rank padded to M = max(counts), or to a CUDA-graph bucket),
+three MoE layers back to back (an odd number: both P2P gather buffers, then the first again).
+
+* On CPU (gloo, worlds 2, 4 and 8): nsa_cp's torch.distributed path; runs everywhere.
+* On one GPU (worlds 2, 4 and 8 ranks sharing it; a gloo group and the P2P transport over CUDA IPC,
+  NSA_CP_P2P_MEMORY=cuda_ipc): the P2P path, as in a vLLM worker with the plugin's transport. Skips
+  cleanly without CUDA or nsa_cp._C.
+
+vLLM's runtime lookups (forward context, PCP group) are replaced by stand-ins with vLLM's field names:
+tests/integrations/vllm/test_vllm_moe.py runs the same moves against vLLM's own code on gloo. Checked per
+layer: every rank's real rows gathered exactly (padding rows zero, compact rows at their offsets), the
+reduce-scatter against a float64 sum, rows past the real count zero, the routers' mask swapped for the
+compact rows during the MoE and vLLM's own after, and earlier results unchanged by later layers.
+"""
+
+from __future__ import annotations
+
+import traceback
+import types
+
+import pytest
+import torch
+
+from dist_harness import case_failures, rank_device, run_world
+from nsa_cp import _native
+
+H = 256
+LAYERS = 3
+STEPS = {  # name -> (query lens, prefilling, extra rows of a CUDA-graph bucket or None)
+    "uneven": ([37, 1, 1, 1, 10], [True, False, False, False, True], None),
+    "graph-bucket": ([37, 1, 1, 1, 10], [True, False, False, False, True], 5),
+    "zero-token-ranks": ([1], [False], None),
+    "even": ([128], [True], None),
+}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def dual_chunk_swap_counts(lens, prefilling, pcp):
+    """vLLM 0.33.0's per-rank counts (``PCPManager._iter_rank_chunks`` with sharded decodes, no DCP)."""
+    counts, decode = [0] * pcp, 0
+    for length, prefill in zip(lens, prefilling):
+        if prefill:
+            chunk = -(-length // (2 * pcp))
+            for r in range(pcp):
+                for index in (r, 2 * pcp - 1 - r):
+                    counts[r] += max(0, min(chunk, length - index * chunk))
+        else:
+            counts[decode % pcp] += length
+            decode += 1
+    return counts
+
+
+class _PCPGroup:
+    """vLLM's PCP GroupCoordinator, as far as the moves read it (its all_gather: the padded logits)."""
+
+    def __init__(self, world):
+        import torch.distributed as dist
+
+        self.world_size, self.rank_in_group, self.device_group = world, dist.get_rank(), None
+
+    def all_gather(self, x, dim=0):
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x.cpu()) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.cpu())
+        return torch.cat(parts, dim=dim).to(x.device)
+
+
+def _rand(seed, rows, cols, dtype, device):
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+def _check(rank, world, name, dtype, compact, device):
+    from nsa_cp.integrations.vllm import moe, runtime, step
+
+    lens, prefilling, extra = STEPS[name]
+    counts = dual_chunk_swap_counts(lens, prefilling, world)
+    m = max(counts) + (extra or 0)
+    n, total, off = counts[rank], sum(counts), [sum(counts[:q]) for q in range(world)]
+    mask = (torch.arange(m)[None, :] >= torch.tensor(counts)[:, None]).reshape(-1).to(device)
+    context = types.SimpleNamespace(is_padding=mask)
+    group = _PCPGroup(world)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runtime, "forward_context", lambda: context)
+        mp.setattr(runtime, "pcp_group", lambda: group)
+        mp.setattr(runtime, "pcp_device_group", lambda: None)
+        mp.setattr(runtime, "pcp_rank", lambda: rank)
+        mp.setattr(runtime, "pcp_size", lambda: world)
+        mp.setenv("NSA_CP_VLLM_COMPACT", "1" if compact else "0")
+        step.set_current(step.StepLayout.from_counts(counts, m, mask))
+        runner = types.SimpleNamespace(do_naive_dispatch_combine=False, shared_experts=None,
+                                       moe_config=types.SimpleNamespace(pcp_size=world, moe_parallel_config=types.
+                                                                        SimpleNamespace(use_all2all_kernels=False)))
+        kept = []
+        for layer in range(LAYERS):
+            hs = [_rand(100 * layer + q, m, H, dtype, device) for q in range(world)]
+            logits = [_rand(100 * layer + 50 + q, m, 8, torch.float32, device) for q in range(world)]
+            for q in range(world):  # vLLM's padding rows carry computed values, never zeros
+                hs[q][counts[q]:] = 1e3
+            hg, lg = moe.dispatch(None, runner, hs[rank], logits[rank])
+            rows = total if compact else world * m
+            assert hg.shape == (rows, H) and lg.shape[0] == rows, (hg.shape, lg.shape)
+            for q in range(world):
+                start = off[q] if compact else q * m
+                assert torch.equal(hg[start : start + counts[q]], hs[q][: counts[q]]), f"layer {layer}: rank {q}'s rows"
+                assert torch.equal(lg[start : start + counts[q]], logits[q][: counts[q]]), f"layer {layer}: logits {q}"
+                if not compact:
+                    assert not hg[start + counts[q] : (q + 1) * m].any(), f"layer {layer}: rank {q}'s padding rows"
+            if compact:
+                assert context.is_padding.shape == (total,) and not context.is_padding.any(), "the compact rows' mask"
+            else:
+                assert context.is_padding is mask
+            partial = hg * float(rank + 2 + layer)  # this rank's partial of every gathered row (a fresh tensor)
+            out = moe.combine(None, runner, None, partial)
+            assert context.is_padding is mask, f"layer {layer}: vLLM's mask after the combine"
+            assert out.shape == (m, H), out.shape
+            want = sum(hs[rank][:n].double() * float(q + 2 + layer) for q in range(world))
+            err = (out[:n].double() - want).abs().max().item() if n else 0.0
+            assert err <= TOL[dtype] * (1 + (want.abs().max().item() if n else 0.0)), f"layer {layer}: {err}"
+            assert not out[n:].any(), f"layer {layer}: rows past the real count"
+            kept.append((out, out.clone()))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        for i, (t, want) in enumerate(kept):
+            assert torch.equal(t, want), f"layer {i}'s result changed after later layers (a reused buffer?)"
+        step.set_current(None)
+
+
+def _worker(rank, world, payload):
+    import torch.distributed as dist
+
+    import nsa_cp
+
+    on_gpu = payload["gpu"]
+    device = rank_device(rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+        reason = nsa_cp.p2p_unavailable_reason(None, device)
+        if reason is not None:
+            return {"__world__": f"P2P unavailable here: {reason}"}
+        rows = max(max(dual_chunk_swap_counts(lens, pf, world)) + (extra or 0) for lens, pf, extra in STEPS.values())
+    results = {}
+    for dname in payload["dtypes"]:
+        dtype = getattr(torch, dname)
+        if on_gpu:
+            nsa_cp.init_p2p(None, rows, H, dtype, device, timeout_ms=20_000)
+        for name in STEPS:
+            for compact in (False, True):
+                key = f"{name}-{dname}-{'compact' if compact else 'padded'}"
+                try:
+                    _check(rank, world, name, dtype, compact, device)
+                    results[key] = None
+                except Exception:  # noqa: BLE001
+                    results[key] = traceback.format_exc()
+                if on_gpu:
+                    torch.cuda.synchronize()
+                dist.barrier()
+        if on_gpu:
+            nsa_cp.transport.destroy_p2p(None)
+    return results
+
+
+DTYPES = {"cpu": ["float32"], "gpu": ["bfloat16", "float32"]}
+WORLDS = (2, 4, 8)
+_WORLDS = {}
+
+
+def _world(where, world):
+    if (where, world) not in _WORLDS:
+        payload = {"gpu": where == "gpu", "dtypes": DTYPES[where]}
+        if where == "gpu":
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("NSA_CP_P2P_MEMORY", "cuda_ipc")  # inherited by the spawned ranks, then restored
+                _WORLDS[where, world] = run_world(world, "gloo-shared-gpu", _worker, payload, timeout_s=600)
+        else:
+            _WORLDS[where, world] = run_world(world, "gloo", _worker, payload, timeout_s=600)
+    return _WORLDS[where, world]
+
+
+def _keys(where):
+    return [(w, f"{s}-{d}-{lay}") for w in WORLDS for s in STEPS for d in DTYPES[where] for lay in ("padded", "compact")]
+
+
+def test_dual_chunk_swap_counts_match_the_issue():
+    assert dual_chunk_swap_counts([37, 1, 1, 1, 10], [True, False, False, False, True], 2) == [23, 27]
+
+
+@pytest.mark.parametrize("world,key", _keys("cpu"))
+def test_vllm_shaped_moves_on_gloo(world, key):
+    errors = case_failures(_world("cpu", world), key)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 1, reason=f"needs a CUDA GPU, found {GPUS}")
+@pytest.mark.skipif(not _native.available(), reason=f"nsa_cp._C unavailable: {_native.unavailable_reason()}")
+@pytest.mark.parametrize("world,key", _keys("gpu"))
+def test_vllm_shaped_moves_on_p2p_sharing_one_gpu(world, key):
+    errors = case_failures(_world("gpu", world), key)
+    assert not errors, "\n".join(errors)
+
