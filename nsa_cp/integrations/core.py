@@ -8,6 +8,8 @@ only how a batch's counts are found and where the moves are hooked differ. What 
   layer) and :func:`transport_decision` (the ``status()["p2p"]`` record);
 * :func:`create_transport`: the CP group's transport, created collectively once per worker: P2P where the
   group is on one node and P2P can serve it, else nsa_cp's NCCL communicator where one can be made;
+  :func:`setup_transport_once` records and logs that decision, :func:`then_setup` runs it after the
+  engine's model loading;
 * :func:`over_capacity`: a batch larger than the P2P transport serves (it takes the NCCL path, logged once);
 * the moves on a rank's physical rows (``rows`` local rows, of which the layout's ``n`` are real, padding
   last): :func:`gather_rows` (``[rows, H]`` -> padded ``[M * cp, H]`` with the padding rows zero, or compact
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,7 @@ from ..transport.p2p import get_p2p
 logger = logging.getLogger("nsa_cp")
 
 __all__ = ["IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
-           "over_capacity", "gather_rows", "reduce_scatter_rows", "take_back_rows", "which_layout"]
+           "setup_transport_once", "create_sized", "then_setup", "over_capacity", "gather_rows", "reduce_scatter_rows", "take_back_rows", "which_layout"]
 
 
 @dataclass
@@ -123,6 +125,49 @@ def create_transport(group: Optional[dist.ProcessGroup], max_tokens_per_rank: in
     else:
         decision["nccl"] = f"torch's process group ({nccl_reason})"
     return decision
+
+
+def setup_transport_once(state: IntegrationState, decide: Callable[[], dict], group: str, before: str) -> dict:
+    """A worker's transport, decided once (``decide()`` -> :func:`transport_decision`; a P2P transport
+    already on is kept, e.g. a draft model's runner after the target's), recorded in ``state.p2p`` and
+    logged in one line naming the ``group`` and what it was created ``before``."""
+    if state.p2p is not None and state.p2p.get("on"):
+        return state.p2p
+    decision = decide()
+    state.p2p = decision
+    if decision["on"]:
+        logger.info("nsa_cp: P2P transport of the %s group on: %d rows per rank, %.1f MiB on this GPU, created "
+                    "before %s", group, decision["max_tokens_per_rank"], decision["bytes"] / 2**20, before)
+    else:
+        logger.info("nsa_cp: P2P transport off (%s); the MoE gather and reduce-scatter take the NCCL path "
+                    "through %s", decision["reason"], decision["nccl"] or "torch's process group")
+    return decision
+
+
+def create_sized(rows: Optional[int], hidden: Optional[int], dtype, create: Callable[[int, int, Any], dict],
+                 engine: str) -> dict:
+    """``create(rows, hidden, dtype)`` (the transport, :func:`create_transport`) where the engine's sizes were
+    found, else the decision saying which were not; a failure is logged with its cause and becomes the
+    decision's reason (never raised into the engine)."""
+    if rows is None or hidden is None or dtype is None:
+        return transport_decision(reason=f"{engine}'s sizes not found (rows per rank {rows}, hidden size {hidden}, "
+                                  f"dtype {dtype})")
+    try:
+        return create(int(rows), int(hidden), dtype)
+    except Exception as e:  # noqa: BLE001  never break the engine's start: the NCCL path, said loudly
+        logger.exception("nsa_cp: could not create the %s transport", engine)
+        return transport_decision(reason=f"creating it failed ({type(e).__name__}: {e})")
+
+
+def then_setup(original: Callable, setup: Callable[[Any], Any], owner, *args, **kwargs):
+    """``original(owner, ...)`` (the engine's model loading), then ``setup(owner)`` (the transport), which
+    never raises into the engine: a failure is logged and leaves the NCCL path."""
+    result = original(owner, *args, **kwargs)
+    try:
+        setup(owner)
+    except Exception:  # noqa: BLE001  setup logs its own failures; this is a last guard
+        logger.exception("nsa_cp: transport setup failed; the NCCL path is used")
+    return result
 
 
 def over_capacity(state: IntegrationState, group: Optional[dist.ProcessGroup], layout: ShardLayout) -> bool:

@@ -154,6 +154,20 @@ def run_world(
     return [per_rank[r] for r in range(world_size)]
 
 
+def run_cases(cases, check: Callable, after: Callable = lambda: None) -> Results:
+    """``{key: None | traceback}``: ``check(*args)`` for each ``key, args`` of ``cases`` (a dict or pairs), a
+    failure recorded, never raised (a rank keeps the world in step), ``after()`` following every case."""
+    results = {}
+    for key, args in (cases.items() if isinstance(cases, dict) else cases):
+        try:
+            check(*args)
+            results[key] = None
+        except Exception:  # noqa: BLE001  reported through case_failures
+            results[key] = traceback.format_exc()
+        after()
+    return results
+
+
 def case_failures(per_rank: List[Results], case_id: str) -> List[str]:
     """Error texts for one case across ranks (world-level failures count for every case)."""
     errors = []

@@ -18,6 +18,7 @@ import importlib.util
 import os
 from unittest import mock
 
+import engines
 from dist_harness import run_spawned  # noqa: F401  (the SGLang tests call it from here)
 
 REQUIRED = os.environ.get("NSA_TEST_REQUIRE_SGLANG", "") == "1"
@@ -67,30 +68,11 @@ def prepare_process() -> None:
 def import_error():
     """None when SGLang's modules import here, else the reason."""
     prepare_process()
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed"
-
-    try:
-        for name in MODULES:
-            importlib.import_module(name)
-    except Exception as e:  # noqa: BLE001  any failure means: not testable in this environment
-        return f"sglang's modules do not import here ({type(e).__name__}: {e})"
-    import sglang
-
-    version = getattr(sglang, "__version__", "?")
-    if not str(version).startswith("0.5.23"):
-        return f"sglang {version} is installed; these tests are written against 0.5.23"
-    return None
+    return engines.import_error("sglang", MODULES, "0.5.23")
 
 
 def require_sglang() -> None:
-    reason = import_error()
-    if reason is not None:
-        import pytest  # here only: benchmarks/sglang_padding.py uses this module without pytest
-
-        if REQUIRED:
-            pytest.fail(f"NSA_TEST_REQUIRE_SGLANG=1 but {reason}")
-        pytest.skip(f"{reason}; install sglang==0.5.23 (.ci/install_sglang.sh) to run this check")
+    engines.require(import_error(), "NSA_TEST_REQUIRE_SGLANG", "sglang==0.5.23 (.ci/install_sglang.sh)")
 
 
 def setup_parallel(rank: int, world: int):

@@ -15,12 +15,11 @@ only) and a current ``VllmConfig`` with the PCP size (``setup_parallel``).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import types
 
-REQUIRED = os.environ.get("NSA_TEST_REQUIRE_VLLM", "") == "1"
+import engines
+
 TESTED = "0.33.0"
 MODULES = (
     "vllm.distributed.parallel_state", "vllm.v1.worker.gpu.pcp_manager", "vllm.forward_context",
@@ -36,29 +35,11 @@ def prepare_process() -> None:
 def import_error():
     """None when vLLM's modules import here, else the reason."""
     prepare_process()
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed"
-    try:
-        for name in MODULES:
-            importlib.import_module(name)
-    except Exception as e:  # noqa: BLE001  any failure means: not testable in this environment
-        return f"vllm's modules do not import here ({type(e).__name__}: {e})"
-    import vllm
-
-    version = getattr(vllm, "__version__", "?")
-    if not str(version).startswith(TESTED):
-        return f"vllm {version} is installed; these tests are written against {TESTED}"
-    return None
+    return engines.import_error("vllm", MODULES, TESTED)
 
 
 def require_vllm() -> None:
-    reason = import_error()
-    if reason is not None:
-        import pytest
-
-        if REQUIRED:
-            pytest.fail(f"NSA_TEST_REQUIRE_VLLM=1 but {reason}")
-        pytest.skip(f"{reason}; install vllm==0.33.0 (.ci/install_vllm.sh) to run this check")
+    engines.require(import_error(), "NSA_TEST_REQUIRE_VLLM", "vllm==0.33.0 (.ci/install_vllm.sh)")
 
 
 _CONFIG: list = []

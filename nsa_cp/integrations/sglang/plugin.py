@@ -33,6 +33,7 @@ from typing import Any, Callable, List, Optional
 import torch.distributed as dist
 
 from ... import envs
+from .. import core
 from . import moves as _moves
 from . import scheduler, state
 from .adapter import CpMovesAdapter, Declined
@@ -165,12 +166,7 @@ def _initialize_hook(original_fn: Callable, runner, *args, **kwargs):
     """The plugin's ``AROUND`` hook on ``ModelRunner.initialize``: the model loads, then this scheduler's
     attention-CP transport is created (before SGLang sizes the KV cache)."""
     _confirm_applied("ModelRunner.initialize")
-    result = original_fn(runner, *args, **kwargs)
-    try:
-        scheduler.setup_transport(runner)
-    except Exception:  # noqa: BLE001  setup_transport logs its own failures; this is a last guard
-        logger.exception("nsa_cp: attention-CP transport setup failed; the NCCL path is used")
-    return result
+    return core.then_setup(original_fn, scheduler.setup_transport, runner, *args, **kwargs)
 
 
 # target -> the AROUND hook the plugin registers on it

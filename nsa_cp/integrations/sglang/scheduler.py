@@ -19,6 +19,7 @@ import logging
 from typing import Any, Optional
 
 from ... import envs
+from .. import core
 from . import moves, runtime, state
 
 logger = logging.getLogger("nsa_cp")
@@ -36,25 +37,13 @@ def max_tokens_per_rank(server_args: Any, cp_size: int, align: int) -> Optional[
 
 def setup_transport(runner: Any) -> dict:
     """Create (or reuse) this scheduler's attention-CP transport; returns and records the decision."""
-    if state.STATE.p2p is not None and state.STATE.p2p.get("on"):
-        return state.STATE.p2p  # a draft model's runner after the target's: the group's transport exists
-    decision = _decide(runner)
-    state.STATE.p2p = decision
-    if decision["on"]:
-        logger.info("nsa_cp: P2P transport of the attention-CP group on: %d rows per rank, %.1f MiB on this "
-                    "GPU, created before SGLang sizes its KV cache", decision["max_tokens_per_rank"],
-                    decision["bytes"] / 2**20)
-    else:
-        logger.info("nsa_cp: P2P transport off (%s); the MoE gather and reduce-scatter take the NCCL path "
-                    "through %s", decision["reason"], decision["nccl"] or "torch's process group")
-    return decision
+    return core.setup_transport_once(state.STATE, lambda: _decide(runner), "attention-CP", "SGLang sizes its KV cache")
 
 
 def _decide(runner: Any) -> dict:
     if not runtime.cp_gathers_over_attn_cp():
         return state.transport_decision(reason="not a DSA/MLA prefill-CP deployment: nsa_cp's moves are not on this path")
-    coordinator = runtime.attn_cp_group()
-    cp = getattr(coordinator, "world_size", 1) if coordinator is not None else 1
+    cp = getattr(runtime.attn_cp_group(), "world_size", 1)
     if cp < 2:
         return state.transport_decision(reason=f"attention-CP size {cp}")
     server_args = getattr(runner, "server_args", None)
@@ -62,15 +51,10 @@ def _decide(runner: Any) -> dict:
     rows = max_tokens_per_rank(server_args, cp, runtime.cp_align(cp))
     hidden = getattr(config, "hidden_size", None)
     dtype = getattr(config, "dtype", None) or getattr(runner, "dtype", None)
-    if rows is None or hidden is None or dtype is None:
-        return state.transport_decision(reason=f"SGLang's sizes not found (rows per rank {rows}, hidden_size {hidden}, dtype {dtype})")
     if getattr(server_args, "enable_symm_mem", False):
         # SGLang's symmetric pool (NCCL window-registered) serves its own collectives; nsa_cp's buffers are
         # separate allocations, and its moves replace the two collectives that would read that pool here
         logger.info("nsa_cp: --enable-symm-mem: SGLang's symmetric pool and nsa_cp's P2P buffers are separate "
                     "allocations; the CP MoE gather and reduce-scatter go through nsa_cp")
-    try:
-        return moves.configured().create_transport(rows, int(hidden), dtype, p2p=envs.NSA_CP_SGLANG_P2P)
-    except Exception as e:  # noqa: BLE001  never break SGLang's start: the NCCL path, said loudly
-        logger.exception("nsa_cp: could not create the attention-CP transport")
-        return state.transport_decision(reason=f"creating it failed ({type(e).__name__}: {e})")
+    return core.create_sized(rows, hidden, dtype, lambda r, h, d: moves.configured().create_transport(
+        r, h, d, p2p=envs.NSA_CP_SGLANG_P2P), "SGLang")

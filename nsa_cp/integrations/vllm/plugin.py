@@ -23,6 +23,7 @@ import logging
 from typing import Callable, Dict, List, Tuple
 
 from ... import envs
+from .. import core
 from . import moe, runtime, step, worker
 
 logger = logging.getLogger("nsa_cp")
@@ -33,12 +34,7 @@ WORKER = "vllm.v1.worker.gpu_worker.Worker"
 
 
 def _after_load_model(original: Callable, self, *args, **kwargs):
-    result = original(self, *args, **kwargs)
-    try:
-        worker.setup_transport(self)
-    except Exception:  # noqa: BLE001  setup_transport logs its own failures; this is a last guard
-        logger.exception("nsa_cp: PCP transport setup failed; the NCCL path is used")
-    return result
+    return core.then_setup(original, worker.setup_transport, self, *args, **kwargs)
 
 
 # "module.Class.method" -> the wrapper body, called as body(original, self, *args, **kwargs)

@@ -15,15 +15,11 @@ and never more than ``T``. A step whose shards come out larger takes the NCCL pa
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from ... import envs
 from .. import core
 from . import moe, runtime
-
-logger = logging.getLogger("nsa_cp")
-
 
 def max_tokens_per_rank(scheduler_config: Any, pcp: int) -> Optional[int]:
     """Rows per rank the transport is sized for, from vLLM's scheduler limits; None without them."""
@@ -36,23 +32,13 @@ def max_tokens_per_rank(scheduler_config: Any, pcp: int) -> Optional[int]:
 
 def setup_transport(worker: Any) -> dict:
     """Create (or reuse) this worker's PCP transport; returns and records the decision."""
-    if moe.STATE.p2p is not None and moe.STATE.p2p.get("on"):
-        return moe.STATE.p2p
-    decision = _decide(worker)
-    moe.STATE.p2p = decision
-    if decision["on"]:
-        logger.info("nsa_cp: P2P transport of the PCP group on: %d rows per rank, %.1f MiB on this GPU, created "
-                    "before vLLM profiles memory for its KV cache", decision["max_tokens_per_rank"],
-                    decision["bytes"] / 2**20)
-    else:
-        logger.info("nsa_cp: P2P transport off (%s); the PCP MoE gather and reduce-scatter take the NCCL path "
-                    "through %s", decision["reason"], decision["nccl"] or "torch's process group")
-    return decision
+    return core.setup_transport_once(moe.STATE, lambda: _decide(worker), "PCP",
+                                     "vLLM profiles memory for its KV cache")
 
 
 def _decide(worker: Any) -> dict:
     coordinator = runtime.pcp_group_or_none()
-    pcp = getattr(coordinator, "world_size", 1) if coordinator is not None else 1
+    pcp = getattr(coordinator, "world_size", 1)
     if pcp < 2:
         return core.transport_decision(reason=f"prefill context parallel size {pcp}")
     config = getattr(worker, "vllm_config", None)
@@ -60,13 +46,6 @@ def _decide(worker: Any) -> dict:
     rows = max_tokens_per_rank(getattr(config, "scheduler_config", None), pcp)
     hidden = model_config.get_hidden_size() if hasattr(model_config, "get_hidden_size") else None
     dtype = getattr(model_config, "dtype", None)
-    if rows is None or hidden is None or dtype is None:
-        return core.transport_decision(reason=f"vLLM's sizes not found (rows per rank {rows}, hidden size {hidden}, "
-                                       f"dtype {dtype})")
-    try:
-        return core.create_transport(coordinator.device_group, rows, int(hidden), dtype,
-                                     getattr(worker, "device", None), p2p=envs.NSA_CP_VLLM_P2P,
-                                     off_reason="NSA_CP_VLLM_P2P=0")
-    except Exception as e:  # noqa: BLE001  never break vLLM's start: the NCCL path, said loudly
-        logger.exception("nsa_cp: could not create the PCP transport")
-        return core.transport_decision(reason=f"creating it failed ({type(e).__name__}: {e})")
+    return core.create_sized(rows, hidden, dtype, lambda r, h, d: core.create_transport(
+        coordinator.device_group, r, h, d, getattr(worker, "device", None), p2p=envs.NSA_CP_VLLM_P2P,
+        off_reason="NSA_CP_VLLM_P2P=0"), "vLLM")

@@ -20,15 +20,15 @@ Skipped where vLLM does not import (failed instead with NSA_TEST_REQUIRE_VLLM=1,
 
 from __future__ import annotations
 
+import functools
 import os
-import traceback
 import zlib
 
 import pytest
 import torch
 
 import vllm_env
-from dist_harness import case_failures, run_world
+from dist_harness import case_failures, run_cases, run_world
 
 H, E, K = 32, 8, 2
 # name -> (query lens, is_prefilling, CUDA-graph bucket or None)
@@ -155,14 +155,7 @@ def _check(rank, world, config, name, compact, declined=False, with_shared=False
 def _worker(rank, world, payload):
     vllm_env.prepare_process()
     config, _ = vllm_env.setup_parallel(rank, world)
-    results = {}
-    for key, (name, compact, declined, shared) in payload.items():
-        try:
-            _check(rank, world, config, name, compact, declined, shared)
-            results[key] = None
-        except Exception:  # noqa: BLE001
-            results[key] = traceback.format_exc()
-    return results
+    return run_cases({key: (rank, world, config, *args) for key, args in payload.items()}, _check)
 
 
 CASES = {
@@ -172,17 +165,15 @@ CASES = {
         "uneven-declined-not-the-steps-mask": ("uneven", True, True, False)}
     for w in (2, 3, 4)
 }
-_WORLDS = {}
 
 
-def _world(world):
-    vllm_env.require_vllm()
-    if world not in _WORLDS:
-        _WORLDS[world] = run_world(world, "gloo", _worker, CASES[world], timeout_s=900)
-    return _WORLDS[world]
+@functools.lru_cache(maxsize=None)
+def _world(world):  # one world per size, every case inside it
+    return run_world(world, "gloo", _worker, CASES[world], timeout_s=900)
 
 
 @pytest.mark.parametrize("world,key", [(w, k) for w in CASES for k in CASES[w]])
 def test_vllm_moe_boundary_plugin_on_equals_off(world, key):
+    vllm_env.require_vllm()
     errors = case_failures(_world(world), key)
     assert not errors, "\n".join(errors)

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 import vllm_env
-from dist_harness import case_failures, run_spawned, run_world
+from dist_harness import case_failures, run_cases, run_spawned, run_world
 
 
 def _load_plugins_probe(env, queue):
     """A fresh process that loads vLLM's general plugins, as each vLLM worker does."""
     try:
-        os.environ.update(env)
+        for name, value in env.items():  # None: unset in this process
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
         vllm_env.prepare_process()
         records = []
         handler = logging.Handler()
@@ -48,11 +49,21 @@ def _vllm():
     vllm_env.require_vllm()
 
 
+def _require_entry_point():
+    from importlib.metadata import entry_points
+
+    import engines
+
+    names = [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "nsa_cp"]
+    reason = None if names == ["nsa_cp.integrations.vllm:vllm_plugin"] else \
+        f"nsa_cp's vllm.general_plugins entry point is not installed here (found {names})"
+    engines.require(reason, "NSA_TEST_REQUIRE_VLLM", "nsa_cp (pip install -e .)")
+
+
 def _spawned(**env):
-    base = {"NSA_CP_VLLM": "1"}
+    _require_entry_point()
+    base = {"NSA_CP_VLLM": "1", "VLLM_PLUGINS": None, "NSA_CP_VLLM_COMPACT": None}
     base.update(env)
-    if "VLLM_PLUGINS" not in env:
-        os.environ.pop("VLLM_PLUGINS", None)
     return run_spawned(_load_plugins_probe, base)
 
 
@@ -147,10 +158,10 @@ def _transport_worker(rank, world, payload):
     from nsa_cp.integrations.vllm import moe, worker
 
     config, _ = vllm_env.setup_parallel(rank, world)
-    results = {}
-    for key, p2p in payload.items():
+
+    def check(p2p):
+        os.environ["NSA_CP_VLLM_P2P"] = p2p
         try:
-            os.environ["NSA_CP_VLLM_P2P"] = p2p
             moe.STATE.reset()
             config.scheduler_config = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=16,
                                                       max_model_len=4096, is_encoder_decoder=False)
@@ -164,12 +175,10 @@ def _transport_worker(rank, world, payload):
             want = "NSA_CP_VLLM_P2P=0" if p2p == "0" else "CUDA"
             assert want in decision["reason"], decision
             assert decision["nccl"].startswith("torch's process group"), decision
-            results[key] = None
-        except Exception:  # noqa: BLE001
-            results[key] = traceback.format_exc()
         finally:
             os.environ.pop("NSA_CP_VLLM_P2P", None)
-    return results
+
+    return run_cases({key: (p2p,) for key, p2p in payload.items()}, check)
 
 
 def test_worker_transport_decision_on_cpu_and_the_off_switch():

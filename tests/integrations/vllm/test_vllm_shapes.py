@@ -17,13 +17,12 @@ compact rows during the MoE and vLLM's own after, and earlier results unchanged 
 
 from __future__ import annotations
 
-import traceback
 import types
 
 import pytest
 import torch
 
-from dist_harness import case_failures, rank_device, run_world
+from dist_harness import case_failures, rank_device, run_cases, run_world
 from nsa_cp import _native
 
 H = 256
@@ -130,8 +129,6 @@ def _check(rank, world, name, dtype, compact, device):
 
 
 def _worker(rank, world, payload):
-    import torch.distributed as dist
-
     import nsa_cp
 
     on_gpu = payload["gpu"]
@@ -147,20 +144,20 @@ def _worker(rank, world, payload):
         dtype = getattr(torch, dname)
         if on_gpu:
             nsa_cp.init_p2p(None, rows, H, dtype, device, timeout_ms=20_000)
-        for name in STEPS:
-            for compact in (False, True):
-                key = f"{name}-{dname}-{'compact' if compact else 'padded'}"
-                try:
-                    _check(rank, world, name, dtype, compact, device)
-                    results[key] = None
-                except Exception:  # noqa: BLE001
-                    results[key] = traceback.format_exc()
-                if on_gpu:
-                    torch.cuda.synchronize()
-                dist.barrier()
+        cases = {f"{name}-{dname}-{'compact' if compact else 'padded'}": (rank, world, name, dtype, compact, device)
+                 for name in STEPS for compact in (False, True)}
+        results.update(run_cases(cases, _check, after=lambda: _in_step(on_gpu)))
         if on_gpu:
             nsa_cp.transport.destroy_p2p(None)
     return results
+
+
+def _in_step(on_gpu):
+    import torch.distributed as dist
+
+    if on_gpu:
+        torch.cuda.synchronize()
+    dist.barrier()
 
 
 DTYPES = {"cpu": ["float32"], "gpu": ["bfloat16", "float32"]}
