@@ -8,8 +8,6 @@ Contract:
   ``max_rank_len`` is the physical length, so the padded layout ``[physical * cp, H]`` is SGLang's
   gathered buffer row for row.
 * :func:`physical_rows` ``(md, rank, layout) -> int``: the rows of this rank's local tensors in SGLang.
-* :func:`which_layout` ``(name, t, layout) -> bool``: True for a compact ``[total_len, ...]`` tensor,
-  False for a padded ``[padded_len, ...]`` one, ValueError naming ``name`` for anything else.
 
 Bad metadata is a ValueError naming the field, the expected and the actual value.
 """
@@ -23,7 +21,6 @@ from typing import Any, List, Optional
 import torch
 
 from ...layout import ShardLayout
-from ..core import which_layout  # noqa: F401  (re-exported: the adapter and tests read it from here)
 
 logger = logging.getLogger("nsa_cp")
 

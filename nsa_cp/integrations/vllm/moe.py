@@ -19,7 +19,8 @@ Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's
 * :func:`admit` says why vLLM's own moves take a call, and such calls run vLLM's functions untouched:
   naive DP/EP dispatch first (``do_naive_dispatch_combine``), CUDA-graph capture (vLLM's collectives are
   what the graph replays), a forward that is not a partitioned step's (dummy, profile, micro-batched), rows
-  that are not the step's. Logged once per reason, counted in ``status()["declined"]``; never a raise.
+  that are not the step's, inputs nsa_cp's checks refuse (they run before anything moves, and every rank
+  sees the same shapes). Logged once per reason, counted in ``status()["declined"]``; never a raise.
   PCP size 1 and the all2all (EP) kernels are not this boundary: vLLM's functions run, nothing is counted.
 """
 
@@ -94,10 +95,15 @@ def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, route
     layout, group, rank = current.layout, runtime.pcp_device_group(), runtime.pcp_rank()
     compact = bool(envs.NSA_CP_VLLM_COMPACT)
     core.over_capacity(STATE, group, layout)
-    hidden = core.gather_rows(hidden_states, layout, rank, group, compact=compact)
+    try:  # nsa_cp checks before it moves anything; every rank sees the same shapes, so all refuse alike
+        hidden = core.gather_rows(hidden_states, layout, rank, group, compact=compact)
+        logits = core.gather_rows(router_logits, layout, rank, group, compact=True) if compact else None
+    except ValueError as e:
+        core.record(STATE.declined, f"nsa_cp refused the call ({e})", "nsa_cp: vLLM's own PCP MoE moves for "
+                    "such calls: %s")
+        return original(runner, hidden_states, router_logits)
     saved = None
     if compact:
-        logits = core.gather_rows(router_logits, layout, rank, group, compact=True)
         saved = context.is_padding
         context.is_padding = current.compact_padding(hidden)
         core.count(STATE.gathers, "compact")

@@ -128,6 +128,30 @@ def _check(rank, world, name, dtype, compact, device):
         step.set_current(None)
 
 
+def _refused(rank, world):
+    """A call nsa_cp's checks refuse (1-D rows) takes vLLM's own dispatch, on every rank alike."""
+    from nsa_cp.integrations.vllm import moe, runtime, step
+
+    counts = dual_chunk_swap_counts(*STEPS["uneven"][:2], world)
+    m = max(counts)
+    mask = (torch.arange(m)[None, :] >= torch.tensor(counts)[:, None]).reshape(-1)
+    runner = types.SimpleNamespace(do_naive_dispatch_combine=False, shared_experts=None,
+                                   moe_config=types.SimpleNamespace(pcp_size=world, moe_parallel_config=types.
+                                                                    SimpleNamespace(use_all2all_kernels=False)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runtime, "forward_context", lambda: types.SimpleNamespace(is_padding=mask))
+        mp.setattr(runtime, "pcp_device_group", lambda: None)
+        mp.setattr(runtime, "pcp_rank", lambda: rank)
+        mp.setattr(runtime, "pcp_size", lambda: world)
+        step.set_current(step.StepLayout.from_counts(counts, m, mask))
+        moe.STATE.reset()
+        hidden, logits = torch.ones(m), torch.ones(m, 8)
+        assert moe.dispatch(lambda runner, h, lg: ("vllm's", h, lg), runner, hidden, logits) == ("vllm's", hidden, logits)
+        assert any(k.startswith("nsa_cp refused the call") for k in moe.STATE.declined), moe.STATE.declined
+        assert getattr(runner, "_nsa_cp_pending", None) is None
+        step.set_current(None)
+
+
 def _worker(rank, world, payload):
     import nsa_cp
 
@@ -139,7 +163,7 @@ def _worker(rank, world, payload):
         if reason is not None:
             return {"__world__": f"P2P unavailable here: {reason}"}
         rows = max(max(dual_chunk_swap_counts(lens, pf, world)) + (extra or 0) for lens, pf, extra in STEPS.values())
-    results = {}
+    results = {} if on_gpu else run_cases({"refused": (rank, world)}, _refused)
     for dname in payload["dtypes"]:
         dtype = getattr(torch, dname)
         if on_gpu:
@@ -179,6 +203,12 @@ def _world(where, world):
 
 def _keys(where):
     return [(w, f"{s}-{d}-{lay}") for w in WORLDS for s in STEPS for d in DTYPES[where] for lay in ("padded", "compact")]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_call_nsa_cp_refuses_takes_vllms_dispatch(world):
+    errors = case_failures(_world("cpu", world), "refused")
+    assert not errors, "\n".join(errors)
 
 
 def test_dual_chunk_swap_counts_match_the_issue():
