@@ -3,7 +3,8 @@
 #   * the wheel is platform-tagged and versioned +cuXX, and holds nsa_cp/_C*.so;
 #   * _C holds sm_90a machine code (cuobjdump --list-elf) and links neither libcuda nor libcudart;
 #   * in a fresh venv (torch 2.13 CPU), the wheel installs with its deps, nsa_cp and nsa_cp._C import,
-#     and nsa_cp._native.available() is False with a reason saying there is no GPU;
+#     nsa_cp._native.available() is False with a reason saying there is no GPU, and the wheel declares
+#     (and loads) its SGLang and vLLM plugin entry points;
 #   * with NSA_CP_BUILD_CUDA=0 the wheel is pure (py3-none-any).
 # Builds from a copy of the checkout, so the working tree (and its editable build) is left alone.
 # Usage: bash .ci/build_wheel.sh   (NSA_CP_CUDA_ARCHS may narrow the archs; default as setup.py)
@@ -103,6 +104,15 @@ assert _native.available() is False, "a GPU is visible on the wheel builder?"
 reason = _native.unavailable_reason()
 assert reason.startswith("no CUDA device visible"), reason
 assert C.device_count() == 0
+# the engine plugins a user gets by installing the wheel into SGLang's or vLLM's environment
+plugins = {(ep.group, ep.name): ep.value for ep in importlib.metadata.distribution("nsa_cp").entry_points}
+want = {("sglang.srt.plugins", "nsa_cp"): "nsa_cp.integrations.sglang:sglang_plugin",
+        ("vllm.general_plugins", "nsa_cp"): "nsa_cp.integrations.vllm:vllm_plugin"}
+assert all(plugins.get(k) == v for k, v in want.items()), plugins
+for (group, name), value in want.items():
+    ep = next(e for e in importlib.metadata.entry_points(group=group) if e.name == name)
+    assert callable(ep.load()), ep
+print(f"entry points: {sorted(plugins.values())}")
 print(f"nsa_cp {version} from {nsa_cp.__file__}")
 print(f"_C archs {C.CUDA_ARCHS}, CUDA runtime {C.runtime_version()} (static)")
 print(f"_native.available() = False: {reason}")
