@@ -26,7 +26,6 @@ Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -34,8 +33,6 @@ import torch
 from ... import envs
 from .. import core
 from . import runtime, step
-
-logger = logging.getLogger("nsa_cp")
 
 STATE = core.IntegrationState()
 
