@@ -38,7 +38,8 @@ from ..transport.p2p import get_p2p
 logger = logging.getLogger("nsa_cp")
 
 __all__ = ["IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
-           "setup_transport_once", "create_sized", "then_setup", "over_capacity", "gather_rows", "reduce_scatter_rows", "take_back_rows", "which_layout"]
+           "setup_transport_once", "create_sized", "then_setup", "over_capacity", "gather_rows",
+           "reduce_scatter_rows", "take_back_rows", "which_layout"]
 
 
 @dataclass

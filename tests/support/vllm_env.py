@@ -102,7 +102,7 @@ def partition(mgr, query_lens, is_prefilling, graph_tokens=None):
 
 
 def runner(world: int, shared_experts=None):
-    """What ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` read of ``self`` (no EP, no DP)."""
+    """What ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` read of ``self`` (no EP, no DP); imports no vLLM."""
     return types.SimpleNamespace(
         do_naive_dispatch_combine=False, shared_experts=shared_experts,
         moe_config=types.SimpleNamespace(pcp_size=world,

@@ -37,7 +37,8 @@ def max_tokens_per_rank(server_args: Any, cp_size: int, align: int) -> Optional[
 
 def setup_transport(runner: Any) -> dict:
     """Create (or reuse) this scheduler's attention-CP transport; returns and records the decision."""
-    return core.setup_transport_once(state.STATE, lambda: _decide(runner), "attention-CP", "SGLang sizes its KV cache")
+    return core.setup_transport_once(state.STATE, lambda: _decide(runner), "attention-CP",
+                                     "SGLang sizes its KV cache")
 
 
 def _decide(runner: Any) -> dict:

@@ -77,6 +77,12 @@ def admit(runner: Any, hidden_states: Any) -> Tuple[Optional[str], Optional[Any]
     return None, current, context
 
 
+def _declined(reason: str, original: Callable, runner, hidden_states, router_logits):
+    """vLLM's own dispatch for this call; the reason counted, and logged once per kind."""
+    core.record(STATE.declined, reason, "nsa_cp: vLLM's own PCP MoE moves for such calls: %s")
+    return original(runner, hidden_states, router_logits)
+
+
 def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor):
     """Around ``MoERunner._maybe_dispatch`` (module docstring)."""
     stale = getattr(runner, "_nsa_cp_pending", None)
@@ -87,8 +93,7 @@ def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, route
         return original(runner, hidden_states, router_logits)
     reason, current, context = admit(runner, hidden_states)
     if reason is not None:
-        core.record(STATE.declined, reason, "nsa_cp: vLLM's own PCP MoE moves for such calls: %s")
-        return original(runner, hidden_states, router_logits)
+        return _declined(reason, original, runner, hidden_states, router_logits)
     layout, group, rank = current.layout, runtime.pcp_device_group(), runtime.pcp_rank()
     compact = bool(envs.NSA_CP_VLLM_COMPACT)
     core.over_capacity(STATE, group, layout)
@@ -96,9 +101,7 @@ def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, route
         hidden = core.gather_rows(hidden_states, layout, rank, group, compact=compact)
         logits = core.gather_rows(router_logits, layout, rank, group, compact=True) if compact else None
     except ValueError as e:
-        core.record(STATE.declined, f"nsa_cp refused the call ({e})", "nsa_cp: vLLM's own PCP MoE moves for "
-                    "such calls: %s")
-        return original(runner, hidden_states, router_logits)
+        return _declined(f"nsa_cp refused the call ({e})", original, runner, hidden_states, router_logits)
     saved = None
     if compact:
         saved = context.is_padding

@@ -23,6 +23,7 @@ import types
 import pytest
 import torch
 
+import vllm_env
 from dist_harness import case_failures, rank_device, run_cases, run_world
 from nsa_cp import _native
 
@@ -94,9 +95,7 @@ def _check(rank, world, name, dtype, compact, device):
         mp.setattr(runtime, "pcp_size", lambda: world)
         mp.setenv("NSA_CP_VLLM_COMPACT", "1" if compact else "0")
         step.set_current(step.StepLayout.from_counts(counts, m, mask))
-        runner = types.SimpleNamespace(do_naive_dispatch_combine=False, shared_experts=None,
-                                       moe_config=types.SimpleNamespace(pcp_size=world, moe_parallel_config=types.
-                                                                        SimpleNamespace(use_all2all_kernels=False)))
+        runner = vllm_env.runner(world)
         kept = []
         for layer in range(LAYERS):
             hs = [_rand(100 * layer + q, m, H, dtype, device) for q in range(world)]
@@ -141,9 +140,7 @@ def _refused(rank, world):
     counts = dual_chunk_swap_counts(*STEPS["uneven"][:2], world)
     m = max(counts)
     mask = (torch.arange(m)[None, :] >= torch.tensor(counts)[:, None]).reshape(-1)
-    runner = types.SimpleNamespace(do_naive_dispatch_combine=False, shared_experts=None,
-                                   moe_config=types.SimpleNamespace(pcp_size=world, moe_parallel_config=types.
-                                                                    SimpleNamespace(use_all2all_kernels=False)))
+    runner = vllm_env.runner(world)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runtime, "forward_context", lambda: types.SimpleNamespace(is_padding=mask))
         mp.setattr(runtime, "pcp_device_group", lambda: None)
@@ -152,7 +149,8 @@ def _refused(rank, world):
         step.set_current(step.StepLayout.from_counts(counts, m, mask))
         moe.STATE.reset()
         hidden, logits = torch.ones(m), torch.ones(m, 8)
-        assert moe.dispatch(lambda runner, h, lg: ("vllm's", h, lg), runner, hidden, logits) == ("vllm's", hidden, logits)
+        vllms = (lambda runner, h, lg: ("vllm's", h, lg))
+        assert moe.dispatch(vllms, runner, hidden, logits) == ("vllm's", hidden, logits)
         assert any(k.startswith("nsa_cp refused the call") for k in moe.STATE.declined), moe.STATE.declined
         assert getattr(runner, "_nsa_cp_pending", None) is None
         step.set_current(None)
