@@ -9,7 +9,8 @@ scales): per row and group of 128 columns, ``amax = max |x|`` in fp32 clamped to
 quantization is per row, so quantizing before the gather equals quantizing the gathered rows.
 
 Exactness: on CPU, and on GPUs through ``nsa_cp.kernels.norm_rows`` (``div_rn``: correctly rounded fp32
-division), the result is bitwise that of ``nsa_cp.reference.quant_fp8_g128``. SGLang's Triton quantizer
+division; bf16 rows: the group's reciprocal and a remainder correction, the same bytes), the result is
+bitwise that of ``nsa_cp.reference.quant_fp8_g128``. SGLang's Triton quantizer
 writes ``y / y_s`` and ``amax / 448``, which Triton lowers to the approximate ``div.full.f32`` on NVIDIA
 GPUs: its ``scale`` can differ from ours in the last fp32 bit, and its ``q`` by one FP8 ulp where
 ``x / scale`` lies within an fp32 ulp or two of an FP8 rounding boundary.

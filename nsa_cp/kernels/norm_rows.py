@@ -21,9 +21,12 @@ Design record:
   rounding midpoint (about one row in 10^7). The FP8 path quantizes y after rounding it to x's dtype:
   the gathered ``(q, scale)`` equal ``quant_fp8_g128`` of the rows a norm-then-gather would have sent.
 - bf16 and e4m3 rounding is to nearest even, once: a compiled kernel's casts do exactly that (``CAST_ROUNDS``;
-  FP8 values clamped to +-448 first); under Triton's interpreter integer arithmetic rounds first (``_round_*``).
-  On sm_90, H = 7168, the casts cut the FP8 stage from 2016 to 1440 SASS instructions a thread, bf16's from
-  1032 to 680 (``scripts/norm_rows_sass.py``): the FP8 stage (1.65x the HBM floor) is issue-bound.
+  FP8 values clamped to +-448 first); under Triton's interpreter integer arithmetic rounds first
+  (``exact_fp32.round_*``). For bf16 rows the FP8 ``y / scale`` is the group's reciprocal and one remainder
+  FMA per element (``exact_fp32.div_by_group_scale``; the same e4m3 bytes as ``div_rn``, checked over every
+  bf16 pair). SASS a thread on sm_90, H = 7168 (``scripts/norm_rows_sass.py``): the FP8 stage 2016 with
+  integer rounding and ``div_rn``, 1440 with the casts, 1128 with the reciprocal; bf16's 1032 -> 680. At
+  1.65x the HBM floor on 1x H200 with 2016, the FP8 stage was issue-bound.
 - The row count of the slot is read from a device scalar, so a CUDA graph replays with new counts;
   the grid covers the whole slot and rows ``[n, M)`` are written as padding (zeros; FP8: q = 0,
   scale = 1e-10/448). x and residual may have more rows than n (a bucket); rows from n on are not
@@ -39,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from .exact_fp32 import div_by_group_scale, round_bf16, round_e4m3
 from ..wire import FP8_G128, FP8_GROUP
 
 __all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_into", "quant_fp8_g128_into", "quant_fp8_g128",
@@ -48,30 +52,6 @@ QUANT_MODES = (FP8_G128,)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_ROW = 65536  # elements a program holds in registers; longer rows are refused (ValueError)
 _GROUP = FP8_GROUP
-
-
-@triton.jit
-def _round_bf16(v):
-    """fp32 -> the nearest bf16 value (ties to even), still as fp32, for the interpreter (whose cast rounds
-    ties away and drops a rounded-up mantissa's carry): its cast is then exact."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _round_e4m3(v):
-    """fp32 with |v| <= 448 -> the nearest float8_e4m3fn value (ties to even), as fp32 (see ``_round_bf16``).
-    Adding ``C = 1.5 * 2^(k + 23)`` rounds v to a multiple of 2^k (IEEE round-to-nearest-even), subtracting C
-    is exact; k is v's quantum in e4m3: 2^(e - 3) for normals (e >= -6), 2^-9 below (subnormals)."""
-    v_bits = v.to(tl.uint32, bitcast=True)
-    mag = (v_bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    e = ((v_bits >> 23) & 0xFF).to(tl.int32) - 127
-    k = tl.maximum(e, -6) - 3
-    c = (((k + 23 + 127) << 23) | (1 << 22)).to(tl.uint32).to(tl.float32, bitcast=True)
-    rounded = (mag + c) - c
-    # the sign bit back on (a negative value that rounds to zero stays -0, as in torch's conversion)
-    return (rounded.to(tl.uint32, bitcast=True) | (v_bits & 0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -115,7 +95,7 @@ def _rows_kernel(
             s += tl.load(res_ptr + row * res_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
             rounded = s
             if IS_BF16 and not CAST_ROUNDS:
-                rounded = _round_bf16(s)
+                rounded = round_bf16(s)
             tl.store(res_ptr + row * res_stride + cols, rounded.to(res_ptr.dtype.element_ty), mask=col_ok)
         if NORM:
             # fp64: every square exact, the sum's error ~1e-15, so its fp32 rounding is the same whatever
@@ -130,16 +110,19 @@ def _rows_kernel(
             y = s
         # one rounding to x's dtype (exact when y is x itself)
         if IS_BF16 and not CAST_ROUNDS:
-            y = _round_bf16(y)
+            y = round_bf16(y)
         y = y.to(x_ptr.dtype.element_ty)
         if QUANT:
             yf = y.to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10)
             scale = tl.math.div_rn(amax, tl.full([BLOCK_G], 448.0, tl.float32))
-            q = tl.math.div_rn(yf, scale[:, None])
+            if IS_BF16:
+                q = div_by_group_scale(yf, scale)  # its e4m3 rounding is div_rn's (exact_fp32)
+            else:
+                q = tl.math.div_rn(yf, scale[:, None])
             q = tl.minimum(tl.maximum(q, -448.0), 448.0)
             if not CAST_ROUNDS:
-                q = _round_e4m3(q)
+                q = round_e4m3(q)
             tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=col_ok)
             tl.store(scale_ptr + row * scale_stride + g, scale, mask=groups_ok)
         else:

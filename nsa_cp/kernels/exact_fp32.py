@@ -1,0 +1,61 @@
+"""Triton helpers that round exactly as torch's CPU ops do (``nsa_cp.reference``), for ``norm_rows``.
+
+- ``round_bf16`` / ``round_e4m3``: fp32 -> the nearest bf16 / float8_e4m3fn value (ties to even), still as
+  fp32. Under Triton's interpreter a cast rounds ties away (and drops a rounded-up mantissa's carry); after
+  these its cast is exact. A compiled kernel's casts already round to nearest even and skip them.
+- ``div_by_group_scale``: ``v / scale`` for bf16 values ``v [G, GROUP]`` and one FP8 group scale per row
+  ``scale [G]``, with the group's correctly rounded reciprocal and one remainder correction per element
+  instead of a correctly rounded division per element (``div_rn``: about 12 instructions on sm_90, with a
+  check and a branch). Its fp32 quotient may differ from ``div_rn``'s by an ulp, never its e4m3 rounding
+  after the clamp to +-448: checked exhaustively over every finite bf16 value against every finite bf16
+  group amax (``scripts/fp8_division_check.py``; tests/kernels/test_fp8_division.py holds the argument
+  and the cases where the uncorrected product ``v * (1/scale)`` rounds differently).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["round_bf16", "round_e4m3", "div_by_group_scale"]
+
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite fp32
+
+
+@triton.jit
+def round_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def round_e4m3(v):
+    """fp32 with |v| <= 448 -> the nearest float8_e4m3fn value (ties to even), as fp32.
+    Adding ``C = 1.5 * 2^(k + 23)`` rounds v to a multiple of 2^k (IEEE round-to-nearest-even), subtracting C
+    is exact; k is v's quantum in e4m3: 2^(e - 3) for normals (e >= -6), 2^-9 below (subnormals)."""
+    v_bits = v.to(tl.uint32, bitcast=True)
+    mag = (v_bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    e = ((v_bits >> 23) & 0xFF).to(tl.int32) - 127
+    k = tl.maximum(e, -6) - 3
+    c = (((k + 23 + 127) << 23) | (1 << 22)).to(tl.uint32).to(tl.float32, bitcast=True)
+    rounded = (mag + c) - c
+    # the sign bit back on (a negative value that rounds to zero stays -0, as in torch's conversion)
+    return (rounded.to(tl.uint32, bitcast=True) | (v_bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def div_by_group_scale(v, scale):
+    """``v [G, GROUP]`` (fp32 holding bf16 values) / ``scale [G]`` (> 0, or inf, or NaN), for e4m3 rounding.
+
+    ``r = 1/scale`` correctly rounded; ``q0 = v * r``; the remainder ``v - scale * q0`` is exact in one FMA
+    (no underflow where the quotient is not far below e4m3's range); ``q0 + rem * r`` is then within an ulp
+    of ``v / scale``. ``v``'s sign goes back on, so -0 stays -0 as in a division. An infinite scale (an inf
+    in the group) enters the remainder as the largest float: finite v -> +-0, as ``v / inf``."""
+    r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    q0 = v * r
+    rem = tl.fma(-tl.minimum(scale, _FP32_MAX)[:, None], q0, v)
+    q = tl.fma(rem, r, q0)
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
