@@ -2,7 +2,7 @@
 
 ``nsa_cp.kernels.exact_fp32.div_by_group_scale`` replaces the correctly rounded ``v / scale`` (``div_rn``,
 per element) by the group's correctly rounded reciprocal ``r``, ``q0 = v * r`` and one remainder correction
-``q0 + fma(-scale, q0, v) * r``. Its fp32 quotient may be an ulp off; what the wire carries is its
+``q0 - fma(q0, scale, -v) * r``. Its fp32 quotient may be an ulp off; what the wire carries is its
 e4m3 rounding after the clamp to +-448, and that must equal the reference's (``torch``: ``v / scale``).
 
 This emulates those fp32 steps exactly in numpy (an fp32 FMA: the product exact in fp64, the sum by an fp64
@@ -63,10 +63,8 @@ def quotients(v: np.ndarray, scale: np.ndarray):
     r = div32(np.ones_like(scale), scale)
     with np.errstate(all="ignore"):
         q0 = (v * r).astype(F32)
-    q = fma32(fma32(-np.minimum(scale, FP32_MAX), q0, v), r, q0)
-    sign = v.view(np.uint32) & np.uint32(0x80000000)
-    with_sign = lambda t: (t.view(np.uint32) | sign).view(F32)  # noqa: E731
-    return with_sign(q0), with_sign(q)
+    nrem = fma32(q0, np.minimum(scale, FP32_MAX), -v)
+    return q0, fma32(nrem, -r, q0)
 
 
 def e4m3_bytes(q: np.ndarray) -> np.ndarray:

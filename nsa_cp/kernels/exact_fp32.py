@@ -3,6 +3,7 @@
 - ``round_bf16`` / ``round_e4m3``: fp32 -> the nearest bf16 / float8_e4m3fn value (ties to even), still as
   fp32. Under Triton's interpreter a cast rounds ties away (and drops a rounded-up mantissa's carry); after
   these its cast is exact. A compiled kernel's casts already round to nearest even and skip them.
+- ``cast_saturates``: whether a compiled fp32 -> e4m3 cast clamps to +-448 itself on a device.
 - ``div_by_group_scale``: ``v / scale`` for bf16 values ``v [G, GROUP]`` and one FP8 group scale per row
   ``scale [G]``, with the group's correctly rounded reciprocal and one remainder correction per element
   instead of a correctly rounded division per element (``div_rn``: about 12 instructions on sm_90, with a
@@ -14,10 +15,13 @@
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["round_bf16", "round_e4m3", "div_by_group_scale"]
+__all__ = ["round_bf16", "round_e4m3", "div_by_group_scale", "cast_saturates"]
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite fp32
 
@@ -49,13 +53,20 @@ def round_e4m3(v):
 def div_by_group_scale(v, scale):
     """``v [G, GROUP]`` (fp32 holding bf16 values) / ``scale [G]`` (> 0, or inf, or NaN), for e4m3 rounding.
 
-    ``r = 1/scale`` correctly rounded; ``q0 = v * r``; the remainder ``v - scale * q0`` is exact in one FMA
-    (no underflow where the quotient is not far below e4m3's range); ``q0 + rem * r`` is then within an ulp
-    of ``v / scale``. ``v``'s sign goes back on, so -0 stays -0 as in a division. An infinite scale (an inf
-    in the group) enters the remainder as the largest float: finite v -> +-0, as ``v / inf``."""
+    ``r = 1/scale`` correctly rounded; ``q0 = v * r``; the negated remainder ``scale * q0 - v`` is exact in
+    one FMA (no underflow where the quotient is not far below e4m3's range); ``q0 - nrem * r`` is then
+    within an ulp of ``v / scale``. Negated, so that v = -0 gives -0 as a division does (``nrem`` = +0, and
+    ``+0 * -r + -0`` is -0), with no instruction for the sign. An infinite scale (an inf in the group) enters
+    the remainder as the largest float: finite v -> +-0, as ``v / inf``."""
     r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
     q0 = v * r
-    rem = tl.fma(-tl.minimum(scale, _FP32_MAX)[:, None], q0, v)
-    q = tl.fma(rem, r, q0)
-    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
-    return (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    nrem = tl.fma(q0, tl.minimum(scale, _FP32_MAX)[:, None], -v)
+    return tl.fma(nrem, -r, q0)
+
+
+@functools.lru_cache(maxsize=None)
+def cast_saturates(device: torch.device) -> bool:
+    """Whether Triton's compiled fp32 -> e4m3 cast on this device saturates to +-448 (``cvt.rn.satfinite``,
+    NVIDIA sm_89 on; ``F2FP.SATFINITE.E4M3`` in the sm_90 SASS) and keeps a NaN a NaN; elsewhere a kernel
+    clamps first."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)

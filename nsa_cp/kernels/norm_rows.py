@@ -20,13 +20,10 @@ Design record:
   fp32 rounding is the same in any order (the reference's included) but for a sum within ~1e-15 of a
   rounding midpoint (about one row in 10^7). The FP8 path quantizes y after rounding it to x's dtype:
   the gathered ``(q, scale)`` equal ``quant_fp8_g128`` of the rows a norm-then-gather would have sent.
-- bf16 and e4m3 rounding is to nearest even, once: a compiled kernel's casts do exactly that (``CAST_ROUNDS``;
-  FP8 values clamped to +-448 first); under Triton's interpreter integer arithmetic rounds first
-  (``exact_fp32.round_*``). For bf16 rows the FP8 ``y / scale`` is the group's reciprocal and one remainder
-  FMA per element (``exact_fp32.div_by_group_scale``; the same e4m3 bytes as ``div_rn``, checked over every
-  bf16 pair). SASS a thread on sm_90, H = 7168 (``scripts/norm_rows_sass.py``): the FP8 stage 2016 with
-  integer rounding and ``div_rn``, 1440 with the casts, 1128 with the reciprocal; bf16's 1032 -> 680. At
-  1.65x the HBM floor on 1x H200 with 2016, the FP8 stage was issue-bound.
+- bf16 and e4m3 rounding is to nearest even, once: compiled, by the casts (``CAST_ROUNDS``; the e4m3 cast
+  saturates to +-448 on sm_89 on, ``CAST_SATURATES``, else a clamp first); interpreted, by ``exact_fp32.round_*``.
+  bf16 rows divide by the FP8 scale with the group's reciprocal and one remainder FMA (``exact_fp32``: the
+  same e4m3 bytes as ``div_rn``). The FP8 stage was issue-bound (``scripts/norm_rows_sass.py``, CHANGELOG).
 - The row count of the slot is read from a device scalar, so a CUDA graph replays with new counts;
   the grid covers the whole slot and rows ``[n, M)`` are written as padding (zeros; FP8: q = 0,
   scale = 1e-10/448). x and residual may have more rows than n (a bucket); rows from n on are not
@@ -42,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .exact_fp32 import div_by_group_scale, round_bf16, round_e4m3
+from .exact_fp32 import cast_saturates, div_by_group_scale, round_bf16, round_e4m3
 from ..wire import FP8_G128, FP8_GROUP
 
 __all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_into", "quant_fp8_g128_into", "quant_fp8_g128",
@@ -78,62 +75,70 @@ def _rows_kernel(
     QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
+    CHUNKS: tl.constexpr,
     IS_BF16: tl.constexpr,
     CAST_ROUNDS: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = x_rows
     if HAS_COUNT:
         n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), x_rows)
-    g = tl.arange(0, BLOCK_G)
-    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    col_ok = cols < ROW_LEN
-    groups_ok = g < ROW_LEN // GROUP
-    if row < n:
-        s = tl.load(x_ptr + row * x_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            s += tl.load(res_ptr + row * res_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
-            rounded = s
-            if IS_BF16 and not CAST_ROUNDS:
-                rounded = round_bf16(s)
-            tl.store(res_ptr + row * res_stride + cols, rounded.to(res_ptr.dtype.element_ty), mask=col_ok)
-        if NORM:
-            # fp64: every square exact, the sum's error ~1e-15, so its fp32 rounding is the same whatever
-            # order tl.sum takes (see the design record)
-            s64 = s.to(tl.float64)
-            total = tl.sum(s64 * s64).to(tl.float32)
-            variance = tl.math.div_rn(total, tl.full([], ROW_LEN, tl.float32))
-            rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.math.sqrt_rn(variance + eps))
-            w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            y = (s * rstd) * w
-        else:
-            y = s
-        # one rounding to x's dtype (exact when y is x itself)
-        if IS_BF16 and not CAST_ROUNDS:
-            y = round_bf16(y)
-        y = y.to(x_ptr.dtype.element_ty)
-        if QUANT:
-            yf = y.to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10)
-            scale = tl.math.div_rn(amax, tl.full([BLOCK_G], 448.0, tl.float32))
-            if IS_BF16:
-                q = div_by_group_scale(yf, scale)  # its e4m3 rounding is div_rn's (exact_fp32)
+    # NORM: the whole row in one tile (its sum of squares); the quantizer alone: CHUNKS tiles one after another,
+    # so that no tile row is a padding group (H = 7168: 7 x 8 groups, not 64 slots for 56 groups)
+    tl.static_assert(CHUNKS == 1 or not NORM)
+    for c in tl.static_range(CHUNKS):
+        g = c * BLOCK_G + tl.arange(0, BLOCK_G)
+        cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        col_ok = cols < ROW_LEN
+        groups_ok = g < ROW_LEN // GROUP
+        if row < n:
+            s = tl.load(x_ptr + row * x_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                s += tl.load(res_ptr + row * res_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
+                rounded = s
+                if IS_BF16 and not CAST_ROUNDS:
+                    rounded = round_bf16(s)
+                tl.store(res_ptr + row * res_stride + cols, rounded.to(res_ptr.dtype.element_ty), mask=col_ok)
+            if NORM:
+                # fp64: every square exact, the sum's error ~1e-15, so its fp32 rounding is the same whatever
+                # order tl.sum takes (see the design record)
+                s64 = s.to(tl.float64)
+                total = tl.sum(s64 * s64).to(tl.float32)
+                variance = tl.math.div_rn(total, tl.full([], ROW_LEN, tl.float32))
+                rstd = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.math.sqrt_rn(variance + eps))
+                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                y = (s * rstd) * w
             else:
-                q = tl.math.div_rn(yf, scale[:, None])
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-            if not CAST_ROUNDS:
-                q = round_e4m3(q)
-            tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=col_ok)
-            tl.store(scale_ptr + row * scale_stride + g, scale, mask=groups_ok)
+                y = s
+            # one rounding to x's dtype (exact when y is x itself)
+            if IS_BF16 and not CAST_ROUNDS:
+                y = round_bf16(y)
+            y = y.to(x_ptr.dtype.element_ty)
+            if QUANT:
+                yf = y.to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10)
+                scale = tl.math.div_rn(amax, tl.full([BLOCK_G], 448.0, tl.float32))
+                if IS_BF16:
+                    q = div_by_group_scale(yf, scale)  # its e4m3 rounding is div_rn's (exact_fp32)
+                else:
+                    q = tl.math.div_rn(yf, scale[:, None])
+                if not CAST_SATURATES:  # a saturating cast (sm_89+) clamps to +-448 itself, and keeps NaN a NaN
+                    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+                if not CAST_ROUNDS:
+                    q = round_e4m3(q)
+                tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=col_ok)
+                tl.store(scale_ptr + row * scale_stride + g, scale, mask=groups_ok)
+            else:
+                tl.store(y_ptr + row * y_stride + cols, y, mask=col_ok)
         else:
-            tl.store(y_ptr + row * y_stride + cols, y, mask=col_ok)
-    else:
-        if QUANT:
-            tl.store(q_ptr + row * q_stride + cols, tl.zeros([BLOCK_G, GROUP], tl.float32).to(q_ptr.dtype.element_ty),
-                     mask=col_ok)
-            tl.store(scale_ptr + row * scale_stride + g, tl.zeros([BLOCK_G], tl.float32) + pad_scale, mask=groups_ok)
-        else:
-            tl.store(y_ptr + row * y_stride + cols, tl.zeros([BLOCK_G, GROUP], y_ptr.dtype.element_ty), mask=col_ok)
+            if QUANT:
+                zeros = tl.zeros([BLOCK_G, GROUP], tl.float32).to(q_ptr.dtype.element_ty)
+                tl.store(q_ptr + row * q_stride + cols, zeros, mask=col_ok)
+                pads = tl.zeros([BLOCK_G], tl.float32) + pad_scale
+                tl.store(scale_ptr + row * scale_stride + g, pads, mask=groups_ok)
+            else:
+                tl.store(y_ptr + row * y_stride + cols, tl.zeros([BLOCK_G, GROUP], y_ptr.dtype.element_ty), mask=col_ok)
 
 
 _COMPILED = type(_rows_kernel).__name__ != "InterpretedFunction"  # TRITON_INTERPRET=1: casts round ties away
@@ -199,23 +204,29 @@ def _check_count(count: torch.Tensor, device: torch.device) -> None:
         )
 
 
-def _geometry(h: int) -> Tuple[int, int, int]:
-    """(BLOCK_G, GROUP, num_warps) for rows of h elements."""
-    group = min(_GROUP, triton.next_power_of_2(max(h, 1)))
-    block_g = triton.next_power_of_2(triton.cdiv(max(h, 1), group))
+def _geometry(h: int, quant: bool, norm: bool) -> Tuple[int, int, int, int]:
+    """(BLOCK_G, GROUP, CHUNKS, num_warps) for rows of h elements: tiles of ``[BLOCK_G, GROUP]``, CHUNKS of them
+    a row. A norm holds its row in one tile (BLOCK_G a power of two, the last groups masked); the quantizer
+    alone takes tiles of up to 8 groups, 8 bf16 (16 bytes) a thread at 4 warps."""
+    if quant:
+        groups = h // _GROUP
+        if not norm:
+            block_g = min(triton.next_power_of_2(groups), 8)
+            return block_g, _GROUP, triton.cdiv(groups, block_g), 4
+        block_g, group = triton.next_power_of_2(groups), _GROUP
+    else:
+        group = min(_GROUP, triton.next_power_of_2(max(h, 1)))
+        block_g = triton.next_power_of_2(triton.cdiv(max(h, 1), group))
     elements = block_g * group
     warps = 4 if elements <= 2048 else (8 if elements <= 8192 else 16)
-    return block_g, group, warps
+    return block_g, group, 1, warps
 
 
 def _launch(x, residual, weight, eps, y, q, scale, count, rows, quant: bool, norm: bool) -> None:
     h = x.shape[1]
     if rows == 0 or h == 0:
         return
-    block_g, group, warps = _geometry(h)
-    if quant:
-        group = _GROUP
-        block_g = triton.next_power_of_2(h // _GROUP)
+    block_g, group, chunks, warps = _geometry(h, quant, norm)
     dummy = x  # pointer for absent operands; the constexpr flags keep the kernel from touching it
     if norm:
         weight = weight.detach().contiguous()  # values only: a Parameter that requires grad is read as data
@@ -224,7 +235,8 @@ def _launch(x, residual, weight, eps, y, q, scale, count, rows, quant: bool, nor
     _rows_kernel[(rows,)](
         x, *operands, x.shape[0], float(eps), reference.FP8_PAD_SCALE, x.stride(0), *strides,
         ROW_LEN=h, HAS_RESIDUAL=residual is not None, HAS_COUNT=count is not None, NORM=norm, QUANT=quant,
-        BLOCK_G=block_g, GROUP=group, IS_BF16=x.dtype == torch.bfloat16, CAST_ROUNDS=_COMPILED, num_warps=warps,
+        BLOCK_G=block_g, GROUP=group, CHUNKS=chunks, IS_BF16=x.dtype == torch.bfloat16, CAST_ROUNDS=_COMPILED,
+        CAST_SATURATES=quant and _COMPILED and cast_saturates(x.device), num_warps=warps,
         enable_fp_fusion=False,  # every step one rounded fp32 operation: no FMA folds a square into a sum
     )
 

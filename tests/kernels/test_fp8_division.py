@@ -8,8 +8,8 @@ correctly rounded quotient or a neighbour next to a midpoint, and the e4m3 round
 tell them apart unless ``v / scale`` is within an fp32 ulp of an e4m3 midpoint. bf16 inputs are few enough to
 settle that by enumeration (scripts/fp8_division_check.py: every finite bf16 amax and value; here a few
 binades, and the kernel on the cases that need the correction). A remainder that underflows needs
-``|v| < 2^-102``, where ``|v / scale| < 2^-60`` rounds to e4m3's +-0 whatever the ulp; v's sign is ORed back
-so that -0 stays -0.
+``|v| < 2^-102``, where ``|v / scale| < 2^-60`` rounds to e4m3's +-0 whatever the ulp. The remainder is taken
+negated (``q0 - fma(q0, scale, -v) * r``), so that -0 stays -0.
 
 Checks: the emulation against exact rationals (FMAs at fp32 midpoints included); the emulated steps against
 the reference over whole binades (they agree everywhere, the uncorrected product does not); the kernel

@@ -40,7 +40,7 @@ def test_reference_by_hand():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("rows,h", [(7, 384), (1, 128), (0, 256), (33, 7168)])
+@pytest.mark.parametrize("rows,h", [(7, 384), (1, 128), (0, 256), (5, 1152), (33, 7168)])
 def test_public_quant_matches_reference(device, dtype, rows, h):
     x = randn((rows, h), dtype, rows + h, device)
     if rows > 2:

@@ -242,15 +242,15 @@ def test_norm_fp8_equals_reference_on_exact_inputs(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,rows", [(6, 4, 4), (6, 0, 0), (5, 5, 5), (6, 2, 5)])
-def test_quant_into_slot(dtype, m, n, rows):
-    h = 384
+@pytest.mark.parametrize("h", [384, 1152])  # 3 groups: one tile; 9: tiles of 8 groups, the second one masked
+def test_quant_into_slot(dtype, m, n, rows, h):
     x = randn((rows, h), dtype, 20 + rows)
     if rows >= 3:
         x[1, 128:256] = randn((128,), dtype, 21, scale=1e-12)  # amax under the 1e-10 floor
         x[2, :128] = randn((128,), dtype, 22, scale=1e-6)  # small, above the floor
     x0 = x.clone()
-    q, scale = nan((m, h), FP8), nan((m, 3), torch.float32)
-    want_q, want_scale = nan((m, h), FP8), nan((m, 3), torch.float32)
+    q, scale = nan((m, h), FP8), nan((m, h // 128), torch.float32)
+    want_q, want_scale = nan((m, h), FP8), nan((m, h // 128), torch.float32)
     K.quant_fp8_g128_into(x, q, scale, count_of(n))
     reference.quant_fp8_g128_into_slot(x, want_q, want_scale, n)
     assert torch.equal(x, x0)
