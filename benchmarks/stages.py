@@ -6,6 +6,8 @@ Usage::
     python benchmarks/stages.py                          # the GPU: M in 256 2048 8192 32768, cp 2
     python benchmarks/stages.py --M 8192 --cp 8 --csv stages.csv --json stages.json
     python benchmarks/stages.py --M 16 --hidden 256 --rounds 2    # no GPU: a CPU smoke run
+    git show REV:nsa_cp/kernels/norm_rows.py > /tmp/before.py
+    python benchmarks/stages.py --M 32768 --kernels-before /tmp/before.py  # REV's row kernels beside today's
 
 ``python benchmarks/gather_scatter.py`` runs this on a machine with one GPU. One GPU has no link
 between ranks to time (ranks sharing it would move rows through its own memory, not NVLink), so this
@@ -64,7 +66,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from harness import DTYPES  # noqa: E402
-from stages_methods import Method, methods_for, min_bytes  # noqa: E402  this benchmark's stages (its part)
+from stages_methods import Method, load_row_kernels, methods_for, min_bytes  # noqa: E402  this benchmark's stages (its part)
 
 AHEAD_CYCLES_PER_METHOD = 2_000_000  # ~1 ms of GPU sleep per method: the host enqueues the round ahead
 
@@ -184,12 +186,12 @@ def hbm_bandwidth(dev, mib: int, rounds: int) -> float:
 
 
 # ============================================================================ run
-def run_size(M: int, args, dev, nsa, hbm_gbps: float, log) -> List[dict]:
+def run_size(M: int, args, dev, nsa, hbm_gbps: float, log, before=None) -> List[dict]:
     counts = [(M, round(0.8 * M))[r % 2] for r in range(args.cp)]
     s = Shape(M=M, n=round(0.8 * M), cp=args.cp, counts=counts, hidden=args.hidden, dtype=DTYPES[args.dtype],
               device=dev)
     log(f"M={M}: counts {counts}, this rank's n={s.n}, H={s.hidden} {args.dtype}")
-    methods = methods_for(s, nsa, log)
+    methods = methods_for(s, nsa, log, before)
     nbuf = harness.rotating_sets(dev, set_bytes(s), args.max_bufs)
     failed, skipped = {}, {}
     for i, m in enumerate(methods):  # each check on a fresh set: a method cannot pass on another's leftovers
@@ -279,6 +281,9 @@ def parse_args(argv=None):
     p.add_argument("--max-bufs", type=int, default=8, help="most rotating buffer sets per size")
     p.add_argument("--floor-mib", type=int, default=1024, help="MiB of the HBM copy that sets the floor")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernels-before", metavar="FILE",
+                   help="a norm_rows.py of an earlier commit (git show REV:nsa_cp/kernels/norm_rows.py > FILE): its "
+                        "row-kernel stages are timed beside today's and checked bitwise against them")
     p.add_argument("--csv")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -305,9 +310,10 @@ def main(argv=None):
 
     hbm = hbm_bandwidth(dev, floor_mib, args.rounds)
     log(f"HBM copy ({floor_mib} MiB, read + write): {hbm:.0f} GB/s")
+    before = load_row_kernels(args.kernels_before) if args.kernels_before else None
     rows = []
     for M in args.M:
-        rows += run_size(M, args, dev, nsa_cp, hbm, log)
+        rows += run_size(M, args, dev, nsa_cp, hbm, log, before)
     print(format_table(tags, rows), flush=True)  # tables first, files after
     harness.write_rows(tags, rows, args.csv, args.json)
     bad = [r for r in rows if r["check"] != "ok" and not r["check"].startswith("skipped")]

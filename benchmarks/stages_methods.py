@@ -383,10 +383,67 @@ def accumulation(e: Env) -> List[Method]:
 STAGES = (pack_pad, add_rmsnorm, add_rmsnorm_into_slot, fp8, compaction, accumulation)
 
 
-def methods_for(s, nsa, log) -> List[Method]:
-    """Every stage's methods; those this machine cannot run are left out, saying why (``log``)."""
+def load_row_kernels(path: str):
+    """A ``norm_rows.py`` of another commit (``git show REV:nsa_cp/kernels/norm_rows.py > FILE``), loaded as a
+    module of ``nsa_cp.kernels`` beside today's (its relative imports resolve there)."""
+    import importlib.util
+
+    import nsa_cp.kernels  # noqa: F401  the parent package of the loaded module
+
+    spec = importlib.util.spec_from_file_location("nsa_cp.kernels._norm_rows_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def before_methods(e: Env, before) -> List[Method]:
+    """The row-kernel stages with ``before``'s kernels (``load_row_kernels``), each checked bitwise against
+    today's kernel on copies of the same inputs: an earlier kernel timed beside today's, in one run."""
+    from nsa_cp.kernels import norm_rows as now
+
+    w, count = e.w, e.count
+    calls = {  # stage -> (call on a kernel module and a set, the outputs it writes or returns)
+        "add + RMSNorm into slot": (lambda k, b: k.fused_add_rmsnorm_into(b["x"], b["res"], w, EPS, b["slot"], count),
+                                    ("res", "slot")),
+        "FP8 quantization": (lambda k, b: k.quant_fp8_g128(b["x"]), ()),
+        "add + RMSNorm + FP8 into slot": (lambda k, b: k.fused_add_rmsnorm_into(
+            b["x"], b["res"], w, EPS, b["q"], count, quant="fp8_e4m3_g128", dst_scale=b["scale"]),
+            ("res", "q", "scale")),
+    }
+    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731 NaN-safe
+
+    def same_as_now(call, keys):
+        def check(b):
+            mine = {k: b[k].clone() for k in ("x", "res", "slot", "q", "scale")}
+            _poison(b["slot"], b["q"], b["scale"], mine["slot"], mine["q"], mine["scale"])
+            got_before, got_now = call(before, b), call(now, mine)
+            pairs = [(k, b[k], mine[k]) for k in keys] + [
+                (f"returned[{i}]", x, y) for i, (x, y) in enumerate(zip(got_before or (), got_now or ()))]
+            for what, x, y in pairs:
+                if not torch.equal(bits(x), bits(y)):
+                    return f"{what}: not bitwise today's kernel's"
+            return None
+        return check
+
+    out = []
+    for stage, (call, keys) in calls.items():
+        if "FP8" in stage and e.s.hidden % 128:
+            continue
+        fn = (lambda c: lambda b: c(before, b))(call)
+        out.append(Method(stage, "nsa_cp fused kernel (before)" if "slot" in stage else "nsa_cp.quant_fp8_g128 "
+                          "(before)", fn, same_as_now(call, keys)))
+    return out
+
+
+def methods_for(s, nsa, log, before=None) -> List[Method]:
+    """Every stage's methods; those this machine cannot run are left out, saying why (``log``). ``before``:
+    a row-kernel module (``load_row_kernels``) whose stages follow today's, each in its stage."""
     e = make_env(s, nsa, log)
-    return [m for stage in STAGES for m in stage(e)]
+    methods = [m for stage in STAGES for m in stage(e)]
+    for m in before_methods(e, before) if before is not None else ():
+        last = max(i for i, x in enumerate(methods) if x.stage == m.stage)
+        methods.insert(last + 1, m)
+    return methods
 
 
 def _flashinfer(dev, dtype, log):

@@ -42,7 +42,11 @@ SMOKE = {
                       "--warmup", "0", "--layers", "1", "--csv", "{out}/boundary.csv"], ["boundary.csv"]),
     ],
     "stages.py": [("cpu", ["--M", "16", "--hidden", "256", "--cp", "3", "--rounds", "2", "--warmup", "1",
-                           "--csv", "{out}/stages.csv", "--json", "{out}/stages.json"], ["stages.csv", "stages.json"])],
+                           "--csv", "{out}/stages.csv", "--json", "{out}/stages.json"], ["stages.csv", "stages.json"]),
+                  # an earlier commit's row kernels beside today's (here today's file: checked bitwise equal)
+                  ("kernels-before", ["--M", "16", "--hidden", "256", "--rounds", "1", "--warmup", "0",
+                                      "--kernels-before", "nsa_cp/kernels/norm_rows.py", "--csv", "{out}/ab.csv"],
+                   ["ab.csv"])],
     "sglang_boundary.py": [("cpu", ["--cpu-ranks", "2", "--M", "8", "--hidden", "128", "--rounds", "1", "--warmup", "0",
                                     "--compact", "--csv", "{out}/sb.csv", "--json", "{out}/sb.json"], ["sb.csv", "sb.json"])],
     "dispatch_overhead.py": [("cpu", ["--worlds", "2", "--M", "8", "--H", "64", "--calls", "20", "--rounds", "2"], [])],
@@ -135,6 +139,11 @@ def test_script_runs_at_a_tiny_size(script, case, tmp_path):
     for name in outputs:
         if name.endswith(".csv"):
             _check_tags(tmp_path / name)
+    if "--kernels-before" in args:  # each row-kernel stage has its "before" row, checked and timed
+        rows = list(csv.DictReader((tmp_path / "ab.csv").open(newline="")))
+        before = {r["stage"]: r["check"] for r in rows if r["method"].endswith("(before)")}
+        assert before == {"add + RMSNorm into slot": "ok", "FP8 quantization": "ok",
+                          "add + RMSNorm + FP8 into slot": "ok"}, before
         if name.endswith(".json"):
             rows = json.loads((tmp_path / name).read_text())["rows"]
             assert rows and all(str(ROOT) not in json.dumps(r) for r in rows), "a JSON row records the checkout's path"
