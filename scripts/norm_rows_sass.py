@@ -42,7 +42,7 @@ def sass(stage: str, cast_rounds: bool, hidden: int) -> Tuple[int, str]:
     block_g, group, chunks, warps = norm_rows._geometry(hidden, STAGES[stage]["QUANT"], STAGES[stage]["NORM"])
     consts = dict(ROW_LEN=hidden, HAS_RESIDUAL=STAGES[stage]["NORM"], HAS_COUNT=True, BLOCK_G=block_g, GROUP=group,
                   CHUNKS=chunks,
-                  IS_BF16=True, CAST_ROUNDS=cast_rounds,
+                  IS_BF16=True, CAST_ROUNDS=cast_rounds, FMA_ROUNDS_ONCE=True,
                   CAST_SATURATES=cast_rounds and STAGES[stage]["QUANT"], **STAGES[stage])
     signature = dict(SIGNATURE, **{k: "constexpr" for k in consts})
     # what a launch specializes on (Triton's JIT): 16-byte aligned pointers and strides divisible by 16

@@ -3,7 +3,9 @@
 - ``round_bf16`` / ``round_e4m3``: fp32 -> the nearest bf16 / float8_e4m3fn value (ties to even), still as
   fp32. Under Triton's interpreter a cast rounds ties away (and drops a rounded-up mantissa's carry); after
   these its cast is exact. A compiled kernel's casts already round to nearest even and skip them.
-- ``cast_saturates``: whether a compiled fp32 -> e4m3 cast clamps to +-448 itself on a device.
+- ``cast_saturates``: whether a compiled fp32 -> e4m3 cast clamps to +-448 itself on a device;
+  ``fma_rounds_once``: whether ``tl.fma`` is one rounding where kernels run (compiled: always; Triton 3.6's
+  interpreter multiplies and adds in fp32, two roundings, and a kernel then keeps ``div_rn``).
 - ``div_by_group_scale``: ``v / scale`` for bf16 values ``v [G, GROUP]`` and one FP8 group scale per row
   ``scale [G]``, with the group's correctly rounded reciprocal and one remainder correction per element
   instead of a correctly rounded division per element (``div_rn``: about 12 instructions on sm_90, with a
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["round_bf16", "round_e4m3", "div_by_group_scale", "cast_saturates"]
+__all__ = ["round_bf16", "round_e4m3", "div_by_group_scale", "cast_saturates", "fma_rounds_once", "COMPILED"]
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite fp32
 
@@ -57,10 +59,11 @@ def div_by_group_scale(v, scale):
     one FMA (no underflow where the quotient is not far below e4m3's range); ``q0 - nrem * r`` is then
     within an ulp of ``v / scale``. Negated, so that v = -0 gives -0 as a division does (``nrem`` = +0, and
     ``+0 * -r + -0`` is -0), with no instruction for the sign. An infinite scale (an inf in the group) enters
-    the remainder as the largest float: finite v -> +-0, as ``v / inf``."""
+    the remainder as the largest float: finite v -> +-0, as ``v / inf``. ``v * -1.0`` is an exact negation
+    that ptxas folds into the FMA (Triton 3.6 lowers ``-v`` to ``0 - v``, one more instruction an element)."""
     r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
     q0 = v * r
-    nrem = tl.fma(q0, tl.minimum(scale, _FP32_MAX)[:, None], -v)
+    nrem = tl.fma(q0, tl.minimum(scale, _FP32_MAX)[:, None], v * -1.0)
     return tl.fma(nrem, -r, q0)
 
 
@@ -70,3 +73,23 @@ def cast_saturates(device: torch.device) -> bool:
     NVIDIA sm_89 on; ``F2FP.SATFINITE.E4M3`` in the sm_90 SASS) and keeps a NaN a NaN; elsewhere a kernel
     clamps first."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@triton.jit
+def _fma_probe(x_ptr, c_ptr, out_ptr):
+    v = tl.load(x_ptr)
+    tl.store(out_ptr, tl.fma(v, v, tl.load(c_ptr)))
+
+
+COMPILED = type(_fma_probe).__name__ != "InterpretedFunction"  # TRITON_INTERPRET=1: kernels run on CPU tensors
+
+
+@functools.lru_cache(maxsize=None)
+def fma_rounds_once() -> bool:
+    """``(1 + 2^-12)^2 - (1 + 2^-11)`` is exactly ``2^-24`` in one rounding, 0 in two (the square's fp32
+    rounding is a tie to even)."""
+    if COMPILED:
+        return True
+    x, c, out = torch.tensor([1 + 2.0**-12]), torch.tensor([-(1 + 2.0**-11)]), torch.empty(1)
+    _fma_probe[(1,)](x, c, out)
+    return out.item() == 2.0**-24

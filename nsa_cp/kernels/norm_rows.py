@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .exact_fp32 import cast_saturates, div_by_group_scale, round_bf16, round_e4m3
+from .exact_fp32 import COMPILED, cast_saturates, div_by_group_scale, fma_rounds_once, round_bf16, round_e4m3
 from ..wire import FP8_G128, FP8_GROUP
 
 __all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_into", "quant_fp8_g128_into", "quant_fp8_g128",
@@ -79,6 +79,7 @@ def _rows_kernel(
     IS_BF16: tl.constexpr,
     CAST_ROUNDS: tl.constexpr,
     CAST_SATURATES: tl.constexpr,
+    FMA_ROUNDS_ONCE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = x_rows
@@ -119,7 +120,7 @@ def _rows_kernel(
                 yf = y.to(tl.float32)
                 amax = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10)
                 scale = tl.math.div_rn(amax, tl.full([BLOCK_G], 448.0, tl.float32))
-                if IS_BF16:
+                if IS_BF16 and FMA_ROUNDS_ONCE:
                     q = div_by_group_scale(yf, scale)  # its e4m3 rounding is div_rn's (exact_fp32)
                 else:
                     q = tl.math.div_rn(yf, scale[:, None])
@@ -139,9 +140,6 @@ def _rows_kernel(
                 tl.store(scale_ptr + row * scale_stride + g, pads, mask=groups_ok)
             else:
                 tl.store(y_ptr + row * y_stride + cols, tl.zeros([BLOCK_G, GROUP], y_ptr.dtype.element_ty), mask=col_ok)
-
-
-_COMPILED = type(_rows_kernel).__name__ != "InterpretedFunction"  # TRITON_INTERPRET=1: casts round ties away
 
 
 # ---- checks: ValueError naming the tensor, the expected and the actual shape, before anything is written
@@ -235,8 +233,9 @@ def _launch(x, residual, weight, eps, y, q, scale, count, rows, quant: bool, nor
     _rows_kernel[(rows,)](
         x, *operands, x.shape[0], float(eps), reference.FP8_PAD_SCALE, x.stride(0), *strides,
         ROW_LEN=h, HAS_RESIDUAL=residual is not None, HAS_COUNT=count is not None, NORM=norm, QUANT=quant,
-        BLOCK_G=block_g, GROUP=group, CHUNKS=chunks, IS_BF16=x.dtype == torch.bfloat16, CAST_ROUNDS=_COMPILED,
-        CAST_SATURATES=quant and _COMPILED and cast_saturates(x.device), num_warps=warps,
+        BLOCK_G=block_g, GROUP=group, CHUNKS=chunks, IS_BF16=x.dtype == torch.bfloat16, CAST_ROUNDS=COMPILED,
+        CAST_SATURATES=quant and COMPILED and cast_saturates(x.device), FMA_ROUNDS_ONCE=quant and fma_rounds_once(),
+        num_warps=warps,
         enable_fp_fusion=False,  # every step one rounded fp32 operation: no FMA folds a square into a sum
     )
 

@@ -126,3 +126,24 @@ def test_the_kernel_on_zeros_subnormals_the_floor_and_inf():
     finite = torch.isfinite(x)  # an inf element's q is NaN in the reference and clamped in the kernel
     assert torch.equal(got[finite], want[finite])
     assert got[0, 7].item() == 0x80 and got[3, 3 * 128 + 2].item() == 0x80  # -0 stays -0
+
+
+def test_the_kernel_takes_the_reciprocal_where_fma_rounds_once():
+    """The reciprocal runs where ``tl.fma`` is one rounding: compiled always, interpreted from the Triton whose
+    interpreter has a true FMA (3.6's multiplies and adds: the kernel keeps ``div_rn`` there). Where it runs,
+    dropping the correction fails test_the_kernel_on_the_pairs_that_need_the_correction."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    import triton
+
+    from nsa_cp.kernels import exact_fp32
+
+    if exact_fp32.COMPILED:
+        assert exact_fp32.fma_rounds_once()
+    elif not exact_fp32.fma_rounds_once():
+        pytest.skip(f"Triton {triton.__version__}'s interpreter rounds tl.fma twice: its kernels keep div_rn here")
+    x = torch.tensor([1 + 2.0**-12], device=DEVICE)
+    c = torch.tensor([-(1 + 2.0**-11)], device=DEVICE)
+    out = torch.empty(1, device=DEVICE)
+    exact_fp32._fma_probe[(1,)](x, c, out)
+    assert out.item() == 2.0**-24
