@@ -39,15 +39,14 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .exact_fp32 import COMPILED, cast_saturates, div_by_group_scale, fma_rounds_once, round_bf16, round_e4m3
 from ..wire import FP8_G128, FP8_GROUP
+from . import row_checks as checks
+from .exact_fp32 import COMPILED, cast_saturates, div_by_group_scale, fma_rounds_once, round_bf16, round_e4m3
+from .row_checks import QUANT_MODES
 
 __all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_into", "quant_fp8_g128_into", "quant_fp8_g128",
            "QUANT_MODES"]
 
-QUANT_MODES = (FP8_G128,)
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MAX_ROW = 65536  # elements a program holds in registers; longer rows are refused (ValueError)
 _GROUP = FP8_GROUP
 
 
@@ -142,66 +141,6 @@ def _rows_kernel(
                 tl.store(y_ptr + row * y_stride + cols, tl.zeros([BLOCK_G, GROUP], y_ptr.dtype.element_ty), mask=col_ok)
 
 
-# ---- checks: ValueError naming the tensor, the expected and the actual shape, before anything is written
-
-
-def _shape(t: torch.Tensor):
-    return list(t.shape)
-
-
-def _check_x(x: torch.Tensor, name: str = "x") -> int:
-    if x.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D [rows, H] tensor, got shape {_shape(x)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: expected dtype bfloat16, float16 or float32, got {x.dtype} (shape {_shape(x)})")
-    h = x.shape[1]
-    if h > _MAX_ROW:
-        raise ValueError(f"{name}: rows of at most {_MAX_ROW} elements, got shape {_shape(x)}")
-    return h
-
-
-def _check_dense(t: torch.Tensor, name: str) -> None:
-    if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name}: rows must have unit inner stride, got shape {_shape(t)} strides {tuple(t.stride())}")
-
-
-def _check_like(t: torch.Tensor, name: str, shape, dtype: torch.dtype, device: torch.device) -> None:
-    if list(t.shape) != list(shape):
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {_shape(t)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} (shape {_shape(t)})")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device} (shape {_shape(t)})")
-    _check_dense(t, name)
-
-
-def _check_norm_args(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor) -> int:
-    h = _check_x(x)
-    if residual is not None:
-        _check_like(residual, "residual", x.shape, x.dtype, x.device)
-    if weight.dim() != 1 or weight.shape[0] != h:
-        raise ValueError(f"weight: expected shape [{h}] (x's last dim), got {_shape(weight)}")
-    if not weight.dtype.is_floating_point or weight.dtype.itemsize == 1:
-        raise ValueError(f"weight: expected a bf16/fp16/fp32 tensor of shape [{h}], got {weight.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"weight: expected device {x.device}, got {weight.device} (shape {_shape(weight)})")
-    return h
-
-
-def _check_quant(quant: Optional[str], h: int, x: torch.Tensor) -> None:
-    if quant is not None and quant not in QUANT_MODES:
-        raise ValueError(f"quant: expected None or one of {QUANT_MODES}, got {quant!r}")
-    if quant is not None and h % _GROUP:
-        raise ValueError(f"x: {quant} needs H a multiple of {_GROUP}, got shape {_shape(x)}")
-
-
-def _check_count(count: torch.Tensor, device: torch.device) -> None:
-    if count.dtype != torch.int32 or count.numel() != 1 or count.device != device:
-        raise ValueError(
-            f"count: expected one int32 element on {device}, got {count.dtype} {_shape(count)} on {count.device}"
-        )
-
-
 def _geometry(h: int, quant: bool, norm: bool) -> Tuple[int, int, int, int]:
     """(BLOCK_G, GROUP, CHUNKS, num_warps) for rows of h elements: tiles of ``[BLOCK_G, GROUP]``, CHUNKS of them
     a row. A norm holds its row in one tile (BLOCK_G a power of two, the last groups masked); the quantizer
@@ -272,9 +211,9 @@ def fused_add_rmsnorm_into(
         dst_scale: with quant, fp32 ``[M, H/128]``: the group scales, ``1e-10/448`` in padding rows.
     Raises ValueError (naming the tensor and shapes) before writing anything.
     """
-    h = _check_norm_args(x, residual, weight)
-    _check_quant(quant, h, x)
-    _check_count(count, x.device)
+    h = checks.check_norm_args(x, residual, weight)
+    checks.check_quant(quant, h, x)
+    checks.check_count(count, x.device)
     _write_slot(_input_rows(x), residual, weight, eps, dst, dst_scale, count, quant, norm=True)
 
 
@@ -283,9 +222,9 @@ def quant_into(x: torch.Tensor, dst: torch.Tensor, dst_scale: torch.Tensor, coun
     """Quantize the first n rows of ``x [rows, H]`` into ``dst [M, H]`` (float8_e4m3fn) and
     ``dst_scale [M, H/128]`` (fp32); rows ``[n, M)``: q = 0, scale = 1e-10/448. n read from ``count``
     (int32 device scalar) as for ``fused_add_rmsnorm_into``; for ``cp_all_gather(x, quant=...)``."""
-    h = _check_x(x)
-    _check_quant(quant, h, x)
-    _check_count(count, x.device)
+    h = checks.check_x(x)
+    checks.check_quant(quant, h, x)
+    checks.check_count(count, x.device)
     _write_slot(_input_rows(x), None, None, 0.0, dst, dst_scale, count, quant, norm=False)
 
 
@@ -295,16 +234,16 @@ quant_fp8_g128_into = quant_into  # the FP8 wire's name
 def _write_slot(x, residual, weight, eps, dst, dst_scale, count, quant, norm: bool) -> None:
     h = x.shape[1]
     if dst.dim() != 2:
-        raise ValueError(f"dst: expected a 2-D [M, {h}] slot, got shape {_shape(dst)}")
+        raise ValueError(f"dst: expected a 2-D [M, {h}] slot, got shape {checks.shape_of(dst)}")
     m = dst.shape[0]
     if quant is None:
-        _check_like(dst, "dst", (m, h), x.dtype, x.device)
+        checks.check_like(dst, "dst", (m, h), x.dtype, x.device)
         _launch(x, residual, weight, eps, dst, None, None, count, m, quant=False, norm=norm)
         return
-    _check_like(dst, "dst", (m, h), torch.float8_e4m3fn, x.device)
+    checks.check_like(dst, "dst", (m, h), torch.float8_e4m3fn, x.device)
     if dst_scale is None:
         raise ValueError(f"dst_scale: {quant} needs an fp32 [{m}, {h // _GROUP}] scale slot, got None")
-    _check_like(dst_scale, "dst_scale", (m, h // _GROUP), torch.float32, x.device)
+    checks.check_like(dst_scale, "dst_scale", (m, h // _GROUP), torch.float32, x.device)
     _launch(x, residual, weight, eps, None, dst, dst_scale, count, m, quant=True, norm=norm)
 
 
@@ -322,12 +261,12 @@ def fused_add_rmsnorm(
     norm after a reduce-scatter overwrites the reduce-scatter's output). ``residual=None``: y = rmsnorm(x)
     and the returned residual is None (the caller keeps x, which out=None overwrites).
     """
-    _check_norm_args(x, residual, weight)
+    checks.check_norm_args(x, residual, weight)
     if out is None:
-        _check_dense(x, "x")
+        checks.check_dense(x, "x")
         y = x
     else:
-        _check_like(out, "out", x.shape, x.dtype, x.device)
+        checks.check_like(out, "out", x.shape, x.dtype, x.device)
         y = out
     _launch(_input_rows(x), residual, weight, eps, y, None, None, None, x.shape[0], quant=False, norm=True)
     return y, residual
@@ -335,8 +274,8 @@ def fused_add_rmsnorm(
 
 def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x [rows, H]`` -> new ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``, every row."""
-    h = _check_x(x)
-    _check_quant(FP8_G128, h, x)
+    h = checks.check_x(x)
+    checks.check_quant(FP8_G128, h, x)
     rows = x.shape[0]
     q = torch.empty((rows, h), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, h // _GROUP), dtype=torch.float32, device=x.device)
