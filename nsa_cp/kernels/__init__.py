@@ -5,7 +5,8 @@
   the tensors' GPU (``_rows.native_module``, NSA_CP_ROW_KERNELS): the same copies for a fraction of the
   host time per launch.
 - ``norm_rows``: fused residual add + RMSNorm, optionally quantized to FP8 (groups of 128), into a padded slot
-  with a device-side row count, and the quant-only and local in-place forms (Triton only).
+  with a device-side row count, and the quant-only and local in-place forms (Triton only); ``exact_fp32``
+  holds its rounding and FP8 division helpers, ``row_checks`` its argument checks.
 Triton is imported lazily: a CPU-only install without Triton still imports nsa_cp and uses the
 pure-torch path. ``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors (the tests do).
 """
