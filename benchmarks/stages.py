@@ -66,7 +66,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from harness import DTYPES  # noqa: E402
-from stages_methods import Method, load_row_kernels, methods_for, min_bytes  # noqa: E402  this benchmark's stages (its part)
+# this benchmark's stages (its part)
+from stages_methods import Method, load_row_kernels, methods_for, min_bytes  # noqa: E402
 
 AHEAD_CYCLES_PER_METHOD = 2_000_000  # ~1 ms of GPU sleep per method: the host enqueues the round ahead
 
