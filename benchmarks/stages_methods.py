@@ -402,14 +402,14 @@ def before_methods(e: Env, before) -> List[Method]:
     from nsa_cp.kernels import norm_rows as now
 
     w, count = e.w, e.count
-    calls = {  # stage -> (call on a kernel module and a set, the outputs it writes or returns)
-        "add + RMSNorm into slot": (lambda k, b: k.fused_add_rmsnorm_into(b["x"], b["res"], w, EPS, b["slot"], count),
-                                    ("res", "slot")),
-        "FP8 quantization": (lambda k, b: k.quant_fp8_g128(b["x"]), ()),
-        "add + RMSNorm + FP8 into slot": (lambda k, b: k.fused_add_rmsnorm_into(
+    calls = [  # (stage, method, call on a kernel module and a set, the outputs it writes; FP8: H % 128 == 0)
+        ("add + RMSNorm into slot", "nsa_cp fused kernel (before)",
+         lambda k, b: k.fused_add_rmsnorm_into(b["x"], b["res"], w, EPS, b["slot"], count), ("res", "slot"), False),
+        ("FP8 quantization", "nsa_cp.quant_fp8_g128 (before)", lambda k, b: k.quant_fp8_g128(b["x"]), (), True),
+        ("add + RMSNorm + FP8 into slot", "nsa_cp fused kernel (before)", lambda k, b: k.fused_add_rmsnorm_into(
             b["x"], b["res"], w, EPS, b["q"], count, quant="fp8_e4m3_g128", dst_scale=b["scale"]),
-            ("res", "q", "scale")),
-    }
+         ("res", "q", "scale"), True),
+    ]
     bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731 NaN-safe
 
     def same_as_now(call, keys):
@@ -426,12 +426,10 @@ def before_methods(e: Env, before) -> List[Method]:
         return check
 
     out = []
-    for stage, (call, keys) in calls.items():
-        if "FP8" in stage and e.s.hidden % 128:
+    for stage, name, call, keys, fp8 in calls:
+        if fp8 and e.s.hidden % 128:
             continue
-        fn = (lambda c: lambda b: c(before, b))(call)
-        out.append(Method(stage, "nsa_cp fused kernel (before)" if "slot" in stage else "nsa_cp.quant_fp8_g128 "
-                          "(before)", fn, same_as_now(call, keys)))
+        out.append(Method(stage, name, (lambda c: lambda b: c(before, b))(call), same_as_now(call, keys)))
     return out
 
 
