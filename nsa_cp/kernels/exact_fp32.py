@@ -60,11 +60,13 @@ def div_by_group_scale(v, scale):
     within an ulp of ``v / scale``. Negated, so that v = -0 gives -0 as a division does (``nrem`` = +0, and
     ``+0 * -r + -0`` is -0), with no instruction for the sign. An infinite scale (an inf in the group) enters
     the remainder as the largest float: finite v -> +-0, as ``v / inf``. ``v * -1.0`` is an exact negation
-    that ptxas folds into the FMA (Triton 3.6 lowers ``-v`` to ``0 - v``, one more instruction an element)."""
-    r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-    q0 = v * r
+    that ptxas folds into the FMA. Never ``-x`` here: Triton 3.6 lowers it to ``0 - x``, one more
+    instruction an element, and +0 for x = +0 (r is +0 where the scale is inf: ``-r`` made every negative
+    value's byte +0, not -0, on the H200)."""
+    r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    q0 = v * r[:, None]
     nrem = tl.fma(q0, tl.minimum(scale, _FP32_MAX)[:, None], v * -1.0)
-    return tl.fma(nrem, -r, q0)
+    return tl.fma(nrem, (r * -1.0)[:, None], q0)
 
 
 @functools.lru_cache(maxsize=None)
