@@ -9,8 +9,10 @@
 #   bash scripts/gpu_test_line.sh            # after: python3 -m pip install --no-deps --no-build-isolation -e .
 #                                            # (and SGLang's wheels, for tests/integrations/sglang/: scripts/gpu_sglang.sh)
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
-#   SHARDS="p2p boundary rest faults" bash scripts/gpu_test_line.sh   # then SHARDS="example runs sglang": the
-#                                                # line over two calls (every shard in one of them)
+#   SHARDS="p2p boundary rest sglang faults" bash scripts/gpu_test_line.sh   # without SGLang carried (its CPU
+#       tests skip: CI runs them), then `source scripts/gpu_sglang.sh && SHARDS="example runs sglang_gpu" bash
+#       scripts/gpu_test_line.sh`: the line over two calls, every shard in one of them (on 1x H200, 2026-12-02:
+#       about 410 s and 430 s; runs and sglang_gpu together in one shard outran a 430 s cap)
 #
 # Each shard runs under `timeout -s INT` (pytest stops where it is and still prints its counts and the
 # failures so far; such a shard is flagged INTERRUPTED, its counts are not the shard's). Exit status: 0
@@ -26,20 +28,22 @@ mkdir -p "$LOGS"
 # shards (files), the busiest first; "rest" is every other test file but the fault tests
 SHARD_p2p="tests/transports/test_p2p_gpu.py"
 SHARD_example="tests/package/test_example.py tests/package/test_example_exit.py"
-SHARD_runs="tests/bench/test_benchmarks_smoke.py tests/integrations/sglang/test_sglang_gpu.py tests/integrations/sglang/test_sglang_boundary_gpu.py tests/integrations/vllm/test_vllm_shapes.py"
+SHARD_runs="tests/bench/test_benchmarks_smoke.py tests/integrations/sglang/test_sglang_gpu.py tests/integrations/vllm/test_vllm_shapes.py"
+# SGLang's stack on the GPU at 2, 4 and 8 ranks sharing it (each world imports SGLang: 140 s alone on 1x H200)
+SHARD_sglang_gpu="tests/integrations/sglang/test_sglang_boundary_gpu.py"
 # SGLang's own code on CPU / gloo (they skip where SGLang is not installed: scripts/gpu_sglang.sh). With
 # SGLang carried, every rank process imports it: over 370 s on 1x H200's 16 cores beside the other shards
 # (2026-12-01), so give it a call of its own (SHARDS="sglang")
 SHARD_sglang="tests/integrations/sglang/test_sglang.py tests/integrations/sglang/test_sglang_real.py tests/integrations/sglang/test_sglang_fast_path.py tests/integrations/sglang/test_sglang_boundary.py"
 SHARD_boundary="tests/communicator/test_boundary_gloo.py tests/communicator/test_boundary_gpu.py tests/collectives/test_collectives_gloo.py tests/collectives/test_collectives_gpu.py tests/collectives/test_compile.py"
 FAULTS="tests/transports/test_p2p_faults.py"
-named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_sglang $SHARD_boundary $FAULTS "
+named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_sglang_gpu $SHARD_sglang $SHARD_boundary $FAULTS "
 SHARD_rest=""
 for f in $(find tests -name "test_*.py" | sort); do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 
-ALL="p2p example runs sglang boundary rest faults"
+ALL="p2p example runs sglang_gpu sglang boundary rest faults"
 SHARDS=${SHARDS:-$ALL}
 for shard in $SHARDS; do
   [[ " $ALL " == *" $shard "* ]] || { echo "unknown shard '$shard' (shards: $ALL)" >&2; exit 2; }
@@ -47,7 +51,7 @@ done
 want() { [[ " $SHARDS " == *" $1 "* ]]; }
 
 pids=()
-for shard in p2p example runs sglang boundary rest; do
+for shard in p2p example runs sglang_gpu sglang boundary rest; do
   want "$shard" || continue
   var="SHARD_$shard"
   # shellcheck disable=SC2086

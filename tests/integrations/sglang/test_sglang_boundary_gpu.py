@@ -19,7 +19,7 @@ prefill-CP extend on CUDA. No nsa_cp call in between. Checked:
 * compact: the MoE gets only real rows, a full-row attention stage always SGLang's padded rows.
 
 Skips cleanly without CUDA, nsa_cp._C or SGLang (SGLang is carried to the GPU machine as wheels: see
-scripts/gpu_sglang.sh). Part of scripts/gpu_test_line.sh's "runs" shard.
+scripts/gpu_sglang.sh). scripts/gpu_test_line.sh's "sglang_gpu" shard.
 """
 
 from __future__ import annotations
