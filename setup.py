@@ -3,11 +3,16 @@
     pip install --no-deps --no-build-isolation -e .     # editable: _C lands in nsa_cp/ in the tree
     pip wheel . --no-deps -w dist                        # wheel with nsa_cp/_C*.so (platform tag)
 
+An editable install reuses the in-tree _C while csrc/, CMakeLists.txt and the build flags are unchanged
+(a stamp beside it, _C.build-stamp, records them); a pure build removes an in-tree _C (and its stamp),
+which an editable install would otherwise still import.
+
 Environment (documented with the others in nsa_cp/envs.py):
     NSA_CP_BUILD_CUDA   auto (default): build _C when nvcc is found; 1: must build (error without
                         nvcc); 0: never (pure package, py3-none-any wheel).
     NSA_CP_CUDA_ARCHS   ';'-separated archs, e.g. "90a;100a". Default: 90a, plus 100a when nvcc
-                        knows compute_100(a).
+                        knows compute_100(a). Set while nvcc is not found: an error (asked-for archs
+                        are never dropped silently), unless NSA_CP_BUILD_CUDA=0.
     CUDA_HOME / CUDA_PATH  where to look for nvcc first (then /usr/local/cuda, then PATH).
     CMAKE_ARGS          extra CMake arguments, e.g. "-DNSA_CP_PTXAS_VERBOSE=ON".
 
@@ -183,6 +188,14 @@ def build_cuda_decision(env: Mapping[str, str], nvcc: Optional[str]) -> Tuple[bo
     if value != "auto":
         raise BuildConfigError(f"NSA_CP_BUILD_CUDA must be auto, 0 or 1, got {env['NSA_CP_BUILD_CUDA']!r}")
     if nvcc is None:
+        archs = env.get("NSA_CP_CUDA_ARCHS", "").strip()
+        if archs:  # archs asked for by name: a pure wheel would silently lack them (and P2P)
+            raise BuildConfigError(
+                f"NSA_CP_CUDA_ARCHS={archs!r} asks for nsa_cp._C, but nvcc was not found (looked in "
+                "$CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin and PATH). For the native wheel install "
+                "the CUDA toolkit or point CUDA_HOME at it; for the pure Python package (no P2P, no native "
+                "kernels) unset NSA_CP_CUDA_ARCHS or set NSA_CP_BUILD_CUDA=0"
+            )
         return False, "nvcc not found (set CUDA_HOME, or NSA_CP_BUILD_CUDA=1 to make this an error)"
     return True, "nvcc found"
 
@@ -211,6 +224,59 @@ def parse_cmake_version(text: str) -> Tuple[int, ...]:
     return int(match.group(1)), int(match.group(2))
 
 
+# ---- the in-tree module: reused while unchanged, removed when the build is pure -------------------
+
+STAMP_NAME = "_C.build-stamp"  # beside the in-tree module: its name and the digest it was built from
+
+
+def source_digest(root: Path, config: Sequence[str]) -> str:
+    """sha256 (hex) of what _C is built from: ``config`` (compiler, interpreter, archs, CMAKE_ARGS, tool
+    versions, module file name, one string each), CMakeLists.txt and every file under csrc/ (by relative
+    name and bytes, in sorted order)."""
+    digest = hashlib.sha256()
+    for item in config:
+        digest.update(item.encode() + b"\0")
+    files = [root / "CMakeLists.txt", *sorted(p for p in (root / "csrc").rglob("*") if p.is_file())]
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def stamp_text(module: Path, digest: str) -> str:
+    return f"{module.name} {digest}\n"
+
+
+def reusable_build(module: Path, digest: str) -> bool:
+    """True when ``module`` exists and the stamp beside it says it was built from ``digest``."""
+    try:
+        return module.is_file() and (module.parent / STAMP_NAME).read_text() == stamp_text(module, digest)
+    except OSError:
+        return False
+
+
+def remove_in_tree_native(root: Path = ROOT) -> List[Path]:
+    """Delete an earlier build's nsa_cp/_C*.so (and its stamp) from the source tree; the paths removed.
+
+    An editable install imports the package from the tree, so a pure build that left the module there
+    would still load it: kernels of older sources, in an install whose version says it has none.
+    """
+    removed = []
+    for path in sorted((root / PACKAGE).glob("_C*.so")) + [root / PACKAGE / STAMP_NAME]:
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _pybind11_version() -> str:
+    try:
+        import pybind11  # type: ignore
+
+        return pybind11.__version__
+    except Exception:
+        return "?"
+
+
 class BuildPlan:
     """Everything decided before setup(): what to build, how, and the version."""
 
@@ -237,9 +303,6 @@ class BuildPlan:
             lines.append(f"  builds  : nsa_cp._C (CUDA kernels) + pure Python/Triton package ({self.reason})")
         else:
             lines.append(f"  builds  : pure Python/Triton package only; nsa_cp._C skipped: {self.reason}")
-            stale = sorted((ROOT / PACKAGE).glob("_C*.so"))
-            if stale:
-                lines.append(f"  warning : an earlier in-place build left {stale[0].name} in nsa_cp/; delete it")
         return "\n".join(lines)
 
 
@@ -263,15 +326,24 @@ def _make_cmdclass(plan: BuildPlan):
 
     class CMakeBuild(build_ext):
         """Configures and builds CMakeLists.txt, putting _C where setuptools expects the extension
-        (the package in the source tree for editable installs, build/lib for wheels)."""
+        (build/lib; for editable installs setuptools then copies it into the package in the source tree).
+
+        In-tree builds (editable installs, --inplace) skip CMake when the tree already holds a module
+        built from the same sources and flags (its stamp, STAMP_NAME, says so): an unchanged
+        ``pip install -e .`` reinstalls in seconds instead of recompiling every kernel. The stamp is
+        written only after setuptools has copied the new module into the tree.
+        """
+
+        def run(self) -> None:
+            self._nsa_cp_in_tree = bool(self.inplace or getattr(self, "editable_mode", False))
+            self._nsa_cp_stamps: List[Tuple[Path, str]] = []
+            super().run()  # builds (inplace set False meanwhile), then copies into the tree
+            if self._nsa_cp_in_tree:
+                for module, digest in self._nsa_cp_stamps:
+                    if module.is_file():
+                        (module.parent / STAMP_NAME).write_text(stamp_text(module, digest))
 
         def build_extension(self, ext) -> None:
-            cmake = find_cmake()
-            if cmake is None:
-                raise BuildConfigError("cmake >= 3.24 is needed to build nsa_cp._C (pip install cmake)")
-            cmake_ver = parse_cmake_version(_run([cmake, "--version"]))
-            if cmake_ver < MIN_CMAKE:
-                raise BuildConfigError(f"cmake {cmake_ver} is too old: nsa_cp._C needs >= 3.24 (pip install cmake)")
             ext_path = Path(self.get_ext_fullpath(ext.name)).resolve()
             ext_path.parent.mkdir(parents=True, exist_ok=True)
             extra = shlex.split(os.environ.get("CMAKE_ARGS", ""))
@@ -285,6 +357,24 @@ def _make_cmdclass(plan: BuildPlan):
             # One build folder per configuration, so switching interpreters or archs never reuses a
             # stale CMake cache; an unchanged one rebuilds incrementally.
             key = hashlib.sha1("\n".join(config[:4] + extra).encode()).hexdigest()[:10]
+            if self._nsa_cp_in_tree:
+                in_tree = ROOT / PACKAGE / ext_path.name
+                digest = source_digest(ROOT, config[:4] + extra + [
+                    f"cuda {plan.cuda_version}", f"pybind11 {_pybind11_version()}", ext_path.name])
+                if reusable_build(in_tree, digest):
+                    if in_tree != ext_path:
+                        shutil.copy2(in_tree, ext_path)  # where setuptools copies the module from
+                    _log(f"nsa_cp: {in_tree} is up to date (csrc/, CMakeLists.txt and the build flags "
+                         f"unchanged): not rebuilt (delete {STAMP_NAME} beside it to force a build)")
+                    return
+                (in_tree.parent / STAMP_NAME).unlink(missing_ok=True)  # a failed build leaves no stamp
+                self._nsa_cp_stamps.append((in_tree, digest))
+            cmake = find_cmake()
+            if cmake is None:
+                raise BuildConfigError("cmake >= 3.24 is needed to build nsa_cp._C (pip install cmake)")
+            cmake_ver = parse_cmake_version(_run([cmake, "--version"]))
+            if cmake_ver < MIN_CMAKE:
+                raise BuildConfigError(f"cmake {cmake_ver} is too old: nsa_cp._C needs >= 3.24 (pip install cmake)")
             build_dir = Path(self.build_temp).resolve() / f"cmake-{key}"
             build_dir.mkdir(parents=True, exist_ok=True)
             generator = ["-G", "Ninja"] if shutil.which("ninja") and not (build_dir / "Makefile").exists() else []
@@ -334,6 +424,10 @@ def main() -> None:
         _log(f"nsa_cp build error: {err}")
         raise SystemExit(1) from None
     _log(plan.summary())
+    removed = [] if plan.build_cuda else remove_in_tree_native()
+    if removed:
+        _log(f"nsa_cp: removed {', '.join(str(p.relative_to(ROOT)) for p in removed)}: an earlier build's "
+             "nsa_cp._C, which an editable install would still import (this build is pure)")
     setup(**setup_kwargs(plan))
 
 

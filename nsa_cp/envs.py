@@ -199,7 +199,7 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "NSA_CP_CUDA_ARCHS": (
         _Reader("NSA_CP_CUDA_ARCHS", lambda raw: raw or ""),
         "setup.py: ';'-separated CUDA archs for nsa_cp._C, e.g. '90a;100a' (default 90a, plus "
-        "100a where nvcc supports it)",
+        "100a where nvcc supports it); set where nvcc is not found, the build fails (NSA_CP_BUILD_CUDA=0: pure)",
     ),
 }
 
