@@ -3,6 +3,10 @@
 Both engines pad every CP rank's shard up front to one physical length and move the MoE's rows rank-major;
 only how a batch's counts are found and where the moves are hooked differ. What they share lives here:
 
+* the plugin skeleton: the engine's code is verified against the contracts a plugin knows
+  (``contracts``) before anything is patched; :func:`decline_contract` records and logs one that does not
+  hold; :class:`Patches` is the one undo handle of what was patched; :func:`status_fields` the
+  ``status()`` keys both engines report alike;
 * :class:`IntegrationState`, what a plugin did in this process (one instance per engine binding), with
   :func:`count`, :func:`record` and :func:`once` (a per-batch reason is logged once per process, not per
   layer) and :func:`transport_decision` (the ``status()["p2p"]`` record);
@@ -37,7 +41,7 @@ from ..transport.p2p import get_p2p
 
 logger = logging.getLogger("nsa_cp")
 
-__all__ = ["IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
+__all__ = ["Patches", "decline_contract", "status_fields", "IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
            "setup_transport_once", "create_sized", "then_setup", "over_capacity", "gather_rows",
            "reduce_scatter_rows", "take_back_rows", "which_layout"]
 
@@ -53,6 +57,7 @@ class IntegrationState:
       ``scatters``: reduce-scatters that ran, by kind.
     * ``declined``: the engine's own move ran instead of nsa_cp's, by reason (counted per call).
     * ``nccl_batches``: batches that took the NCCL path though a P2P transport exists (too large for it).
+    * ``contract``: the engine contract verified at load (``Verdict.as_status()``), None before.
     """
 
     handed: bool = False
@@ -64,10 +69,56 @@ class IntegrationState:
     scatters: Dict[str, int] = field(default_factory=dict)
     declined: Dict[str, int] = field(default_factory=dict)
     nccl_batches: int = 0
+    contract: Optional[dict] = None
 
     def reset(self) -> None:
         """A fresh state, in place (tests)."""
         self.__dict__.update(IntegrationState().__dict__)
+
+
+class Patches:
+    """The one undo handle of a plugin: every attribute it set on an engine's classes or modules, and the
+    engine's value before, put back by :meth:`undo` in reverse order."""
+
+    def __init__(self) -> None:
+        self._done: list = []
+
+    def set(self, owner: Any, name: str, value: Any) -> Any:
+        """``owner.name = value``; returns the engine's value (a class's own attribute, not an inherited one)."""
+        original = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
+        setattr(owner, name, value)
+        self._done.append((owner, name, original))
+        return original
+
+    def undo(self) -> None:
+        while self._done:
+            owner, name, original = self._done.pop()
+            setattr(owner, name, original)
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+
+def decline_contract(state: "IntegrationState", engine: str, version: Optional[str], verdict, own: str) -> None:
+    """The engine's code meets no contract nsa_cp knows: record it for ``status()["contract"]`` and log one
+    line naming what differs; nothing is patched, the engine keeps ``own``."""
+    state.contract = verdict.as_status()
+    state.register_error = f"{engine} {version}: {verdict.problem}"
+    logger.warning("nsa_cp: %s %s: %s; %s are used", engine, version, verdict.problem, own)
+
+
+def status_fields(state: "IntegrationState", engine: str, version: Optional[str]) -> dict:
+    """The ``status()`` keys every engine plugin reports alike."""
+    return {
+        "engine": engine,
+        "version": version,
+        "contract": dict(state.contract) if state.contract is not None else None,
+        "plugin_registered": state.handed,
+        "register_error": state.register_error,
+        "p2p": dict(state.p2p) if state.p2p is not None else None,
+        "declined": dict(state.declined),
+        "nccl_batches": state.nccl_batches,
+    }
 
 
 _LOGGED: set = set()

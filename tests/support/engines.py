@@ -9,8 +9,8 @@ import os
 from typing import Iterable, Optional
 
 
-def import_error(package: str, modules: Iterable[str], tested: str) -> Optional[str]:
-    """None when ``package`` and ``modules`` import here at version ``tested``, else the reason."""
+def import_error(package: str, modules: Iterable[str], tested: Iterable[str]) -> Optional[str]:
+    """None when ``package`` and ``modules`` import here at one of the versions ``tested``, else the reason."""
     if importlib.util.find_spec(package) is None:
         return f"{package} is not installed"
     try:
@@ -19,8 +19,9 @@ def import_error(package: str, modules: Iterable[str], tested: str) -> Optional[
     except Exception as e:  # noqa: BLE001  any failure means: not testable in this environment
         return f"{package}'s modules do not import here ({type(e).__name__}: {e})"
     version = getattr(importlib.import_module(package), "__version__", "?")
-    if not str(version).startswith(tested):
-        return f"{package} {version} is installed; these tests are written against {tested}"
+    tested = (tested,) if isinstance(tested, str) else tuple(tested)
+    if not any(str(version).startswith(t) for t in tested):
+        return f"{package} {version} is installed; these tests are written against {' or '.join(tested)}"
     return None
 
 

@@ -1,9 +1,15 @@
-"""vLLM 0.33.0's own PCP code on CPU / gloo, for tests/integrations/vllm/.
+"""vLLM's own PCP code (0.33.0 or 0.34.0, each in a venv of its own) on CPU / gloo, for tests/integrations/vllm/.
 
 ``require_vllm()`` skips (or, with NSA_TEST_REQUIRE_VLLM=1 as .ci/run sets, fails) where vLLM's modules do
-not import. Three settings make them run on a CPU-only machine (``prepare_process``, in every process that
+not import. These settings make them run on a CPU-only machine (``prepare_process``, in every process that
 imports vLLM): ``VLLM_TARGET_DEVICE=cpu``, ``VLLM_USE_V2_MODEL_RUNNER=1`` (PCP runs on Model Runner V2
-only) and a current ``VllmConfig`` with the PCP size (``setup_parallel``).
+only) and a current ``VllmConfig`` with the PCP size (``setup_parallel``). For vLLM 0.34 two more, the
+narrowest way past one check: its ``CpuPlatform.check_and_update_config`` raises "vLLM on x86 CPUs requires
+Triton (triton-cpu)" where ``vllm.triton_utils.HAS_TRITON`` is False, and no triton-cpu is on the registry.
+With the stock ``triton`` installed and ``CUDA_VISIBLE_DEVICES=""`` (vLLM's own "devices not visible yet"
+case), vLLM keeps ``HAS_TRITON`` on without an active driver, and ``TRITON_INTERPRET=1`` makes its Triton
+kernels (the per-token-group FP8 quantizer the FP8 tests compare against) run in Triton's interpreter on
+CPU tensors. Nothing of vLLM's is patched.
 
 * :func:`setup_parallel`: vLLM's own ``init_distributed_environment`` / ``initialize_model_parallel`` with
   ``prefill_context_model_parallel_size = world`` over the (already initialised, gloo) default group;
@@ -20,7 +26,7 @@ import types
 
 import engines
 
-TESTED = "0.33.0"
+TESTED = ("0.33.0", "0.34.0")
 MODULES = (
     "vllm.distributed.parallel_state", "vllm.v1.worker.gpu.pcp_manager", "vllm.forward_context",
     "vllm.model_executor.layers.fused_moe.runner.moe_runner", "vllm.v1.worker.gpu_worker", "vllm.plugins",
@@ -30,6 +36,38 @@ MODULES = (
 def prepare_process() -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if not _has_cuda():  # vLLM 0.34 on a CPU-only machine (module docstring); a GPU machine keeps its devices
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def version():
+    """The installed vLLM's version string (None where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def padding_mask(num_tokens: int):
+    """The routers' padding-mask read, from wherever the running vLLM keeps it (0.33: the fused top-k
+    router's ``_get_padding_mask``; 0.34: ``base_router.get_moe_padding_mask``)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.router.base_router import get_moe_padding_mask
+    except ImportError:
+        from vllm.model_executor.layers.fused_moe.router.fused_topk_router import (
+            _get_padding_mask as get_moe_padding_mask,
+        )
+    return get_moe_padding_mask(num_tokens)
 
 
 def import_error():
@@ -39,7 +77,7 @@ def import_error():
 
 
 def require_vllm() -> None:
-    engines.require(import_error(), "NSA_TEST_REQUIRE_VLLM", "vllm==0.33.0 (.ci/install_vllm.sh)")
+    engines.require(import_error(), "NSA_TEST_REQUIRE_VLLM", "vllm==0.33.0 or 0.34.0 (.ci/install_vllm.sh)")
 
 
 _CONFIG: list = []
@@ -101,10 +139,65 @@ def partition(mgr, query_lens, is_prefilling, graph_tokens=None):
     return mgr.partition_batch(batch, desc)
 
 
-def runner(world: int, shared_experts=None):
-    """What ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` read of ``self`` (no EP, no DP); imports no vLLM."""
+def runner(world: int, shared_experts=None, quant_config=None):
+    """What ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` read of ``self`` (no EP, no DP); imports no vLLM.
+    ``quant_config``: vLLM 0.34's ``FusedMoEQuantConfig`` of experts that take their input quantized before
+    the PCP gather (``_quantizes_before_pcp_gather()`` is then True), None for unquantized experts."""
     return types.SimpleNamespace(
         do_naive_dispatch_combine=False, shared_experts=shared_experts,
         moe_config=types.SimpleNamespace(pcp_size=world,
                                          moe_parallel_config=types.SimpleNamespace(use_all2all_kernels=False)),
+        _quant_method=types.SimpleNamespace(moe_quant_config=quant_config),
+        _quantizes_before_pcp_gather=lambda: quant_config is not None,
     )
+
+
+def dispatch(runner_, hidden_states, router_logits):
+    """``MoERunner._maybe_dispatch`` as the running vLLM defines it, always as ``(hidden, logits, scale)``
+    (0.33 returns two values: its scale is None)."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    out = MoERunner._maybe_dispatch(runner_, hidden_states, router_logits)
+    return tuple(out) if len(out) == 3 else (*out, None)
+
+
+def cuda_group_quant(x, group_size, eps=1e-10, dtype=None, column_major_scales=False, tma_aligned_scales=False,
+                     out_q=None, use_ue8m0=None):
+    """vLLM 0.34's ``per_token_group_quant_fp8`` as it runs on a CUDA GPU, for CPU tests: its allocation
+    (row- or column-major fp32 scales) and its CUDA kernel's arithmetic (``per_token_group_quant_8bit`` in
+    csrc/quantization/w8a8/fp8/per_token_group_quant.cu, transcribed in torch): per row and group, the
+    absmax starts at ``eps``, ``y_s = absmax / fp8_max`` (a division), UE8M0 rounds ``y_s`` up to a power of
+    two, and ``q = clamp(x / y_s, -fp8_max, fp8_max)`` as float8_e4m3fn. vLLM's CPU path is its Triton
+    fallback, which multiplies by ``1 / fp8_max`` (a scale may differ in its last bit) and whose fp8 cast the
+    Triton interpreter does not round to nearest even: neither is what a CUDA vLLM computes."""
+    import torch
+    from vllm.model_executor.layers.quantization.utils import fp8_utils
+
+    if use_ue8m0 is None:
+        use_ue8m0 = fp8_utils.is_deep_gemm_e8m0_used()
+    fp8_min, fp8_max = fp8_utils.get_fp8_min_max()
+    dtype = dtype or torch.float8_e4m3fn
+    rows, h = x.shape[-2], x.shape[-1]
+    groups = x.detach().to(torch.float32).reshape(-1, h // group_size, group_size)
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(torch.tensor(eps, dtype=torch.float32))
+    y_s = amax / torch.full_like(amax, fp8_max)
+    if use_ue8m0:
+        y_s = torch.exp2(torch.ceil(torch.log2(y_s.abs().clamp_min(1e-10))))
+    q = (groups / y_s).clamp(fp8_min, fp8_max).to(dtype).reshape(x.shape)
+    if out_q is not None:
+        out_q.copy_(q)
+        q = out_q
+    scale = y_s.reshape(*x.shape[:-1], h // group_size)
+    if column_major_scales:
+        scale = scale.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return q, scale
+
+
+def fp8_quant_config(block=(128, 128), transposed=False):
+    """vLLM's own ``FusedMoEQuantConfig`` of block-quantized FP8 experts with dynamic activation scales
+    (what makes 0.34 quantize before the PCP gather)."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    return fp8_w8a8_moe_quant_config(w1_scale=torch.ones(1), w2_scale=torch.ones(1), block_shape=list(block),
+                                     is_scale_transposed=transposed)

@@ -8,16 +8,18 @@ Nothing here imports ``vllm`` at load; vLLM is touched when the plugin registers
   (``moe``), with the per-step counts kept from vLLM's own ``PCPManager`` (``step``), and the PCP
   group's P2P transport created after the model loads (``worker``). The shared, engine-independent part
   is ``nsa_cp.integrations.core``.
-* :func:`status`: what is wrapped and what ran in this process.
+* :func:`status`: what is wrapped, which contract was verified (or why none) and what ran in this process.
+* :data:`KNOWN`: the vLLM contracts served (0.33's and 0.34's PCP MoE boundary: ``contract``); vLLM's code
+  is checked against them before anything is wrapped.
 * ``NSA_CP_VLLM`` (on), ``NSA_CP_VLLM_COMPACT`` (off), ``NSA_CP_VLLM_P2P`` (on): ``nsa_cp/envs.py``.
 
 What vLLM does at this boundary and what the plugin changes: docs/vllm.md.
 """
 
 from .moe import admit, combine, dispatch
+from .contract import KNOWN
 from .plugin import TARGETS, install, status, uninstall, vllm_plugin
-from .runtime import TESTED_VLLM
 from .step import StepLayout
 
-__all__ = ["vllm_plugin", "install", "uninstall", "status", "TARGETS", "TESTED_VLLM", "StepLayout", "admit",
+__all__ = ["vllm_plugin", "install", "uninstall", "status", "TARGETS", "KNOWN", "StepLayout", "admit",
            "dispatch", "combine"]

@@ -1,17 +1,25 @@
 """vLLM's PCP MoE boundary on nsa_cp: ``MoERunner._maybe_dispatch`` / ``_maybe_combine``.
 
 Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's real rows, padding last,
-``T`` = the real rows of all ranks, ``P`` = the PCP size):
+``T`` = the real rows of all ranks, ``P`` = the PCP size, ``G = H / 128``):
 
-* :func:`dispatch` ``(original, runner, hidden_states [M, H], router_logits [M, E])``:
-  - padded (``NSA_CP_VLLM_COMPACT=0``): ``([P * M, H], [P * M, E])`` rank-major as vLLM's all-gather
-    lays them out. The hidden states go through nsa_cp (only the real rows move; the padding rows are
-    zero, where vLLM's carry computed values the routers mask); the router logits through vLLM's own
-    all-gather (small; their padding rows are the ones ``forward_context.is_padding`` masks, as today);
-  - compact (``NSA_CP_VLLM_COMPACT=1``): ``([T, H], [T, E])``, rank q's rows at ``offsets[q]``, both
+* :func:`dispatch` ``(original, runner, hidden_states [M, H], router_logits [M, E])`` returns what the
+  running vLLM's ``_maybe_dispatch`` returns (its contract, ``contract.py``): ``(hidden, logits)`` in 0.33,
+  ``(hidden, logits, scale)`` in 0.34, ``scale`` None unless vLLM quantizes before the gather.
+  - padded (``NSA_CP_VLLM_COMPACT=0``): ``[P * M, ...]`` rank-major as vLLM's all-gather lays them out.
+    The hidden states go through nsa_cp (only the real rows move; the padding rows are zero, where
+    vLLM's carry computed values the routers mask); the router logits through vLLM's own all-gather
+    (small; their padding rows are the ones ``forward_context.is_padding`` masks, as today);
+  - compact (``NSA_CP_VLLM_COMPACT=1``): ``[T, ...]``, rank q's rows at ``offsets[q]``, hidden and logits
     through nsa_cp's compact gather; ``forward_context.is_padding`` is swapped for the compact rows' mask
-    (all real) while the MoE runs, and put back by :func:`combine`. Routing then masks exactly what vLLM
-    masks today: the padding rows are not there.
+    (all real) while the MoE runs, and put back by :func:`combine`;
+  - where vLLM 0.34 quantizes before the gather (``runner._quantizes_before_pcp_gather()``) with dynamic
+    per-token-group FP8 that nsa_cp's wire equals (``fp8_wire``: e4m3, groups of 128, fp32 row-major
+    scales, not UE8M0), nsa_cp quantizes this rank's real rows inside its gather and returns
+    ``(q [.., H] float8_e4m3fn, logits, scale [.., G] float32)``: on the real rows the bytes and scales of
+    vLLM's own quantizer; padding rows ``q = 0``, ``scale = 1e-10/448`` (vLLM's carry its padding rows'
+    values, which only padding rows' outputs depend on). Any other quantized input (UE8M0 or
+    column-major scales, NVFP4, another group) takes vLLM's own moves, logged once.
 * :func:`combine` ``(original, runner, shared_output, routed [P * M, H] | [T, H])``: the sum over ranks of
   this rank's real rows, ``[M, H]`` with zeros past ``n`` (vLLM's reduce-scatter leaves padding partials
   there; nothing reads them), returned as vLLM returns it (with ``shared_output`` where the runner has
@@ -22,19 +30,25 @@ Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's
   that are not the step's, inputs nsa_cp's checks refuse (they run before anything moves, and every rank
   sees the same shapes). Logged once per reason, counted in ``status()["declined"]``; never a raise.
   PCP size 1 and the all2all (EP) kernels are not this boundary: vLLM's functions run, nothing is counted.
+* What a served dispatch hands its combine is kept by nsa_cp (``PENDING``, by runner), not on vLLM's
+  objects; a dispatch finding its runner's previous step unfinished (a MoE that raised) restores that
+  step's mask first.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ... import envs
 from .. import core
+from ...wire import FP8_E4M3_G128
 from . import runtime, step
 
 STATE = core.IntegrationState()
+PENDING: Dict[int, "_Pending"] = {}  # id(runner) -> what its served dispatch hands its combine
+CONTRACT: List[Optional[Any]] = [None]  # the verified contract (plugin.install sets it)
 
 
 class _Pending:
@@ -77,6 +91,40 @@ def admit(runner: Any, hidden_states: Any) -> Tuple[Optional[str], Optional[Any]
     return None, current, context
 
 
+def _returns_scale() -> bool:
+    contract = CONTRACT[0]
+    return bool(contract is not None and contract.features.get("dispatch_scale"))
+
+
+def fp8_wire(runner: Any) -> Tuple[Optional[str], Optional[str]]:
+    """``(quant, None)``: the nsa_cp wire format equal to the quantization vLLM applies before this runner's
+    PCP gather (None: vLLM does not quantize first); ``(None, reason)``: vLLM does, in a format nsa_cp's
+    wire does not carry. Reads vLLM's quant config and platform only: no device work, the same on every rank."""
+    if not _returns_scale() or not runner._quantizes_before_pcp_gather():
+        return None, None
+    qc = runner._quant_method.moe_quant_config
+    fmt = FP8_E4M3_G128
+    block = getattr(qc, "block_shape", None)
+    differs = []
+    if getattr(qc, "use_nvfp4_w4a4", False):
+        differs.append("NVFP4")
+    else:
+        if getattr(qc, "quant_dtype", None) != fmt.dtype:
+            differs.append(f"dtype {getattr(qc, 'quant_dtype', None)}")
+        if not block or int(block[-1]) != fmt.group:
+            differs.append(f"block {block}")
+        if getattr(qc, "is_scale_transposed", False):
+            differs.append("column-major scales")
+        if runtime.fp8_scales_ue8m0():
+            differs.append("UE8M0 scales")
+        if runtime.fp8_max() != fmt.max:
+            differs.append(f"fp8 max {runtime.fp8_max()}")
+    if differs:
+        return None, f"vLLM quantizes before the PCP gather with {', '.join(differs)}, a format nsa_cp's wire " \
+                     "does not carry"
+    return fmt.name, None
+
+
 def _declined(reason: str, original: Callable, runner, hidden_states, router_logits):
     """vLLM's own dispatch for this call; the reason counted, and logged once per kind."""
     core.record(STATE.declined, reason, "nsa_cp: vLLM's own PCP MoE moves for such calls: %s")
@@ -85,41 +133,45 @@ def _declined(reason: str, original: Callable, runner, hidden_states, router_log
 
 def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor):
     """Around ``MoERunner._maybe_dispatch`` (module docstring)."""
-    stale = getattr(runner, "_nsa_cp_pending", None)
+    stale = PENDING.pop(id(runner), None)
     if stale is not None:  # a MoE that raised between dispatch and combine: its mask back first
         stale.restore()
-        runner._nsa_cp_pending = None
     if not _this_boundary(runner):
         return original(runner, hidden_states, router_logits)
     reason, current, context = admit(runner, hidden_states)
+    quant = None
+    if reason is None:
+        quant, reason = fp8_wire(runner)
     if reason is not None:
         return _declined(reason, original, runner, hidden_states, router_logits)
     layout, group, rank = current.layout, runtime.pcp_device_group(), runtime.pcp_rank()
     compact = bool(envs.NSA_CP_VLLM_COMPACT)
     core.over_capacity(STATE, group, layout)
     try:  # nsa_cp checks before it moves anything; every rank sees the same shapes, so all refuse alike
-        hidden = core.gather_rows(hidden_states, layout, rank, group, compact=compact)
+        hidden = core.gather_rows(hidden_states, layout, rank, group, compact=compact, quant=quant)
         logits = core.gather_rows(router_logits, layout, rank, group, compact=True) if compact else None
     except ValueError as e:
         return _declined(f"nsa_cp refused the call ({e})", original, runner, hidden_states, router_logits)
+    scale = None
+    if quant is not None:
+        hidden, scale = hidden
     saved = None
+    kind = ("compact" if compact else "padded") + (f" {quant}" if quant else "")
     if compact:
         saved = context.is_padding
         context.is_padding = current.compact_padding(hidden)
-        core.count(STATE.gathers, "compact")
     else:
         logits = runtime.pcp_group().all_gather(router_logits, dim=0)
-        core.count(STATE.gathers, "padded")
-    runner._nsa_cp_pending = _Pending(current, compact, context, saved)
-    return hidden, logits
+    core.count(STATE.gathers, kind)
+    PENDING[id(runner)] = _Pending(current, compact, context, saved)
+    return (hidden, logits, scale) if _returns_scale() else (hidden, logits)
 
 
 def combine(original: Callable, runner: Any, shared_output, hidden_states):
     """Around ``MoERunner._maybe_combine`` (module docstring)."""
-    pending = getattr(runner, "_nsa_cp_pending", None)
+    pending = PENDING.pop(id(runner), None)
     if pending is None:
         return original(runner, shared_output, hidden_states)
-    runner._nsa_cp_pending = None
     pending.restore()
     if not isinstance(hidden_states, torch.Tensor):  # vLLM raises the same for a deferred output
         raise RuntimeError("PCP reduce-scatter cannot consume a deferred MoE output.")

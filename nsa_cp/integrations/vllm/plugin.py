@@ -5,54 +5,54 @@ Contract:
 * :func:`vllm_plugin` is the entry point ``nsa_cp`` of the group ``vllm.general_plugins``
   (``nsa_cp.integrations.vllm:vllm_plugin``), which vLLM loads in every process it starts, workers
   included, before distributed init and model load (``VLLM_PLUGINS``, where set, must name ``nsa_cp``).
-  It wraps the methods of :data:`TARGETS` in place (no file of vLLM's is changed):
-  ``PCPManager._build_batch_layout`` / ``partition_batch`` (the step's counts: ``step``),
-  ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` (the moves: ``moe``) and ``Worker.load_model`` (the
-  transport, once per worker, before vLLM profiles the KV cache's memory: ``worker``).
-  ``NSA_CP_VLLM=0``: nothing is wrapped. Loading twice is a no-op.
-* The log says what happened: "registered" only when every target was wrapped; otherwise which target did
-  not import, with the cause, and nothing is wrapped.
+* Before anything is patched, vLLM's code is checked against the contracts nsa_cp knows
+  (``contract.KNOWN``: the signature, the number of values returned and the helpers read of every function
+  it wraps or reads). A known contract is served: the methods of :data:`TARGETS` are wrapped in place
+  (no file of vLLM's is changed): ``PCPManager._build_batch_layout`` / ``partition_batch`` (the step's
+  counts: ``step``), ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` (the moves, with the dispatch's
+  return values as that contract defines them: ``moe``) and ``Worker.load_model`` (the transport, once
+  per worker, before vLLM profiles the KV cache's memory: ``worker``). Anything else: nothing is wrapped,
+  one warning names what differs, ``status()["contract"]`` says why, and vLLM's own moves run.
+  ``NSA_CP_VLLM=0``: nothing is checked or wrapped. Loading twice is a no-op.
+* The log says what happened: "registered" only when every target was wrapped; otherwise what differs
+  or which target did not import, with the cause, and nothing is wrapped.
 * :func:`status` reads the live bindings (is each target nsa_cp's wrapper now?) and what ran.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict
 
 from ... import envs
-from .. import core
-from . import moe, runtime, step, worker
+from .. import contracts, core
+from . import contract, moe, runtime, step, worker
 
 logger = logging.getLogger("nsa_cp")
-
-PCP_MANAGER = "vllm.v1.worker.gpu.pcp_manager.PCPManager"
-MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"
-WORKER = "vllm.v1.worker.gpu_worker.Worker"
+OWN_MOVES = "vLLM's own PCP MoE moves"
 
 
 def _after_load_model(original: Callable, self, *args, **kwargs):
     return core.then_setup(original, worker.setup_transport, self, *args, **kwargs)
 
 
-# "module.Class.method" -> the wrapper body, called as body(original, self, *args, **kwargs)
-TARGETS: Dict[str, Callable] = {
-    f"{PCP_MANAGER}._build_batch_layout": step.build_batch_layout,
-    f"{PCP_MANAGER}.partition_batch": step.partition_batch,
-    f"{MOE_RUNNER}._maybe_dispatch": moe.dispatch,
-    f"{MOE_RUNNER}._maybe_combine": moe.combine,
-    f"{WORKER}.load_model": _after_load_model,
-}
+# the contract's wrapped roles -> the wrapper body, called as body(original, self, *args, **kwargs)
+BODIES: Dict[str, Callable] = {"layout": step.build_batch_layout, "partition": step.partition_batch,
+                               "dispatch": moe.dispatch, "combine": moe.combine, "load_model": _after_load_model}
+# "module.Class.method" -> its body (every known contract keeps the wrapped methods where they are)
+TARGETS: Dict[str, Callable] = {contract.KNOWN[-1].specs[role].paths[0]: body for role, body in BODIES.items()}
 
-_PATCHED: List[Tuple[type, str, Callable]] = []  # (class, name, vLLM's function), for uninstall()
+_PATCHES = core.Patches()  # what install() wrapped, for uninstall()
 
 
-def _resolve(target: str) -> Tuple[type, str]:
+def _owner(target: str):
+    """``"module.Class.method"`` -> ``(Class, "method")``; ImportError naming ``target`` where it does not import."""
     path, name = target.rsplit(".", 1)
-    module_name, class_name = path.rsplit(".", 1)
-    return getattr(importlib.import_module(module_name), class_name), name
+    try:
+        return contracts.resolve(path), name
+    except Exception as e:  # noqa: BLE001  said with the target it concerns
+        raise ImportError(f"{target}: {type(e).__name__}: {e}") from e
 
 
 def _wrap(body: Callable, original: Callable) -> Callable:
@@ -64,83 +64,94 @@ def _wrap(body: Callable, original: Callable) -> Callable:
     return wrapper
 
 
-def install() -> None:
-    """Wrap every target of :data:`TARGETS` in this process (what :func:`vllm_plugin` does). All or
-    nothing: a target that does not import raises ImportError / AttributeError and nothing is wrapped.
-    A second call is a no-op."""
-    resolved = [(_resolve(target), body) for target, body in TARGETS.items()]
+def install() -> contracts.Verdict:
+    """Check vLLM's code against the known contracts, then wrap every target of :data:`TARGETS` in this
+    process (what :func:`vllm_plugin` does). All or nothing: a contract that does not hold raises
+    :class:`~..contracts.ContractMismatch`, a target that does not import ImportError / AttributeError, and nothing is
+    wrapped. A second call is a no-op. Returns the verdict (``verdict.contract``: the contract served)."""
+    verdict = contract.verify()
+    if verdict.contract is None:
+        raise contracts.ContractMismatch(verdict)
+    resolved = [(_owner(target), body) for target, body in TARGETS.items()]
     for (cls, name), body in resolved:
         current = cls.__dict__.get(name) or getattr(cls, name)
         if getattr(current, "_nsa_cp_original", None) is not None:
             continue
-        setattr(cls, name, _wrap(body, current))
-        _PATCHED.append((cls, name, current))
+        _PATCHES.set(cls, name, _wrap(body, current))
+    moe.CONTRACT[0] = verdict.contract
+    moe.STATE.contract = verdict.as_status()
     moe.STATE.handed = moe.STATE.registered = True
     moe.STATE.register_error = None
+    return verdict
 
 
 def uninstall() -> None:
     """Put vLLM's functions back (tests; a process that wants vLLM's own moves again)."""
-    while _PATCHED:
-        cls, name, original = _PATCHED.pop()
-        setattr(cls, name, original)
-    moe.STATE.registered = False
+    _PATCHES.undo()
+    moe.STATE.handed = moe.STATE.registered = False
+    moe.CONTRACT[0] = None
+    moe.PENDING.clear()
     step.set_current(None)
 
 
 def vllm_plugin() -> None:
     """vLLM's entry point (group ``vllm.general_plugins``, name ``nsa_cp``): route the PCP MoE gather and
-    reduce-scatter through nsa_cp and create the PCP transport, in every process that loads plugins.
-    Never raises into vLLM: a target that does not import is logged with its cause (nothing wrapped)."""
+    reduce-scatter through nsa_cp and create the PCP transport, in every process that loads plugins, where
+    vLLM's code meets a contract nsa_cp knows. Never raises into vLLM: a contract that does not hold or a
+    target that does not import is logged with its cause (nothing wrapped)."""
     if not envs.NSA_CP_VLLM:
-        logger.info("nsa_cp: NSA_CP_VLLM=0, vLLM plugin off: vLLM's own PCP MoE moves are used")
+        logger.info("nsa_cp: NSA_CP_VLLM=0, vLLM plugin off: %s are used", OWN_MOVES)
         return
     if moe.STATE.registered:
         return
+    version = runtime.vllm_version()
     try:
-        install()
+        verdict = install()
+    except contracts.ContractMismatch as e:
+        core.decline_contract(moe.STATE, "vLLM", version, e.verdict, OWN_MOVES)
+        return
     except Exception as e:  # noqa: BLE001  any failure: vLLM's own moves, said with its cause
         moe.STATE.register_error = f"{type(e).__name__}: {e}"
-        logger.error("nsa_cp: vLLM plugin NOT registered, vLLM's own PCP MoE moves are used: %s",
-                     moe.STATE.register_error)
+        logger.error("nsa_cp: vLLM plugin NOT registered, %s are used: %s", OWN_MOVES, moe.STATE.register_error)
         return
-    version = runtime.vllm_version()
-    logger.info("nsa_cp: vLLM plugin registered (%d methods wrapped; vLLM %s, tested %s; compact MoE gather %s, "
-                "P2P %s)", len(_PATCHED), version, runtime.TESTED_VLLM, "on" if envs.NSA_CP_VLLM_COMPACT else "off",
-                "on" if envs.NSA_CP_VLLM_P2P else "off")
-    runtime.warn_if_untested(version)
+    logger.info("nsa_cp: vLLM plugin registered (%d methods wrapped; vLLM %s meets the contract %r; compact MoE "
+                "gather %s, P2P %s)", len(_PATCHES), version, verdict.contract.name,
+                "on" if envs.NSA_CP_VLLM_COMPACT else "off", "on" if envs.NSA_CP_VLLM_P2P else "off")
+
+
+def _is_wrapped(target: str) -> bool:
+    try:
+        cls, name = _owner(target)
+    except Exception:  # noqa: BLE001  not importable here
+        return False
+    return getattr(cls.__dict__.get(name), "_nsa_cp_original", None) is not None
 
 
 def status() -> dict:
-    """Where nsa_cp stands in this process (call it in a worker, e.g. through ``collective_rpc``, or a test):
+    """Where nsa_cp stands in this process (call it in a worker, e.g. through ``collective_rpc``, or a test).
+    The keys every engine plugin reports (``core.status_fields``):
 
-    * ``patched``: each target of :data:`TARGETS` -> whether it is nsa_cp's wrapper now; ``active``: all
-      are; ``plugin_registered``; ``register_error``: why not;
-    * ``compact``: NSA_CP_VLLM_COMPACT; ``p2p``: the worker's transport decision (``on``, ``bytes``,
-      ``max_tokens_per_rank``, ``reason``, ``nccl``), None before the model loaded;
-    * ``gathers`` / ``reduce_scatters``: nsa_cp's moves that ran, by layout; ``declined``: calls vLLM's own
-      moves took, by reason; ``nccl_batches``: too large for P2P;
-    * ``fusions``: none inside vLLM (docs/vllm.md says what blocks them).
+    * ``engine``, ``version``; ``contract``: the contract served (``served``) or what differs
+      (``problem``), and where each function was found; ``plugin_registered``; ``register_error``: why not;
+    * ``p2p``: the worker's transport decision (``on``, ``bytes``, ``max_tokens_per_rank``, ``reason``,
+      ``nccl``), None before the model loaded; ``declined``: calls vLLM's own moves took, by reason;
+      ``nccl_batches``: too large for P2P;
+
+    and vLLM's own: ``patched``: each target of :data:`TARGETS` -> whether it is nsa_cp's wrapper now;
+    ``active``: all are; ``compact``: NSA_CP_VLLM_COMPACT; ``gathers`` / ``reduce_scatters``: nsa_cp's moves
+    that ran, by layout (and wire format); ``fusions``: none inside vLLM (docs/vllm.md says what blocks them);
+    ``vllm``: the version.
     """
-    patched = {}
-    for target in TARGETS:
-        try:
-            cls, name = _resolve(target)
-            patched[target] = getattr(cls.__dict__.get(name), "_nsa_cp_original", None) is not None
-        except Exception:  # noqa: BLE001  not importable here
-            patched[target] = False
+    patched = {target: _is_wrapped(target) for target in TARGETS}
     s = moe.STATE
+    version = runtime.vllm_version()
     return {
+        **core.status_fields(s, "vLLM", version),
         "active": all(patched.values()),
         "patched": patched,
-        "plugin_registered": s.registered,
-        "register_error": s.register_error,
         "compact": envs.NSA_CP_VLLM_COMPACT,
-        "p2p": dict(s.p2p) if s.p2p is not None else None,
         "gathers": dict(s.gathers),
         "reduce_scatters": dict(s.scatters),
-        "declined": dict(s.declined),
-        "nccl_batches": s.nccl_batches,
         "fusions": "none: the norm runs in the decoder layer, the moves inside the MoE's custom op (docs/vllm.md)",
-        "vllm": runtime.vllm_version(),
+        "vllm": version,
     }

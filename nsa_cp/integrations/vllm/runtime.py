@@ -3,19 +3,15 @@
 Contract: :func:`pcp_group` (vLLM's PCP ``GroupCoordinator``), :func:`pcp_device_group` (its torch group),
 :func:`pcp_rank` and :func:`pcp_size` assume vLLM's distributed state is set up (the MoE runs); the
 others answer without raising where vLLM is not installed or not set up yet:
-:func:`forward_context` (None outside a forward), :func:`pcp_group_or_none`, :func:`vllm_version`;
-:func:`warn_if_untested` logs a warning when the installed vLLM is not :data:`TESTED_VLLM`.
+:func:`forward_context` (None outside a forward), :func:`pcp_group_or_none`, :func:`vllm_version`.
+:func:`fp8_scales_ue8m0` and :func:`fp8_max` are vLLM's own answers to how its per-token-group FP8
+quantizer rounds scales and where it clamps (the contract checks that its quantizer asks the same helpers).
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any, Optional
-
-logger = logging.getLogger("nsa_cp")
-
-TESTED_VLLM = "0.33.0"
 
 
 def pcp_group() -> Any:
@@ -63,6 +59,16 @@ def vllm_version() -> Optional[str]:
     return version
 
 
-def warn_if_untested(version: Optional[str]) -> None:
-    if version is not None and version != TESTED_VLLM:
-        logger.warning("nsa_cp: vLLM %s is installed; the vLLM plugin was tested against %s", version, TESTED_VLLM)
+def fp8_scales_ue8m0() -> bool:
+    """Whether vLLM's per-token-group FP8 quantizer rounds its scales to powers of two (DeepGEMM's UE8M0): the
+    helper its quantizer asks, looked up where the quantizer looks it up."""
+    from vllm.model_executor.layers.quantization.utils import fp8_utils
+
+    return bool(fp8_utils.is_deep_gemm_e8m0_used())
+
+
+def fp8_max() -> float:
+    """The bound vLLM's FP8 quantizer clamps to (448 for float8_e4m3fn; 224 for ROCm's fnuz)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import get_fp8_min_max
+
+    return float(get_fp8_min_max()[1])

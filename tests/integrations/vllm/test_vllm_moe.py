@@ -1,9 +1,9 @@
-"""vLLM 0.33.0's own PCP MoE boundary with nsa_cp's plugin on and off, on CPU / gloo, worlds 2, 3 and 4.
+"""vLLM's own PCP MoE boundary (0.33.0 or 0.34.0) with nsa_cp's plugin on and off, on CPU / gloo, worlds 2, 3, 4.
 
 Each step is vLLM's own: its parallel state (``initialize_model_parallel`` with a PCP group), its
 ``PCPManager.partition_batch`` (DualChunkSwap, decodes round-robin, padding rows last, the MoE padding
 mask), its ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` bodies, its forward context and its routers'
-padding-mask read (``fused_topk_router._get_padding_mask``). Between them a stand-in MoE: top-2 routing on
+padding-mask read (0.33: ``fused_topk_router._get_padding_mask``, 0.34: ``get_moe_padding_mask``). Between them a stand-in MoE: top-2 routing on
 the router logits, each rank holding its own shard of every expert (so the reduce-scatter sums partials).
 Every rank's hidden rows past its real count carry random values, as vLLM's do.
 
@@ -13,7 +13,9 @@ Every rank's hidden rows past its real count carry random values, as vLLM's do.
   runs and is vLLM's mask again after the combine;
 * a CUDA-graph-shaped batch (PIECEWISE bucket larger than every rank's count): M is the bucket's;
 * a forward whose padding mask is not the step's (a dummy or micro-batched run) takes vLLM's own moves;
-* shared experts: the combine hands ``shared_output`` back as vLLM's does.
+* shared experts: the combine hands ``shared_output`` back as vLLM's does;
+* vLLM's code drifted from every contract nsa_cp knows (a changed signature) before the entry point runs:
+  nothing is patched and the layer's output is bit-equal to the plugin-off run.
 
 Skipped where vLLM does not import (failed instead with NSA_TEST_REQUIRE_VLLM=1, as in CI).
 """
@@ -57,9 +59,7 @@ def _hidden(step: str, rank: int, rows: int) -> torch.Tensor:
 
 def _stand_in_moe(h, logits, experts, seen):
     """Top-K routing with vLLM's own padding-mask read, then this rank's shard of the chosen experts."""
-    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import _get_padding_mask
-
-    mask = _get_padding_mask(h.shape[0])
+    mask = vllm_env.padding_mask(h.shape[0])
     weights, ids = torch.softmax(logits.double(), dim=-1).topk(K, dim=-1)
     if mask is not None:
         weights = weights.masked_fill(mask[:, None], 0.0)
@@ -88,14 +88,15 @@ def _moe_layer(rank, world, config, local, h, runner, mask=None, shared=None):
     seen = []
     logits = (h.double() @ _gate()).to(h.dtype)
     with set_forward_context(None, config, is_padding=local.is_padding if mask is None else mask):
-        hg, lg = MoERunner._maybe_dispatch(runner, h, logits)
+        hg, lg, scale = vllm_env.dispatch(runner, h, logits)
+        assert scale is None, "unquantized experts: no scale"
         partial = _stand_in_moe(hg, lg, _experts(rank), seen)
         out = MoERunner._maybe_combine(runner, shared, partial)
         after = get_forward_context().is_padding
     return out, seen, hg.shape[0], lg.shape[0], after
 
 
-def _check(rank, world, config, name, compact, declined=False, with_shared=False):
+def _check(rank, world, config, name, compact, declined=False, with_shared=False, drift=None):
     import torch.distributed as dist
 
     import nsa_cp.integrations.vllm as nsa_vllm
@@ -118,7 +119,14 @@ def _check(rank, world, config, name, compact, declined=False, with_shared=False
 
     os.environ["NSA_CP_VLLM_COMPACT"] = "1" if compact else "0"
     moe.STATE.reset()
-    nsa_vllm.install()
+    undo = None
+    if drift is None:
+        nsa_vllm.install()
+    else:  # vLLM's code drifts from every known contract before the entry point runs: it patches nothing
+        import vllm_drift
+
+        says, undo = vllm_drift.apply(drift)
+        nsa_vllm.vllm_plugin()
     try:
         local_on = vllm_env.partition(vllm_env.manager(rank, world), lens, prefill, bucket)
         mask = local_on.is_padding.clone() if declined else None
@@ -127,6 +135,8 @@ def _check(rank, world, config, name, compact, declined=False, with_shared=False
     finally:
         nsa_vllm.uninstall()
         os.environ.pop("NSA_CP_VLLM_COMPACT")
+        if undo is not None:
+            undo()
 
     out_off, out_on = (off[0][1], on[0][1]) if with_shared else (off[0], on[0])
     if with_shared:
@@ -137,6 +147,11 @@ def _check(rank, world, config, name, compact, declined=False, with_shared=False
     torch.testing.assert_close(out_on[:n], out_off[:n], rtol=1e-5, atol=1e-5)
     total = sum(counts)
     assert off[1] == [(world * m, total)], off[1]  # vLLM's mask: every real row routed, no padding row
+    if drift is not None:
+        assert torch.equal(out_on, out_off), "a drifted vLLM must run its own moves, bit-equal to the plugin off"
+        assert status["contract"]["served"] is None and says in status["contract"]["problem"], status
+        assert not any(status["patched"].values()) and not status["gathers"], status
+        return
     if declined:
         assert torch.equal(out_on, out_off), "a declined call must run vLLM's own moves"
         assert any("not a PCP step" in k for k in status["declined"]), status["declined"]
@@ -162,7 +177,8 @@ CASES = {
     w: {**{f"{s}-{lay}": (s, lay == "compact", False, False) for s in STEPS for lay in ("padded", "compact")},
         "uneven-padded-shared-experts": ("uneven", False, False, True),
         "uneven-compact-shared-experts": ("uneven", True, False, True),
-        "uneven-declined-not-the-steps-mask": ("uneven", True, True, False)}
+        "uneven-declined-not-the-steps-mask": ("uneven", True, True, False),
+        "uneven-compact-drifted-contract": ("uneven", True, False, False, "signature")}
     for w in (2, 3, 4)
 }
 

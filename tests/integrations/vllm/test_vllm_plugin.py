@@ -34,12 +34,17 @@ def _load_plugins_probe(env, queue):
         from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.plugins import load_general_plugins
 
+        says = None
+        if env.get("DRIFT"):  # vLLM's own module drifts before vLLM loads its plugins
+            import vllm_drift
+
+            says, _ = vllm_drift.apply(env["DRIFT"])
         with set_current_vllm_config(VllmConfig()):
             load_general_plugins()
             load_general_plugins()  # vLLM may load plugins more than once: a no-op
         import nsa_cp.integrations.vllm as nsa_vllm
 
-        queue.put({"status": nsa_vllm.status(), "logs": [m for m in records if m.startswith("nsa_cp")]})
+        queue.put({"status": nsa_vllm.status(), "logs": [m for m in records if m.startswith("nsa_cp")], "says": says})
     except BaseException:  # noqa: BLE001
         queue.put({"error": traceback.format_exc()})
 
@@ -72,9 +77,24 @@ def test_entry_point_loads_in_a_spawned_process_and_wraps_every_target():
     status = out["status"]
     assert status["active"] and all(status["patched"].values()), status
     assert status["plugin_registered"] and status["register_error"] is None, status
-    assert status["vllm"] == vllm_env.TESTED
+    assert status["vllm"] == vllm_env.version() and status["contract"]["served"], status
     registered = [m for m in out["logs"] if "vLLM plugin registered" in m]
     assert len(registered) == 1, out["logs"]  # loaded twice, registered once
+
+
+@pytest.mark.parametrize("drift", ["arity", "helper", "signature"])
+def test_a_drifted_contract_patches_nothing_logs_one_line_and_says_why(drift):
+    """vLLM's MoERunner drifts (another return arity, a renamed helper, a changed signature) before
+    load_general_plugins(): the plugin verifies before it patches, so it wraps nothing, logs one line naming
+    the difference, and status() reports it under "contract"."""
+    out = _spawned(DRIFT=drift)
+    status, says = out["status"], out["says"]
+    assert not any(status["patched"].values()) and not status["plugin_registered"], status
+    assert status["contract"]["served"] is None and says in status["contract"]["problem"], status["contract"]
+    assert says in status["register_error"] and status["version"] == vllm_env.version(), status
+    lines = [m for m in out["logs"] if says in m]
+    assert len(lines) == 1 and "vLLM's own PCP MoE moves are used" in lines[0], out["logs"]
+    assert not any("registered (" in m for m in out["logs"]), out["logs"]
 
 
 def test_whitelist_naming_nsa_cp_loads_it():

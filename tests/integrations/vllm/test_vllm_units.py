@@ -54,7 +54,7 @@ def test_counts_are_kept_where_vllm_computes_them_and_tied_to_the_batch_mask():
 def test_worker_hook_sets_up_the_transport_after_vllm_loads_the_model(monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(worker, "setup_transport", lambda w: calls.append(("setup", w)))
-    hook = plugin.TARGETS[f"{plugin.WORKER}.load_model"]
+    hook = plugin.BODIES["load_model"]
     assert hook(lambda w, **kw: calls.append(("load", w, kw)) or "loaded", "w", load_dummy_weights=True) == "loaded"
     assert calls == [("load", "w", {"load_dummy_weights": True}), ("setup", "w")]
 
