@@ -22,7 +22,7 @@ from .layout import ShardLayout
 from .wire import QUANTS, format_of  # noqa: F401  (QUANTS: what quant= accepts)
 
 __all__ = [
-    "shape_str", "check_plan", "check_norm_partials", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
+    "shape_str", "check_plan", "check_flag", "check_layer_args", "check_norm_partials", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
     "check_device_counts", "check_positions", "check_call_tensors", "check_outs", "check_row_stage", "check_permutation", "ordered_rows", "check_norm_args", "SUM_DTYPES", "FP8_DTYPES", "GATHER_DTYPES",
     "NORM_DTYPES", "QUANTS",
 ]
@@ -91,6 +91,7 @@ def check_plan(req, group_size: int, dtypes, algos, backends) -> None:
     """The plan checks every call shares (``req``: an nsa_cp.request.Request): its layout against the
     group, ``algo``, ``backend``, the input's dtype, and device counts only with the padded layout."""
     check_layout(req.layout, group_size)
+    check_flag("compact", req.compact)
     check_choice("algo", req.algo, algos)
     check_choice("backend", req.backend, backends)
     check_dtype(req.input_name, req, dtypes)
@@ -105,6 +106,26 @@ def check_norm_partials(req) -> None:
         raise ValueError(f"partials: expected a 2-D tensor [rows, hidden], got shape "
                          f"{shape_str((req.result_rows, *req.row_shape))}")
     check_dtype("partials", req, NORM_DTYPES)
+
+
+def check_flag(name: str, value) -> None:
+    """``value`` is True or False: a string such as "no" would otherwise count as true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+
+
+def check_layer_args(method: str, hidden_states, residual, layout, hidden: str = "a torch.Tensor [rows, H]") -> None:
+    """The communicator's ``method(hidden_states, residual, layout)``: a tensor (``hidden`` says which), a
+    tensor or None, a ShardLayout or None (arguments in another order are named here, not failed on
+    inside a norm)."""
+    for name, value, expected, ok in (
+        ("hidden_states", hidden_states, hidden, isinstance(hidden_states, torch.Tensor)),
+        ("residual", residual, "a torch.Tensor [n_r, H] or None", residual is None or isinstance(residual, torch.Tensor)),
+        ("layout", layout, "an nsa_cp.ShardLayout or None", layout is None or isinstance(layout, ShardLayout)),
+    ):
+        if not ok:
+            got = f"shape {shape_str(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{method}(hidden_states, residual, layout): {name}: expected {expected}, got {got}")
 
 
 def check_choice(name: str, value, choices) -> None:

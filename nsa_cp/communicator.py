@@ -43,6 +43,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .checks import check_flag, check_layer_args
 from .collectives import (cp_all_gather, cp_reduce_scatter, cp_reduce_scatter_buffer, fused_add_rmsnorm_all_gather,
                           reduce_scatter_fused_add_rmsnorm)
 from .layout import ShardLayout
@@ -168,6 +169,7 @@ class NSACPLayerCommunicator:
         mlp_spec = _check_norm("post_attention_layernorm", post_attention_layernorm)
         if mlp_mode not in _MLP_MODES:
             raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
+        check_flag("compact", compact), check_flag("fuse", fuse)
         format_of(quant)  # ValueError naming quant for a format nsa_cp does not know
         if p2p_max_tokens_per_rank is not None:
             if hidden_size is None or dtype is None:
@@ -248,6 +250,7 @@ class NSACPLayerCommunicator:
 
         The pair the previous layer's fused ``postprocess_layer`` returned is already normed: returned as is.
         """
+        check_layer_args("prepare_attn", hidden_states, residual, layout)
         handed, self._prenormed = self._prenormed, None
         if handed is not None and handed[0] is hidden_states and handed[1] is residual:
             return hidden_states, residual
@@ -266,7 +269,8 @@ class NSACPLayerCommunicator:
         mode with a layout (``(q, scale)`` with the FP8 wire), else local ``[n_r, H]``; residual is local
         ``[n_r, H]``. ``device_counts``: for CUDA graphs captured per bucket, see ``cp_all_gather``.
         """
-        if isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point():
+        check_layer_args("prepare_mlp", hidden_states, residual, layout)
+        if hidden_states.is_floating_point():
             self._partials_dtype = hidden_states.dtype
         if self.mlp_mode != "full" or layout is None:
             return self._norm("mlp", hidden_states, residual)
@@ -329,11 +333,10 @@ class NSACPLayerCommunicator:
         With ``set_next`` and a fusable next norm: the next layer's add + norm too, and the returned
         ``(normed, residual)`` is handed to the next communicator's ``prepare_attn`` (module docstring).
         """
+        check_layer_args("postprocess_layer", hidden_states, residual, layout, "the MLP's partials, a torch.Tensor "
+                         "[rows, H] in the model's dtype (written into mlp_output_buffer(layout, hidden))")
         if self.mlp_mode != "full" or layout is None:
             return hidden_states, residual
-        if not isinstance(hidden_states, torch.Tensor):
-            raise ValueError("hidden_states: expected the MLP's partials, a tensor [rows, H] in the model's dtype "
-                             f"(write them into mlp_output_buffer(layout, hidden)), got {type(hidden_states).__name__}")
         kw = dict(compact=self.compact, algo=self.algo, backend=self.backend, validate=self.validate,
                   device_counts=device_counts)
         if self._next_norm is None:

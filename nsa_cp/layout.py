@@ -15,7 +15,7 @@ created once per device.
 from __future__ import annotations
 
 import operator
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Iterable, Sequence, Tuple
 
 import torch
 
@@ -43,6 +43,11 @@ class ShardLayout:
     def __init__(self, per_rank_actual_token: Sequence[int], align: int = 1):
         if isinstance(per_rank_actual_token, torch.Tensor):
             per_rank_actual_token = per_rank_actual_token.tolist()
+        if isinstance(per_rank_actual_token, (str, bytes)) or not isinstance(per_rank_actual_token, Iterable):
+            raise ValueError(
+                "per_rank_actual_token: expected a sequence of ints, one count per rank (e.g. ShardLayout([4]) "
+                f"for one rank of 4 tokens), got {type(per_rank_actual_token).__name__} {per_rank_actual_token!r}"
+            )
         counts = []
         for r, n in enumerate(per_rank_actual_token):
             try:
