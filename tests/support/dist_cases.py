@@ -306,7 +306,9 @@ def _run_errors(case, rank, world, group, device, nsa_cp) -> Optional[str]:
         (lambda: nsa_cp.cp_reduce_scatter(y, layout, group, compact=True, out=rs_out),
          ["y", f"[{layout.total_len}, 8]"], rs_out),
         (lambda: nsa_cp.cp_reduce_scatter(y, layout, group, out=rs_out.to(torch.bfloat16)), ["out", "dtype"], None),
-        (lambda: nsa_cp.cp_all_gather(x, layout, group, out=good_out, backend="p2p"), ["backend", "init_p2p"], good_out),
+        # CUDA tensors: P2P needs init_p2p first; CPU tensors: no init_p2p can help, the message says why
+        (lambda: nsa_cp.cp_all_gather(x, layout, group, out=good_out, backend="p2p"),
+         ["backend", "init_p2p" if device.type == "cuda" else "cannot serve cpu tensors"], good_out),
         (lambda: nsa_cp.cp_reduce_scatter(y, layout, group, out=rs_out, backend="mpi"), ["backend", "mpi"], rs_out),
     ]
     if device.type == "cuda":

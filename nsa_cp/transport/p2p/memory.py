@@ -30,8 +30,12 @@ def p2p_unavailable_reason(group: Optional[dist.ProcessGroup] = None, device=Non
 
     Every rank must call it: each rank's own verdict, hostname and device index go round in one
     all_gather_object, so every rank returns the same answer (never some ranks in a collective and
-    others not, as a rank without a GPU or without nsa_cp._C would otherwise cause).
+    others not, as a rank without a GPU or without nsa_cp._C would otherwise cause). Before
+    ``torch.distributed.init_process_group`` there is no group to ask: the reason says so (no error).
     """
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return ("torch.distributed is not initialized: the P2P transport serves a process group "
+                "(call torch.distributed.init_process_group first, then ask again on every rank)")
     return survey(group, device)[0]
 
 

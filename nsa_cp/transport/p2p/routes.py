@@ -21,6 +21,10 @@ from .transport import P2PTransport
 __all__ = ["P2PProvider", "P2PRoutes"]
 
 _MISSING = Support.no("'p2p' needs nsa_cp.init_p2p(group, max_tokens_per_rank, hidden_size, dtype) first")
+# Said instead of _MISSING for tensors no init_p2p call can help (a registered transport judges its own).
+_NOT_CUDA = ("'p2p' cannot serve {device} tensors: the P2P transport moves rows between GPUs' memory with "
+             "nsa_cp._C's CUDA kernels (peer access over NVLink or PCIe), so it needs CUDA tensors on GPUs of one "
+             "node; on CPU use backend='nccl' (the process group's collectives, gloo) or 'auto'")
 
 
 class P2PProvider:
@@ -30,6 +34,8 @@ class P2PProvider:
 
     def open(self, req, group) -> Union["P2PRoutes", Support]:
         transport = get_p2p(req.group) if any_registered() else None
+        if transport is None and req.device is not None and req.device.type != "cuda":
+            return Support.no(_NOT_CUDA.format(device=req.device.type))
         return _MISSING if transport is None else P2PRoutes(transport)
 
 
