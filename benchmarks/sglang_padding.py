@@ -42,7 +42,10 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Needs sglang==0.5.23 "
                             "(bash .ci/install_sglang.sh). Takes no arguments.").parse_args()
     sglang_env.prepare_process()
-    import sglang
+    try:
+        import sglang
+    except ImportError as err:  # one line, as the GPU-only scripts refuse (no traceback)
+        raise SystemExit(f"sglang_padding.py needs sglang==0.5.23 ({err}): bash .ci/install_sglang.sh") from None
 
     print(f"SGLang {sglang.__version__}: padding rows / MoE rows of the padded gather ([P * cp, H])\n")
     print("| batch | tokens | strategy | " + " | ".join(f"cp = {cp}" for cp in CPS) + " |")

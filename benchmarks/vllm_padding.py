@@ -47,7 +47,10 @@ def main() -> None:
                             "(bash .ci/install_vllm.sh). Takes no arguments.").parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    import vllm
+    try:
+        import vllm
+    except ImportError as err:  # one line, as the GPU-only scripts refuse (no traceback)
+        raise SystemExit(f"vllm_padding.py needs vllm==0.33.0 ({err}): bash .ci/install_vllm.sh") from None
 
     print(f"vLLM {vllm.__version__}: padding rows / MoE rows of the padded gather ([P * M, H])\n")
     print("| batch | tokens | " + " | ".join(f"PCP = {p}" for p in PCPS) + " |")

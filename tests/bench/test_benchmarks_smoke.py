@@ -185,6 +185,20 @@ def test_gpu_only_script_refuses_quickly_saying_why(script):
     assert helped.returncode == 0, helped.stderr[-2000:]
 
 
+@pytest.mark.parametrize("script,engine,hint", [("sglang_padding.py", "sglang", ".ci/install_sglang.sh"),
+                                                ("vllm_padding.py", "vllm", ".ci/install_vllm.sh")])
+def test_engine_script_without_its_engine_refuses_in_one_line(script, engine, hint):
+    """As the GPU-only scripts refuse: status nonzero, one line saying what to install, no traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{engine} is installed here: {script} runs (test_script_runs_at_a_tiny_size)")
+    proc, _ = _run([str(BENCH / script)], timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and hint in lines[0] and engine in lines[0], proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("script,flag", [("gather_scatter.py", "--csv"), ("gather_scatter.py", "--json"),
                                          ("layer_tail.py", "--csv"), ("stages.py", "--json")])
 def test_a_bad_output_path_fails_before_any_measurement(script, flag):
