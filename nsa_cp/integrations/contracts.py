@@ -140,6 +140,15 @@ def _return_counts(node: ast.AST) -> FrozenSet[int]:
     return frozenset(counts or {0})
 
 
+def _name(node: ast.AST) -> Optional[str]:
+    """The name a node refers to: a variable, an attribute or a keyword argument."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.arg if isinstance(node, ast.keyword) else None
+
+
 def read(paths: Sequence[str]) -> Found:
     """Read the first of ``paths`` that resolves: its signature, its returns' value counts and the names its
     code refers to (for a class: its constructor's parameters and its source's names)."""
@@ -164,8 +173,7 @@ def read(paths: Sequence[str]) -> Found:
             found.missing = f"{path}: source not readable ({type(e).__name__})"
             return found
         top = tree.body[0] if tree.body else tree
-        found.names = frozenset(n.id if isinstance(n, ast.Name) else n.attr
-                                for n in ast.walk(top) if isinstance(n, (ast.Name, ast.Attribute)))
+        found.names = frozenset(_name(n) for n in ast.walk(top) if _name(n))
         if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
             found.returns = _return_counts(top)
         return found

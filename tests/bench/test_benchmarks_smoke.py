@@ -56,9 +56,12 @@ SMOKE = {
     "sglang_padding.py": [("sglang-split", [], [])],
     # the same for vLLM's own PCP split: it needs vllm, which CI installs (.ci/install_vllm.sh)
     "vllm_padding.py": [("vllm-split", [], [])],
+    "overlap.py": [("smoke", ["--smoke", "--rounds", "1", "--warmup", "0", "--csv", "{out}/overlap.csv"], ["overlap.csv"])],
+    "cost_model.py": [("projection", ["--csv", "{out}/projection.csv"], ["projection.csv"])],
 }
 # scripts that time nothing, so print no smoke-run label
-NOT_TIMED = ("readme_tables.py", "plot_busbw.py", "sglang_padding.py", "vllm_padding.py")
+# cost_model.py prints a model's verdicts and times nothing
+NOT_TIMED = ("readme_tables.py", "plot_busbw.py", "sglang_padding.py", "vllm_padding.py", "cost_model.py")
 GPU_ONLY = {
     "host_overhead.py": "needs 1 CUDA GPU",
     "p2p_latency.py": "needs 2 CUDA GPU",

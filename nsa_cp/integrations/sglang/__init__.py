@@ -26,7 +26,7 @@ from .adapter import CpMovesAdapter
 from .metadata import layout_from_cp_metadata
 from .moves import configure, gather, mask_padding_topk_ids_for_batch, reduce_scatter, reduce_scatter_group, take_back
 from .plugin import BOUNDARY_MODULES, HOOK_TARGET, HOOKS, Installed, install, sglang_plugin, status
-from .runtime import TESTED_SGLANG
+from .contract import KNOWN
 
 __all__ = [
     "layout_from_cp_metadata",
@@ -44,5 +44,5 @@ __all__ = [
     "HOOKS",
     "sglang_plugin",
     "status",
-    "TESTED_SGLANG",
+    "KNOWN",
 ]

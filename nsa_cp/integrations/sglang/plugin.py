@@ -9,6 +9,10 @@ Contract:
   moves are bound for: compact only for FFN stages) and ``ModelRunner.initialize`` (the transport, once
   per scheduler, before the KV cache is sized: ``scheduler``). ``NSA_CP_SGLANG=0``: nothing registered.
   Registering twice is a no-op.
+* Before anything is registered, SGLang's code is checked against the contracts nsa_cp knows
+  (``contract.KNOWN``: the signature, the number of values returned and the helpers read of every function
+  it hooks, replaces or reads). Anything else: nothing is registered, one warning names what differs,
+  ``status()["contract"]`` says why, and SGLang's own moves run.
 * The log says what happened: "hooks handed to SGLang" when registered; "registered" only once SGLang
   has applied them (checked from the first hook that runs); the cause when the target module does not
   import (the usual reason SGLang then fails to apply them).
@@ -33,13 +37,14 @@ from typing import Any, Callable, List, Optional
 import torch.distributed as dist
 
 from ... import envs
-from .. import core
+from .. import contracts, core
+from . import contract, scheduler, state
 from . import moves as _moves
-from . import scheduler, state
 from .adapter import CpMovesAdapter, Declined
-from .runtime import TESTED_SGLANG, sglang_version, warn_if_untested
+from .runtime import sglang_version
 
 logger = logging.getLogger("nsa_cp")
+OWN_MOVES = "SGLang's own CP moves"
 
 # the hook target, and every module of SGLang 0.5.23 that binds ``_cp_moves`` by name
 HOOK_TARGET = "sglang.srt.layers.layer_boundary.boundary._cp_moves"
@@ -216,6 +221,12 @@ def sglang_plugin() -> None:
         state.STATE.register_error = problem
         logger.error("nsa_cp: SGLang plugin NOT registered, SGLang's own CP moves are used: %s", problem)
         return
+    version = sglang_version()
+    verdict = contract.verify()
+    if verdict.contract is None:
+        core.decline_contract(state.STATE, "SGLang", version, verdict, OWN_MOVES)
+        return
+    state.STATE.contract = verdict.as_status()
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -227,11 +238,10 @@ def sglang_plugin() -> None:
                      type(e).__name__, e)
         raise
     state.STATE.handed = True
-    version = sglang_version()
-    logger.info("nsa_cp: SGLang plugin hooks handed to SGLang's HookRegistry (%s; SGLang %s, tested %s; compact MoE "
-                "gather %s, P2P %s); 'registered' follows once SGLang has applied them", ", ".join(HOOKS), version,
-                TESTED_SGLANG, "on" if envs.NSA_CP_SGLANG_COMPACT else "off", "on" if envs.NSA_CP_SGLANG_P2P else "off")
-    warn_if_untested(version)
+    logger.info("nsa_cp: SGLang plugin hooks handed to SGLang's HookRegistry (%s; SGLang %s meets the contract %r; "
+                "compact MoE gather %s, P2P %s); 'registered' follows once SGLang has applied them", ", ".join(HOOKS),
+                version, verdict.contract.name, "on" if envs.NSA_CP_SGLANG_COMPACT else "off",
+                "on" if envs.NSA_CP_SGLANG_P2P else "off")
 
 
 def status() -> dict:
@@ -256,20 +266,17 @@ def status() -> dict:
         if module is not None:
             bound[name] = _binds_nsa_cp(getattr(module, "_cp_moves", None))
     s = state.STATE
+    version = sglang_version()
     return {
+        **core.status_fields(s, "SGLang", version),
         "active": len(bound) == len(BOUNDARY_MODULES) and all(bound.values()),
         "bound": bound,
-        "plugin_registered": s.handed,
         "hooks_applied": s.registered,
-        "register_error": s.register_error,
         "used": _moves.configured().used,
         "compact": envs.NSA_CP_SGLANG_COMPACT,
-        "p2p": dict(s.p2p) if s.p2p is not None else None,
         "fusions": {"gather": dict(s.gathers), "unfused": dict(s.unfused),
                     "reduce_scatter_norm": "not fused: the exit and the next layer's entry are separate stages"},
-        "declined": dict(s.declined),
-        "nccl_batches": s.nccl_batches,
-        "sglang": sglang_version(),
+        "sglang": version,
     }
 
 
@@ -294,12 +301,15 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
         group, **kwargs: for :class:`CpMovesAdapter` (group None: SGLang's attention-CP group).
 
     Raises:
-        ImportError when SGLang (its ``layer_boundary`` package) is not importable; RuntimeError when
-        install() already patched these modules.
+        ImportError when SGLang (its ``layer_boundary`` package) is not importable;
+        ``contracts.ContractMismatch`` when SGLang's code meets no contract nsa_cp knows (nothing patched);
+        RuntimeError when install() already patched these modules.
     """
     modules = [importlib.import_module(name) for name in BOUNDARY_MODULES]
-    warn_if_untested(sglang_version())
-    importlib.import_module("sglang.srt.layers.layer_boundary.contracts")
+    verdict = contract.verify()
+    if verdict.contract is None:
+        raise contracts.ContractMismatch(verdict)
+    state.STATE.contract = verdict.as_status()
 
     original = modules[0]._cp_moves
     if getattr(original, "_nsa_cp_adapter", None) is not None:

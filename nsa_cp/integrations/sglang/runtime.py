@@ -9,19 +9,15 @@ plugin loads before SGLang's distributed init):
 * :func:`cp_gathers_over_attn_cp` -> SGLang's own ``_cp_gathers_over_attn_cp()`` (DSA / MLA prefill CP), or
   False;
 * :func:`cp_align` -> the row multiple SGLang pads each CP shard to (``2 * cp`` zigzag, ``cp`` interleave);
-* :func:`sglang_version` -> the installed SGLang's version string, or None;
-* :func:`warn_if_untested` logs a warning when that version is not :data:`TESTED_SGLANG`.
+* :func:`sglang_version` -> the installed SGLang's version string, or None (what nsa_cp serves is decided
+  by SGLang's code, not its version: ``contract``).
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any, Optional
 
-logger = logging.getLogger("nsa_cp")
-
-TESTED_SGLANG = "0.5.23"
 
 
 def _parallel() -> Any:
@@ -82,10 +78,3 @@ def sglang_version() -> Optional[str]:
         return version("sglang")
     except Exception:  # noqa: BLE001
         return getattr(sys.modules.get("sglang"), "__version__", None)
-
-
-def warn_if_untested(version: Optional[str]) -> None:
-    """The CpMoves signatures are SGLang's private API: say so when another version is found."""
-    if version is not None and not str(version).startswith(TESTED_SGLANG):
-        logger.warning("nsa_cp: written against SGLang %s's layer_boundary, found %s; check the CpMoves "
-                       "signatures", TESTED_SGLANG, version)

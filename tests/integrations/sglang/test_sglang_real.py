@@ -209,7 +209,11 @@ def _plugin_probe(env, order, queue):
             import nsa_cp.integrations.sglang as nsa_sglang
 
             nsa_sglang.install()
-        mods = []
+        mods, says = [], None
+        if order.startswith("drift:"):  # SGLang's own module drifts before SGLang loads its plugins
+            import sglang_drift
+
+            says = sglang_drift.apply(order.split(":", 1)[1])
         if order == "modules-first":
             mods = [importlib.import_module(m) for m in sglang_env.MODULES[:3]]
         from sglang.srt.plugins import load_plugins
@@ -219,8 +223,9 @@ def _plugin_probe(env, order, queue):
         import nsa_cp.integrations.sglang as nsa_sglang
         from sglang.srt.layers.layer_boundary import boundary, prepare
 
-        out = {"status": nsa_sglang.status(), "log": records}
+        out = {"status": nsa_sglang.status(), "log": records, "says": says}
         out["same_binding"] = all(m._cp_moves is mods[0]._cp_moves for m in mods)
+        out["hook_wrapped"] = [hasattr(m._cp_moves, "__wrapped__") for m in mods]
         out["is_sglang_original"] = [getattr(m._cp_moves, "__module__", None) == boundary.__name__
                                      and not hasattr(m._cp_moves, "__wrapped__") for m in mods]
         with mock.patch.object(boundary, "_cp_gathers_over_attn_cp", return_value=True):
@@ -276,6 +281,25 @@ def test_plugin_off_switch():
     assert not out["status"]["active"] and not out["status"]["plugin_registered"], out["status"]
     assert out["is_sglang_original"] == [True] * 3 and out["ours"] == [False] * 3, out
     assert any("NSA_CP_SGLANG=0" in line for line in out["log"]), out["log"]
+
+
+@pytest.mark.parametrize("drift", ["arity", "helper", "signature"])
+def test_a_drifted_contract_registers_nothing_logs_one_line_and_says_why(drift):
+    """SGLang's code drifts (another return arity, a renamed helper, a changed signature) before
+    load_plugins(): the plugin verifies before it registers, so no hook is registered, SGLang's modules keep
+    their own _cp_moves (its own moves, the plugin-off bindings), one line names the difference, and
+    status() reports it under "contract"."""
+    _require_entry_point()
+    out = _spawn_probe(ON, f"drift:{drift}")
+    status, says = out["status"], out["says"]
+    assert not status["active"] and not status["plugin_registered"] and out["ours"] == [False] * 3, out
+    assert out["same_binding"] and out["hook_wrapped"] == [False] * 3, out  # no hook chained on _cp_moves
+    assert out["is_sglang_original"] == [drift != "helper"] * 3, out  # the helper drift replaced _cp_moves itself
+    assert status["contract"]["served"] is None and says in status["contract"]["problem"], status["contract"]
+    assert says in status["register_error"], status
+    lines = [m for m in out["log"] if says in m]
+    assert len(lines) == 1 and "SGLang's own CP moves are used" in lines[0], out["log"]
+    assert not any("hooks handed" in m for m in out["log"]), out["log"]
 
 
 @pytest.mark.parametrize("whitelist,loaded", [("someone_else", False), ("someone_else, nsa_cp", True)])
