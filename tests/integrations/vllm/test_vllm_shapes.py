@@ -13,7 +13,10 @@ vLLM's runtime lookups (forward context, PCP group) are replaced by stand-ins wi
 tests/integrations/vllm/test_vllm_moe.py runs the same moves against vLLM's own code on gloo. Checked per
 layer: every rank's real rows gathered exactly (padding rows zero, compact rows at their offsets), the
 reduce-scatter against a float64 sum, rows past the real count zero, the routers' mask swapped for the
-compact rows during the MoE and vLLM's own after, and earlier results unchanged by later layers.
+compact rows during the MoE and vLLM's own after, and earlier results unchanged by later layers. The ``-fp8``
+cases take vLLM 0.34's contract with experts quantized before the gather: the gather returns
+``(q, logits, scale)`` with every real row's FP8 bytes and scales those of the reference quantizer (on the GPU:
+nsa_cp's quantizer fused into the P2P gather), padding rows ``q = 0`` and the pad scale.
 """
 
 from __future__ import annotations
@@ -77,8 +80,21 @@ def _rand(seed, rows, cols, dtype, device):
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
 
 
-def _check(rank, world, name, dtype, compact, device):
-    from nsa_cp.integrations.vllm import moe, runtime, step
+FP8_CONFIG = types.SimpleNamespace(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128], is_scale_transposed=False,
+                                   use_nvfp4_w4a4=False)
+
+
+def _fp8_rows(x):
+    """The reference quantizer on the CPU: ``(q bytes, scale)`` of ``x``'s rows."""
+    from nsa_cp.wire import FP8_E4M3_G128
+
+    q, scale = FP8_E4M3_G128.quantize_reference(x.cpu())
+    return q.view(torch.uint8), scale
+
+
+def _check(rank, world, name, dtype, compact, device, fp8=False):
+    from nsa_cp.integrations.vllm import contract, moe, runtime, step
+    from nsa_cp.wire import FP8_PAD_SCALE
 
     lens, prefilling, extra = STEPS[name]
     counts = dual_chunk_swap_counts(lens, prefilling, world)
@@ -94,8 +110,12 @@ def _check(rank, world, name, dtype, compact, device):
         mp.setattr(runtime, "pcp_rank", lambda: rank)
         mp.setattr(runtime, "pcp_size", lambda: world)
         mp.setenv("NSA_CP_VLLM_COMPACT", "1" if compact else "0")
+        if fp8:  # vLLM 0.34's contract, experts that take per-token-group FP8 quantized before the gather
+            mp.setattr(moe, "CONTRACT", [contract.V0_34])
+            mp.setattr(runtime, "fp8_scales_ue8m0", lambda: False)
+            mp.setattr(runtime, "fp8_max", lambda: 448.0)
         step.set_current(step.StepLayout.from_counts(counts, m, mask))
-        runner = vllm_env.runner(world)
+        runner = vllm_env.runner(world, quant_config=FP8_CONFIG if fp8 else None)
         kept = []
         for layer in range(LAYERS):
             hs = [_rand(100 * layer + q, m, H, dtype, device) for q in range(world)]
@@ -104,13 +124,29 @@ def _check(rank, world, name, dtype, compact, device):
             logits = [_rand(100 * layer + 50 + q, m, 8, torch.float32, "cpu") for q in range(world)]
             for q in range(world):  # vLLM's padding rows carry computed values, never zeros
                 hs[q][counts[q]:] = 1e3
-            hg, lg = moe.dispatch(None, runner, hs[rank], logits[rank])
+            hg, lg, *scale = moe.dispatch(None, runner, hs[rank], logits[rank])
             rows = total if compact else world * m
             assert hg.shape == (rows, H) and lg.shape[0] == rows, (hg.shape, lg.shape)
+            if fp8:  # the bytes and scales of the reference quantizer on every real row; padding q = 0
+                scale = scale[0]
+                assert hg.dtype == torch.float8_e4m3fn and scale.shape == (rows, H // 128), (hg.dtype, scale.shape)
+                for q in range(world):
+                    start = off[q] if compact else q * m
+                    want_q, want_s = _fp8_rows(hs[q][: counts[q]])
+                    assert torch.equal(hg[start : start + counts[q]].view(torch.uint8).cpu(), want_q), f"rank {q}'s q"
+                    assert torch.equal(scale[start : start + counts[q]].cpu(), want_s), f"rank {q}'s scales"
+                    if not compact:
+                        assert not hg[start + counts[q] : (q + 1) * m].view(torch.uint8).any(), f"rank {q}'s padding"
+                        assert (scale[start + counts[q] : (q + 1) * m] == FP8_PAD_SCALE).all()
+                hg = (hg.float().reshape(rows, -1, 128) * scale.reshape(rows, -1, 1)).reshape(rows, H).to(dtype)
+                hs = [hs[q].clone() for q in range(world)]
+                hs[rank][:n] = hg[(off[rank] if compact else rank * m):][:n]  # the MoE sees the dequantized rows
             for q in range(world):
                 start = off[q] if compact else q * m
-                assert torch.equal(hg[start : start + counts[q]], hs[q][: counts[q]]), f"layer {layer}: rank {q}'s rows"
                 assert torch.equal(lg[start : start + counts[q]], logits[q][: counts[q]]), f"layer {layer}: logits {q}"
+                if fp8:  # checked above, as bytes
+                    continue
+                assert torch.equal(hg[start : start + counts[q]], hs[q][: counts[q]]), f"layer {layer}: rank {q}'s rows"
                 if not compact:
                     assert not hg[start + counts[q] : (q + 1) * m].any(), f"layer {layer}: rank {q}'s padding rows"
             if compact:
@@ -152,7 +188,7 @@ def _refused(rank, world):
         vllms = (lambda runner, h, lg: ("vllm's", h, lg))
         assert moe.dispatch(vllms, runner, hidden, logits) == ("vllm's", hidden, logits)
         assert any(k.startswith("nsa_cp refused the call") for k in moe.STATE.declined), moe.STATE.declined
-        assert getattr(runner, "_nsa_cp_pending", None) is None
+        assert id(runner) not in moe.PENDING
         step.set_current(None)
 
 
@@ -172,8 +208,9 @@ def _worker(rank, world, payload):
         dtype = getattr(torch, dname)
         if on_gpu:
             nsa_cp.init_p2p(None, rows, H, dtype, device, timeout_ms=20_000)
-        cases = {f"{name}-{dname}-{'compact' if compact else 'padded'}": (rank, world, name, dtype, compact, device)
-                 for name in STEPS_ON[on_gpu] for compact in (False, True)}
+        cases = {f"{name}-{dname}-{'compact' if compact else 'padded'}{'-fp8' if fp8 else ''}":
+                 (rank, world, name, dtype, compact, device, fp8)
+                 for name in STEPS_ON[on_gpu] for compact in (False, True) for fp8 in FP8[dname]}
         results.update(run_cases(cases, _check, after=lambda: _in_step(on_gpu)))
         if on_gpu:
             nsa_cp.transport.destroy_p2p(None)
@@ -189,6 +226,7 @@ def _in_step(on_gpu):
 
 
 DTYPES = {"cpu": ["float32"], "gpu": ["bfloat16", "float32"]}
+FP8 = {"float32": (False, True), "bfloat16": (False, True)}  # vLLM 0.34's quantized gather, per input dtype
 WORLDS = (2, 4, 8)
 _WORLDS = {}
 
@@ -206,8 +244,8 @@ def _world(where, world):
 
 
 def _keys(where):
-    return [(w, f"{s}-{d}-{lay}") for w in WORLDS for s in STEPS_ON[where == "gpu"] for d in DTYPES[where]
-            for lay in ("padded", "compact")]
+    return [(w, f"{s}-{d}-{lay}{'-fp8' if fp8 else ''}") for w in WORLDS for s in STEPS_ON[where == "gpu"]
+            for d in DTYPES[where] for lay in ("padded", "compact") for fp8 in FP8[d]]
 
 
 @pytest.mark.parametrize("world", WORLDS)
