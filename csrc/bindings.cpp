@@ -118,8 +118,8 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- stateless launchers --------------------------------------------------------------------------
   // The library launches through P2PState only. These three stay for the native layer's own tests
-  // (tests/test_native_gpu.py drives the kernels with simulated ranks in one process, the protocol
-  // and timeouts included; tests/test_native_launchers.py checks their arguments without a GPU).
+  // (tests/native/test_native_gpu.py drives the kernels with simulated ranks in one process, the protocol
+  // and timeouts included; tests/native/test_native_launchers.py checks their arguments without a GPU).
   m.def("barrier", &nsa_cp::barrier, py::arg("pads"), py::arg("rank"), py::arg("world"), py::arg("channel"),
         py::arg("phase"), py::arg("seq"), py::arg("advance"), py::arg("timeout_ns"), py::arg("err"),
         py::arg("stream"), py::call_guard<py::gil_scoped_release>(),

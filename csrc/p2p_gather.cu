@@ -118,8 +118,9 @@ struct CopyStage {
 
   __device__ static const void* local(const Source& a) { return a.src; }
 
-  // Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer. (Before the
-  // pushes, not after: the other order was no faster.)
+  // Zero the padding rows [q*M + counts[q], (q+1)*M) of every slot q of our own buffer. Peers write only
+  // real rows, so either order against the pushes is correct; the kernel zeroes first, since zeroing
+  // after them gained nothing (docs/performance.md, "Figures behind the code's choices").
   __device__ static void zero_padding(const GatherParams& p, const Source&, const Geometry& g, int rank, int world) {
     char* own = reinterpret_cast<char*>(g.bufs[rank]);
     for (int q = 0; q < world; ++q) {

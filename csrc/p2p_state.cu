@@ -136,8 +136,8 @@ int P2PState::next_buffer(int64_t max_rank_len) {
 }
 
 int P2PState::data_blocks(int64_t max_rank_len) const {
-  // One block per 32 KB moved, every SM from 4 MB up: a small call is latency-bound, and more blocks
-  // keep more 16-byte stores in flight (with fewer, a mid-sized call took well over its bandwidth-predicted time).
+  // One block per 32 KB moved, every SM from 4 MB up: a small call is latency-bound, and a mid-sized one
+  // needs more blocks to keep enough 16-byte stores in flight for the link's bandwidth (docs/performance.md).
   const int64_t moved = max_rank_len * row_bytes_ * world_;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count_, (moved + kBytesPerBlock - 1) / kBytesPerBlock)));
 }

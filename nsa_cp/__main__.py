@@ -2,7 +2,7 @@
 what this machine can run.
 
 A module of its own that the package never imports: ``python -m`` runs it after importing ``nsa_cp``
-(runpy warns when the module it runs was imported first, which ``python -m nsa_cp.envs`` did).
+(runpy warns when the module it runs was imported first, as a module the package imports would be).
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
 
 
 # The variables a cached plan (nsa_cp/plan.py) depends on: their raw values are part of its key, so a
-# change takes effect on the next call, as it did before plans were cached.
+# change takes effect on the next call.
 PLAN_VARIABLES = (
     "NSA_CP_COMPACT_ALGO", "NSA_CP_COALESCED_GATHER_MIN_BYTES", "NSA_CP_COALESCED_SCATTER_MIN_BYTES",
     "NSA_CP_BACKEND", "NSA_CP_ROW_KERNELS", "NSA_CP_NCCL_CALL", "NSA_CP_P2P_ENGINE", "NSA_CP_P2P_CE_MIN_BYTES",

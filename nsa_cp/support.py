@@ -3,8 +3,8 @@
 Every place that decides whether a backend, engine or kernel applies returns a ``Support``: truthy when
 it does, falsy with a sentence saying why not. Callers that must insist call ``verdict.require(name)``,
 which raises the ValueError the public functions document; callers that may fall back read ``reason``
-for their log line. This replaces pairs of ``fits`` / ``check_fits`` / ``*_unavailable_reason``
-functions that had to be kept saying the same thing.
+for their log line. One type carries both answers, so the yes or no and the sentence saying why cannot
+drift apart.
 """
 
 from __future__ import annotations

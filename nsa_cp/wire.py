@@ -3,9 +3,9 @@
 A ``WireFormat`` holds everything a layer above the kernels asks of a format: its name (what ``quant=``
 takes), the result streams a gather returns, what its rows need (``support``), the torch reference
 quantizer and its native code. ``FORMATS`` lists them by name; ``format_of(quant)`` is the one lookup.
-Adding a format touches this module, the Triton quantizer (nsa_cp/kernels/norm_rows.py), the native one
-(csrc/quant.cuh: its device quantizer, code and group size, which nsa_cp._C exports) and the P2P
-kernel's dispatch on the code (csrc/p2p_gather.cu): docs/design.md, "Wire formats".
+Adding a format touches this module, the Triton quantizer (nsa_cp/kernels/norm_rows.py), the native
+side (csrc/codes.h: its code and group size, which nsa_cp._C exports; csrc/p2p_gather.cu: the P2P
+kernel's quantizing stage and its dispatch on the code): docs/design.md, "Wire formats".
 
 ``fp8_e4m3_g128`` (SGLang's ``per_token_group_quant_fp8``): per row, groups of ``FP8_GROUP`` columns;
 each group's amax (fp32) is clamped to at least ``FP8_AMAX_FLOOR``, ``scale = amax / FP8_MAX`` and

@@ -8,11 +8,11 @@
   interpreter multiplies and adds in fp32, two roundings, and a kernel then keeps ``div_rn``).
 - ``div_by_group_scale``: ``v / scale`` for bf16 values ``v [G, GROUP]`` and one FP8 group scale per row
   ``scale [G]``, with the group's correctly rounded reciprocal and one remainder correction per element
-  instead of a correctly rounded division per element (``div_rn``: about 12 instructions on sm_90, with a
-  check and a branch). Its fp32 quotient may differ from ``div_rn``'s by an ulp, never its e4m3 rounding
-  after the clamp to +-448: checked exhaustively over every finite bf16 value against every finite bf16
-  group amax (``scripts/fp8_division_check.py``; tests/kernels/test_fp8_division.py holds the argument
-  and the cases where the uncorrected product ``v * (1/scale)`` rounds differently).
+  instead of a correctly rounded division per element (``div_rn``: a longer sequence, with a check and a
+  branch; counts in docs/performance.md). Its fp32 quotient may differ from ``div_rn``'s by an ulp, never
+  its e4m3 rounding after the clamp to +-448: checked exhaustively over every finite bf16 value against
+  every finite bf16 group amax (``scripts/fp8_division_check.py``; tests/kernels/test_fp8_division.py
+  holds the argument and the cases where the uncorrected product ``v * (1/scale)`` rounds differently).
 """
 
 from __future__ import annotations
@@ -53,16 +53,17 @@ def round_e4m3(v):
 
 @triton.jit
 def div_by_group_scale(v, scale):
-    """``v [G, GROUP]`` (fp32 holding bf16 values) / ``scale [G]`` (> 0, or inf, or NaN), for e4m3 rounding.
+    """``v [G, GROUP]`` (fp32 holding bf16 values) / ``scale [G]`` (> 0, or inf, or NaN) -> fp32 ``[G, GROUP]``
+    within an ulp of ``v / scale``, whose e4m3 rounding after the clamp to +-448 is ``div_rn``'s.
 
     ``r = 1/scale`` correctly rounded; ``q0 = v * r``; the negated remainder ``scale * q0 - v`` is exact in
     one FMA (no underflow where the quotient is not far below e4m3's range); ``q0 - nrem * r`` is then
     within an ulp of ``v / scale``. Negated, so that v = -0 gives -0 as a division does (``nrem`` = +0, and
     ``+0 * -r + -0`` is -0), with no instruction for the sign. An infinite scale (an inf in the group) enters
-    the remainder as the largest float: finite v -> +-0, as ``v / inf``. ``v * -1.0`` is an exact negation
-    that ptxas folds into the FMA. Never ``-x`` here: Triton 3.6 lowers it to ``0 - x``, one more
-    instruction an element, and +0 for x = +0 (r is +0 where the scale is inf: ``-r`` made every negative
-    value's byte +0, not -0, on the H200)."""
+    the remainder as the largest float: finite v -> +-0, as ``v / inf``."""
+    # Negations as ``* -1.0``: exact, and ptxas folds it into the FMA. Never ``-x``: Triton 3.6 lowers it to
+    # ``0 - x``, an extra instruction that also gives +0 for x = +0; r is +0 where the scale is inf, so ``-r``
+    # would turn every negative value's e4m3 byte into +0 instead of -0 (tests/kernels/test_fp8_division.py).
     r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     q0 = v * r[:, None]
     nrem = tl.fma(q0, tl.minimum(scale, _FP32_MAX)[:, None], v * -1.0)
@@ -71,9 +72,8 @@ def div_by_group_scale(v, scale):
 
 @functools.lru_cache(maxsize=None)
 def cast_saturates(device: torch.device) -> bool:
-    """Whether Triton's compiled fp32 -> e4m3 cast on this device saturates to +-448 (``cvt.rn.satfinite``,
-    NVIDIA sm_89 on; ``F2FP.SATFINITE.E4M3`` in the sm_90 SASS) and keeps a NaN a NaN; elsewhere a kernel
-    clamps first."""
+    """Whether Triton's compiled fp32 -> e4m3 cast on this device saturates to +-448 (PTX
+    ``cvt.rn.satfinite``, NVIDIA sm_89 on) and keeps a NaN a NaN; elsewhere a kernel clamps first."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
 
 

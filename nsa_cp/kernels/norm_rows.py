@@ -23,7 +23,8 @@ Design record:
 - bf16 and e4m3 rounding is to nearest even, once: compiled, by the casts (``CAST_ROUNDS``; the e4m3 cast
   saturates to +-448 on sm_89 on, ``CAST_SATURATES``, else a clamp first); interpreted, by ``exact_fp32.round_*``.
   bf16 rows divide by the FP8 scale with the group's reciprocal and one remainder FMA (``exact_fp32``: the
-  same e4m3 bytes as ``div_rn``). The FP8 stage was issue-bound (``scripts/norm_rows_sass.py``, CHANGELOG).
+  same e4m3 bytes as ``div_rn``), since the FP8 stage is bound by instruction issue rather than by bytes
+  (``scripts/norm_rows_sass.py`` counts the instructions; figures: docs/performance.md, "One GPU").
 - The row count of the slot is read from a device scalar, so a CUDA graph replays with new counts;
   the grid covers the whole slot and rows ``[n, M)`` are written as padding (zeros; FP8: q = 0,
   scale = 1e-10/448). x and residual may have more rows than n (a bucket); rows from n on are not

@@ -11,7 +11,8 @@ Every gather is one *source stage* then one *movement*:
   what quantizing a zero row gives); the others one.
 * movement, chosen once per plan (``algo``; the gathers' table ``_MOVES``):
   - "even": every rank fills its slot; one equal-shard all-gather, in place. A plain copy of an even
-    layout skips the source stage: one all-gather on the caller's tensor, bitwise the old even path.
+    layout skips the source stage: one all-gather on the caller's tensor, bitwise the plain equal-shard
+    collective (the even layout's contract).
   - "padded": the source stage writes this rank's slot of the padded output, then an in-place
     equal-shard all-gather. No F.pad, no temporary.
   - "padded+compact": the padded movement into a workspace, then one kernel compacts.
@@ -196,7 +197,7 @@ def _padded(g: _Gather):
 
 
 def _even_plain(g: _Gather):
-    """The even layout's plain copy: one all-gather of the caller's tensor (bitwise the old even path)."""
+    """The even layout's plain copy: one all-gather of the caller's tensor (bitwise torch's own)."""
     coll, wire = g.coll, g.streams[0][2]
 
     def move(x, bufs, device_counts, norm_args):

@@ -9,8 +9,8 @@ another), the unique id goes from the group's rank 0 to the others once, through
 
 After ``init_nccl(group)``, the NCCL path's uneven movements of that group (the padded gather with its
 pack in the same host call, the padded reduce-scatter, the coalesced compact gather and reduce-scatter)
-use it under ``NSA_CP_NCCL_CALL=auto`` (the default). The even layout keeps torch's collective (the
-bitwise contract of the old even path), and so does a call inside torch's coalescing manager.
+use it under ``NSA_CP_NCCL_CALL=auto`` (the default). The even layout keeps torch's collective (its
+contract: bitwise the plain equal-shard collective), and so does a call inside torch's coalescing manager.
 
 Ordering: its collectives run on the calling stream, in program order with everything else on it,
 like the P2P transport. Across communicators NCCL needs every rank to issue collectives in the same

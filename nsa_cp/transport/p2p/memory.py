@@ -4,8 +4,8 @@ into every rank (symmetric memory, or CUDA IPC when the ranks share one GPU).
 Symmetric memory (``torch.distributed._symmetric_memory``: ``empty`` + ``rendezvous``) serves ranks on
 different GPUs of one node. It refuses two ranks on one GPU; those get ordinary allocations whose CUDA
 IPC handles go round the group (as torch.multiprocessing shares CUDA tensors). CUDA IPC across
-different GPUs failed with illegal memory accesses when tried (docs/design.md) and is refused until
-that is understood.
+different GPUs is refused: the kernels hit illegal memory accesses through such mappings, for a cause
+not understood (docs/performance.md, "Figures behind the code's choices").
 Either way the kernels see raw pointers; the handles returned here expose the same two members
 (``buffer_ptrs``, ``get_buffer``).
 """
@@ -136,8 +136,7 @@ def _memory_problem(indices) -> Optional[str]:
     """Why no mapping serves ranks on these device indices under NSA_CP_P2P_MEMORY, or None.
 
     Symmetric memory refuses two ranks on one GPU. CUDA IPC serves ranks that all share one GPU; across
-    different GPUs it failed (an illegal memory access in every check, docs/design.md), so it is refused
-    there until that is understood.
+    different GPUs it is refused (illegal memory accesses there, cause not understood: module docstring).
     """
     setting = envs.NSA_CP_P2P_MEMORY
     gpus = len(set(indices))
