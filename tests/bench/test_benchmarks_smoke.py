@@ -306,7 +306,8 @@ def _load_benchmark(name):
     (2, [], ("nccl", 2)), (8, ["--gpus", "1"], ("stages", 1)),
 ])
 def test_gather_scatter_picks_its_mode_from_the_gpus(monkeypatch, gpus, argv, want):
-    """The README's line on a one-GPU machine runs the stages (it used to refuse one rank)."""
+    """The mode from the visible GPUs and the flags: no GPU, gloo ranks; one GPU (or --gpus 1), the stages
+    (the README's line runs there too); --shared-gpu N, N ranks on one GPU; two GPUs or more, NCCL."""
     import torch
 
     gs = _load_benchmark("gather_scatter")

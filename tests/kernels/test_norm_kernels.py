@@ -49,10 +49,9 @@ EPS = 1e-6
 
 def ulp(v64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One ulp of ``dtype`` at the magnitude of each fp64 value (subnormal spacing below the normal range).
-    The power of two is built from its fp64 bits, exactly: torch.pow(2.0, k) on CUDA returned 2^k less one
-    fp64 ulp for some k (and torch.ldexp multiplies by such a pow), and a y one bf16 ulp from the oracle's
-    (both correct roundings of fp32 values either side of a midpoint, H = 7168 on an H200) then failed the
-    check ``gap <= ulp``."""
+    The power of two is built from its fp64 bits, exactly: torch.pow(2.0, k) on CUDA can return 2^k less one
+    fp64 ulp (and torch.ldexp multiplies by such a pow), and with that ulp a y one bf16 ulp from the
+    oracle's (both correct roundings of fp32 values either side of a midpoint) would fail ``gap <= ulp``."""
     _, e = torch.frexp(v64.abs())
     k = torch.clamp(e.to(torch.int64) - 1, min=_MIN_EXP[dtype]) - _MANTISSA[dtype]
     return ((k + 1023) << 52).view(torch.float64)  # 2^k, k >= -149: a normal fp64

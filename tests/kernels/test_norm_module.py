@@ -89,7 +89,7 @@ def test_cpu_follows_the_convention(dtype, with_residual, shape):
 
 
 def test_sum_in_fp32_then_one_rounding():
-    """The old module normalised the sum rounded to the dtype; the convention normalises the fp32 sum. Here the
+    """The convention normalises the fp32 sum, not the sum rounded to the dtype. Here the
     bf16 sum rounds 1 + 3/512 up to 1 + 1/128, and y differs (0.4492 against 0.4512 for the rounded sum)."""
     h = 8
     norm = nsa_cp.RMSNorm(h, eps=EPS, dtype=torch.float32)
