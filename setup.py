@@ -357,7 +357,7 @@ def _make_cmdclass(plan: BuildPlan):
             # One build folder per configuration, so switching interpreters or archs never reuses a
             # stale CMake cache; an unchanged one rebuilds incrementally.
             key = hashlib.sha1("\n".join(config[:4] + extra).encode()).hexdigest()[:10]
-            if self._nsa_cp_in_tree:
+            if getattr(self, "_nsa_cp_in_tree", False):  # set by run(); a direct call builds as before
                 in_tree = ROOT / PACKAGE / ext_path.name
                 digest = source_digest(ROOT, config[:4] + extra + [
                     f"cuda {plan.cuda_version}", f"pybind11 {_pybind11_version()}", ext_path.name])
