@@ -63,8 +63,8 @@ class PacedCopy:
     def __call__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:
             return
-        if not self.paced:
-            dst.copy_(src)
+        if not self.paced or not src.is_cuda:  # a smoke run's CPU tensors: Triton 3.6's interpreter cannot
+            dst.copy_(src)  # loop over a runtime bound, and a CPU copy paces nothing anyway
             return
         s, d = src.reshape(-1).view(torch.int16), dst.reshape(-1).view(torch.int16)
         _paced_copy[(self.grid,)](s, d, s.numel(), self.grid, BLOCK=self.block, num_warps=self.warps)

@@ -234,7 +234,23 @@ def fake_sglang(monkeypatch):
     return NS(mods=mods, original=_cp_moves, state=state, coordinator=coordinator, CpMoves=CpMoves)
 
 
-def test_install_patches_every_binding_and_uninstalls(fake_sglang):
+def test_install_on_code_that_meets_no_contract_patches_nothing(fake_sglang):
+    """The stand-ins are not SGLang's code (no readable _cp_moves source, no ops/prepare modules): install()
+    refuses before it patches anything, naming what differs."""
+    from nsa_cp.integrations.contracts import ContractMismatch
+
+    with pytest.raises(ContractMismatch, match="_cp_moves"):
+        adapter_mod.install(group=None)
+    assert all(fake_sglang.mods[name]._cp_moves is fake_sglang.original for name in adapter_mod.BOUNDARY_MODULES)
+
+
+def test_install_patches_every_binding_and_uninstalls(fake_sglang, monkeypatch):
+    from nsa_cp.integrations.contracts import Verdict
+    from nsa_cp.integrations.sglang import contract
+
+    # the patching mechanics on stand-ins: their contract is taken as met (the real one is checked against
+    # SGLang's own code in test_sglang_real.py)
+    monkeypatch.setattr(contract, "verify", lambda: Verdict(contract.KNOWN[0], {}))
     handle = adapter_mod.install(group=None)
     try:
         patched = [fake_sglang.mods[name]._cp_moves for name in adapter_mod.BOUNDARY_MODULES]
