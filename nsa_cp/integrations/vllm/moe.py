@@ -9,7 +9,7 @@ Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's
   - padded (``NSA_CP_VLLM_COMPACT=0``): ``[P * M, ...]`` rank-major as vLLM's all-gather lays them out.
     The hidden states go through nsa_cp (only the real rows move; the padding rows are zero, where
     vLLM's carry computed values the routers mask); the router logits through vLLM's own all-gather
-    (small; their padding rows are the ones ``forward_context.is_padding`` masks, as today);
+    (small; their padding rows are the ones ``forward_context.is_padding`` masks);
   - compact (``NSA_CP_VLLM_COMPACT=1``): ``[T, ...]``, rank q's rows at ``offsets[q]``, hidden and logits
     through nsa_cp's compact gather; ``forward_context.is_padding`` is swapped for the compact rows' mask
     (all real) while the MoE runs, and put back by :func:`combine`;
