@@ -67,7 +67,7 @@ from .quant import dequant_fp8_g128, quant_fp8_g128
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
 from .transport import init_nccl, init_p2p, nccl_unavailable_reason, p2p_unavailable_reason
 from .transport.p2p import P2PError, P2PTimeoutError
-from .validation import LayoutMismatchError
+from .errors import LayoutMismatchError
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 

@@ -48,7 +48,7 @@ from .collectives import (cp_all_gather, cp_reduce_scatter, cp_reduce_scatter_bu
                           reduce_scatter_fused_add_rmsnorm)
 from .layout import ShardLayout
 from .norm import fused_add_rmsnorm_into
-from .transport.p2p import get_p2p, init_p2p, p2p_unavailable_reason
+from .transport.policy import ensure_transport
 from .wire import format_of
 
 __all__ = ["NSACPLayerCommunicator", "norm_parameters"]
@@ -174,20 +174,12 @@ class NSACPLayerCommunicator:
         if p2p_max_tokens_per_rank is not None:
             if hidden_size is None or dtype is None:
                 raise ValueError("hidden_size, dtype: expected both with p2p_max_tokens_per_rank, got None")
-            existing = get_p2p(group)
-            if (
-                existing is None
-                or existing.max_tokens_per_rank < p2p_max_tokens_per_rank
-                or existing.hidden_size != hidden_size
-                or existing.dtype != dtype
-            ):
-                # collective; the same verdict on every rank. backend="auto" falls back to NCCL (e.g. a
-                # group spanning nodes), backend="p2p" insists.
-                reason = p2p_unavailable_reason(group) if backend != "p2p" else None
-                if reason is None:
-                    init_p2p(group, p2p_max_tokens_per_rank, hidden_size, dtype, workspace_bytes=workspace_bytes)
-                else:
-                    logger.info("nsa_cp communicator: P2P transport unavailable (%s); using NCCL", reason)
+            # collective, the same verdict on every rank (transport.policy): backend="auto" falls back to
+            # NCCL (e.g. a group spanning nodes), backend="p2p" insists
+            decision = ensure_transport(group, p2p_max_tokens_per_rank, hidden_size, dtype,
+                                        insist=backend == "p2p", workspace_bytes=workspace_bytes)
+            if not decision["on"]:
+                logger.info("nsa_cp communicator: P2P transport unavailable (%s); using NCCL", decision["reason"])
         self.group = group
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm

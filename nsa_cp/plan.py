@@ -83,13 +83,19 @@ def call(req: Request, t: torch.Tensor, out=None, device_counts=None, positions=
     ``norm_args``: ``(residual, weight, eps)`` of the norm ops. Returns what the plan's runner returns."""
     if validate is None:
         validate = _VALIDATE()
-    if validate:
-        plan = validation.agreed_plan(lookup, req, t, out, device_counts, positions, norm_args)
-    else:
+    try:
         if req.row_shape is None:  # not a tensor of 2+ dims (Request.of)
             checks.check_tensor(req.input_name, t, "tokens")
         plan = lookup(req)
         plan.check(t, out, device_counts, positions, norm_args)
+    except ValueError as err:
+        if not validate:
+            raise
+        plan, error = None, err
+    else:
+        error = None
+    if validate:  # every rank learns whether every rank's checks passed, and raises together if not
+        validation.agree_on_plan(req, plan, error, positions)
     if norm_args is not None:
         norm_args = (_values(norm_args[0]), _values(norm_args[1]), float(norm_args[2]))
     if t.requires_grad:  # _values, inlined (a tensor here: the plan checks passed)

@@ -23,11 +23,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LayoutMismatchError", "layout_fingerprint", "agree", "agreed_plan"]
+from . import checks
+from .errors import LayoutMismatchError
+from .layout import ShardLayout
+from .transport import torch_dist
 
-
-class LayoutMismatchError(ValueError):
-    """The ranks of a group called a collective with different layouts (or some rejected their input)."""
+__all__ = ["LayoutMismatchError", "layout_fingerprint", "agree", "agree_on_plan"]
 
 
 def layout_fingerprint(layout, call: str, signature: str = "") -> int:
@@ -83,28 +84,19 @@ def agree(
         )
 
 
-def agreed_plan(lookup, req, t, out, device_counts, positions, norm_args):
-    """``lookup(req)``'s plan (nsa_cp/plan.py) after every rank's checks agreed: one small all-reduce whatever
-    this rank's own checks said, so a rank with bad input or another layout makes every rank raise instead
-    of leaving the others in a collective. Positions are then also checked to be a permutation."""
-    from . import checks  # here: the transports import this module (LayoutMismatchError)
-    from .layout import ShardLayout
-    from .transport import torch_dist
-
+def agree_on_plan(req, plan, error: Optional[ValueError], positions) -> None:
+    """Collective: after this rank's plan checks (``plan``, or the ValueError ``error`` they raised), one small
+    all-reduce whatever they said, so a rank with bad input or another layout makes every rank raise instead
+    of leaving the others in a collective. Positions are also checked to be a permutation here."""
     rank, size = torch_dist.group_rank_and_size(req.group)
-    try:
-        if req.row_shape is None:  # not a tensor of 2+ dims (Request.of)
-            checks.check_tensor(req.input_name, t, "tokens")
-        plan, error = lookup(req), None
-        plan.check(t, out, device_counts, positions, norm_args)
-        if positions is not None:
+    if error is None and positions is not None:
+        try:
             checks.check_permutation(positions, req.layout.total_len)
-    except ValueError as err:
-        plan, error = None, err
+        except ValueError as err:
+            plan, error = None, err
     layout = req.layout if isinstance(req.layout, ShardLayout) else None
     device = req.device or _comm_device(req.group)
     agree(req.op, layout, req.group, rank, size, device, error, plan.signature if plan is not None else "")
-    return plan
 
 
 def _comm_device(group) -> torch.device:

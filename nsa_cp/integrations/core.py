@@ -36,12 +36,12 @@ import torch.distributed as dist
 
 from ..collectives import cp_all_gather, cp_reduce_scatter
 from ..layout import ShardLayout
-from ..transport import init_nccl, init_p2p, nccl_unavailable_reason, p2p_unavailable_reason
 from ..transport.p2p import get_p2p
+from ..transport.policy import ensure_transport, transport_decision
 
 logger = logging.getLogger("nsa_cp")
 
-__all__ = ["Patches", "decline_contract", "status_fields", "IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
+__all__ = ["Patches", "decline_contract", "declined", "status_fields", "IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
            "setup_transport_once", "create_sized", "then_setup", "over_capacity", "gather_rows",
            "reduce_scatter_rows", "take_back_rows", "which_layout"]
 
@@ -143,40 +143,24 @@ def record(table: Dict[str, int], reason: str, msg: str) -> None:
     once(f"{id(table)}:{kind}", logging.INFO, msg, reason)
 
 
+def declined(state: "IntegrationState", reason: str, own: str) -> None:
+    """The engine's ``own`` moves take this call: ``reason`` counted in ``state.declined`` by its kind, logged
+    once per kind (the one place both plugins record a decline)."""
+    record(state.declined, reason, f"nsa_cp: {own} for such calls: %s")
+
+
 def reset_logged() -> None:
     _LOGGED.clear()
 
 
-def transport_decision(*, on: bool = False, bytes: Optional[int] = None, max_tokens_per_rank: Optional[int] = None,
-                       reason: Optional[str] = None, nccl: Optional[str] = None) -> dict:
-    """A worker's transport decision, as ``status()["p2p"]`` reports it: ``on`` (P2P is on), ``bytes`` (its
-    workspace on this GPU), ``max_tokens_per_rank``, ``reason`` (why not), ``nccl`` (what the NCCL path is)."""
-    return {"on": on, "bytes": bytes, "max_tokens_per_rank": max_tokens_per_rank, "reason": reason, "nccl": nccl}
-
-
 def create_transport(group: Optional[dist.ProcessGroup], max_tokens_per_rank: int, hidden_size: int,
                      dtype: torch.dtype, device=None, *, p2p: bool = True, off_reason: str = "P2P off") -> dict:
-    """Create ``group``'s transport: P2P where ``p2p`` and the group can take it (one node, ``nsa_cp._C``,
-    CUDA; an existing transport that fits is kept), else nsa_cp's NCCL communicator where the group is NCCL.
-    Collective: every rank of the group calls it and reaches the same decision. ``off_reason`` is the
-    reason recorded when ``p2p`` is False (the engine's off switch). Returns :func:`transport_decision`."""
-    reason = off_reason if not p2p else p2p_unavailable_reason(group, device)
-    if reason is None:
-        transport = get_p2p(group)
-        fits = transport is not None and transport.max_tokens_per_rank >= max_tokens_per_rank \
-            and transport.hidden_size == hidden_size and transport.dtype == dtype
-        if not fits:
-            transport = init_p2p(group, max_tokens_per_rank, hidden_size, dtype, device)
-        return transport_decision(on=True, bytes=transport.workspace_bytes,
-                                  max_tokens_per_rank=transport.max_tokens_per_rank)
-    decision = transport_decision(reason=reason, max_tokens_per_rank=int(max_tokens_per_rank))
-    nccl_reason = nccl_unavailable_reason(group) if torch.cuda.is_available() else "no CUDA device"
-    if nccl_reason is None:
-        init_nccl(group, device)
-        decision["nccl"] = "nsa_cp's NCCL communicator"
-    else:
-        decision["nccl"] = f"torch's process group ({nccl_reason})"
-    return decision
+    """Create ``group``'s transport by the one policy (``transport.policy.ensure_transport``): P2P where
+    ``p2p`` and the group can take it (an existing transport that fits is kept), else nsa_cp's NCCL
+    communicator where the group is NCCL. Collective. ``off_reason`` is the reason recorded when ``p2p`` is
+    False (the engine's off switch). Returns :func:`transport_decision`."""
+    return ensure_transport(group, max_tokens_per_rank, hidden_size, dtype, device, p2p=p2p, nccl=True,
+                            off_reason=off_reason)
 
 
 def setup_transport_once(state: IntegrationState, decide: Callable[[], dict], group: str, before: str) -> dict:

@@ -60,18 +60,14 @@ _STAGE_KIND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("nsa
 
 
 class Installed:
-    """What :func:`install` patched; ``uninstall()`` puts SGLang's functions back."""
+    """What :func:`install` patched; ``uninstall()`` puts SGLang's functions back (``core.Patches``)."""
 
-    def __init__(self, adapter: CpMovesAdapter, original: Callable, patched: List[Any], restore=()):
-        self.adapter, self.original, self.patched = adapter, original, patched
-        self._restore = list(restore)  # (module, name, original) of the other bindings
+    def __init__(self, adapter: CpMovesAdapter, original: Callable, patches: core.Patches, patched: List[Any]):
+        self.adapter, self.original, self.patched, self._patches = adapter, original, patched, patches
 
     def uninstall(self) -> None:
-        for module in self.patched:
-            module._cp_moves = self.original
-        for module, name, original in self._restore:
-            setattr(module, name, original)
-        self.patched, self._restore = [], []
+        self._patches.undo()
+        self.patched = []
 
 
 def _is_ours(moves) -> bool:
@@ -87,7 +83,7 @@ def _passthrough(rows, residual):
 
 
 def _declined(reason: str) -> None:
-    state.record(state.STATE.declined, reason, "nsa_cp: SGLang's own CP move for such batches: %s")
+    core.declined(state.STATE, reason, OWN_MOVES)
 
 
 def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool = False):
@@ -317,27 +313,25 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
     if _binds_nsa_cp(original):
         adapter = _moves.configure(group, **kwargs) if (group is not None or kwargs) else _moves.configured()
         logger.info("nsa_cp: install(): the SGLang plugin's moves are already bound; nothing patched")
-        return Installed(adapter, original, [])
+        return Installed(adapter, original, core.Patches(), [])
     adapter = CpMovesAdapter(group, **kwargs)
 
     def cp_moves():
         return _moves_on(original(), lambda: adapter, compact_ok=_STAGE_KIND.get() == "FFN")
 
     cp_moves._nsa_cp_adapter = adapter
-    patched = []
+    patches, patched = core.Patches(), []
     for module in modules:
         if getattr(module, "_cp_moves", None) is original:
-            module._cp_moves = cp_moves
+            patches.set(module, "_cp_moves", cp_moves)
             patched.append(module)
     bind_stage = getattr(modules[1], "_bind_stage", None)
-    restore = []
 
     def bind_stage_kind(declaration, *args, **kw):
         return _bind_stage_hook(bind_stage, declaration, *args, **kw)
 
     for module in modules[1:] if bind_stage is not None else ():
         if getattr(module, "_bind_stage", None) is bind_stage:
-            module._bind_stage = bind_stage_kind
-            restore.append((module, "_bind_stage", bind_stage))
+            patches.set(module, "_bind_stage", bind_stage_kind)
     logger.info("nsa_cp: SGLang CP moves installed in %s", ", ".join(m.__name__ for m in patched))
-    return Installed(adapter, original, patched, restore)
+    return Installed(adapter, original, patches, patched)

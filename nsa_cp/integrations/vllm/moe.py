@@ -127,7 +127,7 @@ def fp8_wire(runner: Any) -> Tuple[Optional[str], Optional[str]]:
 
 def _declined(reason: str, original: Callable, runner, hidden_states, router_logits):
     """vLLM's own dispatch for this call; the reason counted, and logged once per kind."""
-    core.record(STATE.declined, reason, "nsa_cp: vLLM's own PCP MoE moves for such calls: %s")
+    core.declined(STATE, reason, "vLLM's own PCP MoE moves")
     return original(runner, hidden_states, router_logits)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple, Type
 
-from ... import validation
+from ... import errors
 
 __all__ = ["P2PError", "P2PTimeoutError", "LayoutMismatchError", "describe_error", "error_from_record", "RECORD_WORDS"]
 
@@ -24,7 +24,7 @@ class P2PTimeoutError(P2PError):
     """A peer never arrived at a P2P call within NSA_CP_P2P_TIMEOUT_MS."""
 
 
-class LayoutMismatchError(P2PError, validation.LayoutMismatchError):
+class LayoutMismatchError(P2PError, errors.LayoutMismatchError):
     """Ranks entered the same P2P call assuming different things: layout counts or max_rank_len, row
     bytes, compact / ordered / norm / fp8, or the call number (csrc/common.cuh, the call fingerprint).
     Also a ``nsa_cp.LayoutMismatchError`` (what ``validate=True`` raises before a call), so one except
