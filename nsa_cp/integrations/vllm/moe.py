@@ -49,6 +49,7 @@ from . import runtime, step
 STATE = core.IntegrationState()
 PENDING: Dict[int, "_Pending"] = {}  # id(runner) -> what its served dispatch hands its combine
 CONTRACT: List[Optional[Any]] = [None]  # the verified contract (plugin.install sets it)
+_WIRE: Dict[int, tuple] = {}  # id(quant config) -> (the config, fp8_wire's verdict on it)
 
 
 class _Pending:
@@ -103,6 +104,14 @@ def fp8_wire(runner: Any) -> Tuple[Optional[str], Optional[str]]:
     if not _returns_scale() or not runner._quantizes_before_pcp_gather():
         return None, None
     qc = runner._quant_method.moe_quant_config
+    known = _WIRE.get(id(qc))
+    if known is not None and known[0] is qc:  # a layer's quant config is fixed: decide once per config
+        return known[1]
+    _WIRE[id(qc)] = (qc, _fp8_wire(qc))
+    return _WIRE[id(qc)][1]
+
+
+def _fp8_wire(qc: Any) -> Tuple[Optional[str], Optional[str]]:
     fmt = FP8_E4M3_G128
     block = getattr(qc, "block_shape", None)
     differs = []

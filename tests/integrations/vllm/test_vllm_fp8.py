@@ -182,6 +182,7 @@ def test_fp8_wire_declines_what_it_does_not_carry(monkeypatch):
     from nsa_cp.integrations.vllm import contract, moe, runtime
 
     monkeypatch.setattr(moe, "CONTRACT", [contract.V0_34])
+    monkeypatch.setattr(moe, "_WIRE", {})
     monkeypatch.setattr(runtime, "fp8_scales_ue8m0", lambda: False)
     monkeypatch.setattr(runtime, "fp8_max", lambda: 448.0)
     fp8 = dict(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128], is_scale_transposed=False, use_nvfp4_w4a4=False)
@@ -195,6 +196,10 @@ def test_fp8_wire_declines_what_it_does_not_carry(monkeypatch):
     assert "column-major" in verdict(is_scale_transposed=True)[1]
     monkeypatch.setattr(runtime, "fp8_max", lambda: 224.0)
     assert "fp8 max 224.0" in verdict()[1]
+    config = types.SimpleNamespace(**fp8)  # decided once per quant config (a layer's is fixed)
+    first = moe.fp8_wire(vllm_env.runner(2, quant_config=config))
+    monkeypatch.setattr(runtime, "fp8_max", lambda: 448.0)
+    assert moe.fp8_wire(vllm_env.runner(2, quant_config=config)) == first
     assert moe.fp8_wire(vllm_env.runner(2)) == (None, None)  # unquantized experts: nothing to quantize
     monkeypatch.setattr(moe, "CONTRACT", [contract.V0_33])
     assert moe.fp8_wire(vllm_env.runner(2, quant_config=types.SimpleNamespace(**fp8))) == (None, None)
