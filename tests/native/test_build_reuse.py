@@ -5,7 +5,6 @@ CMake needed: a fake cmake stands in for the build."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -18,16 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EXT_NAME = "_C" + sysconfig.get_config_var("EXT_SUFFIX")
 
 
-@pytest.fixture(scope="module")
-def setup_py():
-    spec = importlib.util.spec_from_file_location("nsa_cp_setup_reuse_under_test", ROOT / "setup.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)  # must not run setup(): guarded by __name__ == "__main__"
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 # ---- NSA_CP_CUDA_ARCHS without nvcc ------------------------------------------------------------------

@@ -3,8 +3,6 @@ nvcc is installed, ptxas's report on the kernels. No GPU needed."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -19,16 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # ---- setup.py helpers -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def setup_py():
-    spec = importlib.util.spec_from_file_location("nsa_cp_setup_under_test", ROOT / "setup.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)  # must not run setup(): guarded by __name__ == "__main__"
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_base_version_is_read_without_importing(setup_py, tmp_path):
