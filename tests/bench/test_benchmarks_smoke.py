@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+import bench_scripts
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M))
@@ -290,13 +292,7 @@ def test_a_mismatch_on_one_rank_aborts_every_rank(tmp_path):
 
 
 def _load_benchmark(name):
-    import importlib
-
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_scripts.load(name)
 
 
 @pytest.mark.parametrize("gpus,argv,want", [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib
 import os
 import re
 import subprocess
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -33,11 +34,7 @@ def _run(args, timeout=240):
 
 
 def _load(name):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_scripts.load(name)
 
 
 @pytest.fixture(scope="module")
