@@ -29,7 +29,7 @@ constexpr uint32_t kErrBadDeviceArg = 2;
 // never outside the buffers; the results of that call are wrong.
 constexpr uint32_t kErrBadPosition = 3;
 // Two ranks entered the same call assuming different things (the fingerprint of common.cuh: layout
-// counts, max_rank_len, rows in total, row bytes, compact / ordered / norm / fp8, call number). The
+// counts, max_rank_len, rows in total, row bytes, compact / ordered / norm / wire format, call number). The
 // reduce-scatter reads no row of that call; the gather moves none when it had an entry exchange, and
 // otherwise overwrites its own result with NaN bytes before the launch ends.
 constexpr uint32_t kErrLayoutMismatch = 4;

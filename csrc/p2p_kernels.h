@@ -52,7 +52,7 @@ void enqueue_gather_copy(const GatherParams& p, const CopySource& src, const Sig
 // dtype: DTYPE_* of x, residual and the bf16/fp16/fp32 output rows; words_per_thread: 2 or 4 (the
 // row is held in registers: hidden * element size <= words_per_thread * kDataThreads * 16 bytes).
 void enqueue_gather_norm(const GatherParams& p, const NormSource& src, const SignalArgs& s, int dtype,
-                         int words_per_thread, Quant quant, int num_blocks, cudaStream_t stream);
+                         int words_per_thread, int quant, int num_blocks, cudaStream_t stream);
 
 struct ReduceParams {
   char* out;

@@ -14,7 +14,7 @@
 // Ordered calls (positions): the reduce buffers hold [num_positions] rows in batch order; this rank's
 // row i is summed from row positions[offsets[rank] + i] of every rank's buffer (the read index is all
 // that changes).
-#include "common.cuh"
+#include "geometry.cuh"
 #include "elem.cuh"
 #include "launch.h"
 #include "p2p_kernels.h"

@@ -206,8 +206,9 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
   constexpr const char* fn = "P2PState.norm_gather";
   check_error_record(fn);
   check_call(fn, counts, offsets, max_rank_len, compact, positions, num_positions);  // first: bounds max_rank_len
-  require(quant_group(quant) > 0, fn, "quant must be 0 (none) or 1 (fp8_e4m3_g128), got " + std::to_string(quant));
-  require(norm || quant != 0, fn, "norm=False needs quant=1: without either there is nothing to compute (use gather)");
+  require(quant_group(quant) > 0, fn,
+          "quant must be a wire format's code (QUANT_*: 0 none, 1 fp8_e4m3_g128, ...), got " + std::to_string(quant));
+  require(norm || quant != 0, fn, "norm=False needs a quant code: without either there is nothing to compute (use gather)");
   const int words_per_thread = norm_words_per_thread(fn);
   check_norm_rows(fn, "x", x, x_row_stride_bytes, max_rank_len);
   if (residual != 0) {
@@ -224,11 +225,11 @@ int P2PState::norm_gather(uint64_t x, int64_t x_row_stride_bytes, uint64_t resid
   const int buffer = next_buffer(max_rank_len);
   const SignalArgs s = signals(kChannelGather);
   const GatherParams p = gather_params(buffer, counts, offsets, max_rank_len, compact, positions, num_positions,
-                                       (norm ? kFpNorm : 0u) | (quant != 0 ? kFpQuant : 0u));
+                                       (norm ? kFpNorm : 0u) | fp_format(quant));
   const NormSource a{as_ptr<const char>(x),  x_row_stride_bytes, as_ptr<char>(residual), residual_row_stride_bytes,
                      as_ptr<const void>(weight), weight_dtype, static_cast<float>(eps), norm, hidden_,
                      scale_offset(buffer)};
-  enqueue_gather_norm(p, a, s, dtype_, words_per_thread, static_cast<Quant>(quant), row_blocks(max_rank_len),
+  enqueue_gather_norm(p, a, s, dtype_, words_per_thread, quant, row_blocks(max_rank_len),
                       as_stream(stream));
   check_launch(fn);
   return buffer;

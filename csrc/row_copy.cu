@@ -12,7 +12,7 @@
 //                   compact[offsets[q] + r] = padded[q*M + r] (to_compact), or the reverse, which also
 //                   writes zeros to padded[q*M + r] for counts[q] <= r < M. Rows whose compact index
 //                   falls outside [0, compact_rows) are skipped (bad offsets cannot write out of bounds).
-#include "common.cuh"
+#include "geometry.cuh"
 #include "launch.h"
 
 namespace nsa_cp {

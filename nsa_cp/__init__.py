@@ -7,7 +7,8 @@ Public API (README.md; docs/design.md for how it works):
   ordered gather (``positions=``) and the FP8 wire (``quant=``); ``cp_reduce_scatter_buffer``: where a MoE
   writes its partials.
 * ``fused_add_rmsnorm_all_gather`` / ``reduce_scatter_fused_add_rmsnorm``: the fused layer boundary.
-* ``quant_fp8_g128`` / ``dequant_fp8_g128``: the FP8 wire's quantizer (SGLang's convention).
+* ``quantize(x, quant)`` / ``quant_fp8_g128`` / ``dequant_fp8_g128``: the FP8 wire formats' quantizer (SGLang's
+  ``fp8_e4m3_g128``; vLLM's power-of-two ``fp8_e4m3_g128_ue8m0``).
 * ``in_seq_split`` / ``in_seq_positions`` / ``in_seq_restore_index``: the page-aligned zigzag split.
 * ``NSACPLayerCommunicator`` and ``RMSNorm``: the per-layer glue for a FULL-mode MoE;
   ``mask_padding_topk_ids`` for MoEs that route padding rows; ``nsa_cp.integrations.sglang``: SGLang.
@@ -63,7 +64,7 @@ from .communicator import NSACPLayerCommunicator
 from .layout import ShardLayout
 from .moe import mask_padding_topk_ids
 from .norm import RMSNorm
-from .quant import dequant_fp8_g128, quant_fp8_g128
+from .quant import dequant_fp8_g128, quant_fp8_g128, quantize
 from .split import in_seq_positions, in_seq_restore_index, in_seq_split
 from .transport import init_nccl, init_p2p, nccl_unavailable_reason, p2p_unavailable_reason
 from .transport.p2p import P2PError, P2PTimeoutError
@@ -79,6 +80,7 @@ __all__ = [
     "fused_add_rmsnorm_all_gather",
     "reduce_scatter_fused_add_rmsnorm",
     "quant_fp8_g128",
+    "quantize",
     "dequant_fp8_g128",
     "mask_padding_topk_ids",
     "in_seq_split",

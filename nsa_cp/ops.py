@@ -171,8 +171,11 @@ def _schema_args(req: Request, out, validate, device_counts, positions) -> tuple
 def call(req: Request, t, out, device_counts, positions, norm_args, validate):
     """A public call while compiling: one ``torch.ops.nsa_cp.*`` node. Returns what ``plan.call`` returns
     (for ``reduce_scatter_fused_add_rmsnorm``: ``(y, h)``, h meaningful only without a residual)."""
-    checks.check_choice("quant", req.quant, checks.QUANTS)
-    op = _OPS[(req.op, req.quant)]
+    checks.format_of(req.quant)
+    op = _OPS.get((req.op, req.quant))
+    if op is None:
+        raise ValueError(f"quant: {req.quant!r} has no torch.compile op (a wire format added after nsa_cp was imported "
+                         f"is served eagerly only)")
     tail = _schema_args(req, out, validate, device_counts, positions)
     if norm_args is None:
         return op(t, *tail)

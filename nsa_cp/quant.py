@@ -49,6 +49,7 @@ import torch
 from . import reference
 
 __all__ = [
+    "quantize",
     "quant_fp8_g128",
     "dequant_fp8_g128",
     "check_fp8_g128_input",
@@ -58,23 +59,20 @@ __all__ = [
     "FP8_PAD_SCALE",
 ]
 
-from .wire import FP8_GROUP, FP8_PAD_SCALE  # noqa: E402  re-exported
+from .wire import FP8_G128, FP8_GROUP, FP8_PAD_SCALE, format_of  # noqa: E402  re-exported
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_fp8_g128_input(x: torch.Tensor, name: str = "x") -> None:
-    """ValueError naming ``name`` with its shape unless x is ``[rows, H]``, H a multiple of 128,
-    dtype bf16/fp16/fp32."""
+def check_fp8_g128_input(x: torch.Tensor, name: str = "x", quant: str = FP8_G128) -> None:
+    """ValueError naming ``name`` with its shape unless x is ``[rows, H]``, H a multiple of the format's group
+    (128), dtype bf16/fp16/fp32."""
+    group = format_of(quant).group
     if x.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D [rows, H] tensor for fp8_e4m3_g128, got shape {list(x.shape)}")
-    if x.shape[1] % FP8_GROUP:
-        raise ValueError(
-            f"{name}: fp8_e4m3_g128 needs H a multiple of {FP8_GROUP}, got shape {list(x.shape)}"
-        )
+        raise ValueError(f"{name}: expected a 2-D [rows, H] tensor for {quant}, got shape {list(x.shape)}")
+    if x.shape[1] % group:
+        raise ValueError(f"{name}: {quant} needs H a multiple of {group}, got shape {list(x.shape)}")
     if x.dtype not in _INPUT_DTYPES:
-        raise ValueError(
-            f"{name}: fp8_e4m3_g128 expects bfloat16, float16 or float32, got {x.dtype} (shape {list(x.shape)})"
-        )
+        raise ValueError(f"{name}: {quant} expects bfloat16, float16 or float32, got {x.dtype} (shape {list(x.shape)})")
 
 
 def _triton_on(x: torch.Tensor) -> bool:
@@ -85,20 +83,25 @@ def _triton_on(x: torch.Tensor) -> bool:
     return triton_available()
 
 
-def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x [rows, H]`` -> ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``, on x's device.
-
-    CUDA tensors go through the Triton kernel (one launch, bitwise equal to the reference), others
-    through ``nsa_cp.reference.quant_fp8_g128``. Works on values (autograd history is ignored).
-    Raises ValueError naming x and its shape when H is not a multiple of 128 or the dtype is not
-    bf16/fp16/fp32.
-    """
-    check_fp8_g128_input(x)
+def quantize(x: torch.Tensor, quant: str = FP8_G128) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, H]`` -> ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/group])`` in the wire format ``quant``
+    (``nsa_cp.wire.FORMATS``: "fp8_e4m3_g128", SGLang's; "fp8_e4m3_g128_ue8m0", vLLM's power-of-two scales), on
+    x's device: CUDA tensors through the Triton kernel (one launch, bitwise equal to the reference), others
+    through the format's torch reference. Works on values (autograd history is ignored). ValueError naming
+    x and its shape when H is not a multiple of the group or the dtype is not bf16/fp16/fp32, naming quant
+    for an unknown format."""
+    check_fp8_g128_input(x, quant=quant)
     if _triton_on(x):
         from .kernels import norm_rows as norm_kernels
 
-        return norm_kernels.quant_fp8_g128(x.detach())
-    return reference.quant_fp8_g128(x)
+        return norm_kernels.quantize(x.detach(), quant)
+    return format_of(quant).quantize_reference(x)
+
+
+def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(x, "fp8_e4m3_g128")``: ``x [rows, H]`` -> ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``
+    (SGLang's convention, module docstring)."""
+    return quantize(x, FP8_G128)
 
 
 def dequant_fp8_g128(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -25,7 +25,7 @@ STAGES = {"norm": dict(NORM=True, QUANT=False), "norm+fp8": dict(NORM=True, QUAN
           "fp8 quant": dict(NORM=False, QUANT=True)}
 SIGNATURE = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*fp8e4nv",
              "scale_ptr": "*fp32", "count_ptr": "*i32", "x_rows": "i32", "eps": "fp32", "pad_scale": "fp32",
-             "x_stride": "i32", "res_stride": "i32", "y_stride": "i32", "q_stride": "i32", "scale_stride": "i32"}
+             "fmax": "fp32", "amax_floor": "fp32", "scale_floor": "fp32", "x_stride": "i32", "res_stride": "i32", "y_stride": "i32", "q_stride": "i32", "scale_stride": "i32"}
 
 
 def sass(stage: str, cast_rounds: bool, hidden: int) -> Tuple[int, str]:
@@ -39,11 +39,12 @@ def sass(stage: str, cast_rounds: bool, hidden: int) -> Tuple[int, str]:
     fn = norm_rows._rows_kernel
     if not isinstance(fn, triton.runtime.JITFunction):
         raise RuntimeError("nsa_cp's kernels were decorated under TRITON_INTERPRET=1: run this without it")
-    block_g, group, chunks, warps = norm_rows._geometry(hidden, STAGES[stage]["QUANT"], STAGES[stage]["NORM"])
+    block_g, group, chunks, warps = norm_rows._geometry(hidden, 128 if STAGES[stage]["QUANT"] else 0,
+                                                       STAGES[stage]["NORM"])
     consts = dict(ROW_LEN=hidden, HAS_RESIDUAL=STAGES[stage]["NORM"], HAS_COUNT=True, BLOCK_G=block_g, GROUP=group,
                   CHUNKS=chunks,
                   IS_BF16=True, CAST_ROUNDS=cast_rounds, FMA_ROUNDS_ONCE=True,
-                  CAST_SATURATES=cast_rounds and STAGES[stage]["QUANT"], **STAGES[stage])
+                  CAST_SATURATES=cast_rounds and STAGES[stage]["QUANT"], POW2_SCALES=False, **STAGES[stage])
     signature = dict(SIGNATURE, **{k: "constexpr" for k in consts})
     # what a launch specializes on (Triton's JIT): 16-byte aligned pointers and strides divisible by 16
     # (contiguous [rows, 7168] tensors; the scale rows, H / 128 = 56 floats, are not)

@@ -12,8 +12,8 @@ Design record:
 - Every arithmetic step is the reference's, in the same order and with correctly rounded fp32
   division and square root (``div_rn`` / ``sqrt_rn``; Triton's ``/`` is an approximate division on
   GPUs), each one rounded operation (no FMA contraction): ``var = fp32(sum(s^2) in fp64) / H``,
-  ``rstd = 1 / sqrt(var + eps)``, ``y = (s * rstd) * w``; FP8 ``scale = max(amax, 1e-10) / 448``,
-  ``q = clamp(y / scale, +-448)``.
+  ``rstd = 1 / sqrt(var + eps)``, ``y = (s * rstd) * w``; FP8 the wire format's (nsa_cp.wire):
+  ``scale = max(amax, amax_floor) / max`` (floored, a power of two where the format says), ``q = clamp(y / scale, +-max)``.
 - The sum of squares is taken in fp64 and rounded once to fp32: ``tl.sum`` adds in the order of the
   register layout the compiler picks, which differs between the plain and FP8 variants, and with an fp32
   sum their rstd differed by an fp32 ulp in some rows at H = 7168. In fp64 every square is exact, so the
@@ -39,16 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import reference
-from ..wire import FP8_G128, FP8_GROUP
+from ..wire import FORMATS, FP8_G128, WireFormat
 from . import row_checks as checks
 from .exact_fp32 import COMPILED, cast_saturates, div_by_group_scale, fma_rounds_once, round_bf16, round_e4m3
 from .row_checks import QUANT_MODES
 
-__all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_into", "quant_fp8_g128_into", "quant_fp8_g128",
+__all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_into", "quant_into", "quant_fp8_g128_into", "quantize", "quant_fp8_g128",
            "QUANT_MODES"]
 
-_GROUP = FP8_GROUP
+_GROUP = 128  # columns of a tile row without quantization (with it: the format's group)
 
 
 @triton.jit
@@ -63,6 +62,9 @@ def _rows_kernel(
     x_rows,
     eps,
     pad_scale,
+    fmax,
+    amax_floor,
+    scale_floor,
     x_stride,
     res_stride,
     y_stride,
@@ -73,6 +75,7 @@ def _rows_kernel(
     HAS_COUNT: tl.constexpr,
     NORM: tl.constexpr,
     QUANT: tl.constexpr,
+    POW2_SCALES: tl.constexpr,
     BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -118,14 +121,18 @@ def _rows_kernel(
             y = y.to(x_ptr.dtype.element_ty)
             if QUANT:
                 yf = y.to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10)
-                scale = tl.math.div_rn(amax, tl.full([BLOCK_G], 448.0, tl.float32))
+                amax = tl.maximum(tl.max(tl.abs(yf), axis=1), amax_floor)
+                scale = tl.maximum(tl.math.div_rn(amax, tl.zeros([BLOCK_G], tl.float32) + fmax), scale_floor)
+                if POW2_SCALES:  # up to a power of two, exactly (nsa_cp.wire.pow2_up)
+                    bits = scale.to(tl.int32, bitcast=True)
+                    up = (bits + 0x7FFFFF) & -8388608
+                    scale = tl.where(bits < 0x7F800000, up, bits).to(tl.float32, bitcast=True)
                 if IS_BF16 and FMA_ROUNDS_ONCE:
                     q = div_by_group_scale(yf, scale)  # its e4m3 rounding is div_rn's (exact_fp32)
                 else:
                     q = tl.math.div_rn(yf, scale[:, None])
                 if not CAST_SATURATES:  # a saturating cast (sm_89+) clamps to +-448 itself, and keeps NaN a NaN
-                    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+                    q = tl.minimum(tl.maximum(q, -fmax), fmax)
                 if not CAST_ROUNDS:
                     q = round_e4m3(q)
                 tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=col_ok)
@@ -142,16 +149,17 @@ def _rows_kernel(
                 tl.store(y_ptr + row * y_stride + cols, tl.zeros([BLOCK_G, GROUP], y_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _geometry(h: int, quant: bool, norm: bool) -> Tuple[int, int, int, int]:
+def _geometry(h: int, quant_group: int, norm: bool) -> Tuple[int, int, int, int]:
     """(BLOCK_G, GROUP, CHUNKS, num_warps) for rows of h elements: tiles of ``[BLOCK_G, GROUP]``, CHUNKS of them
-    a row. A norm holds its row in one tile (BLOCK_G a power of two, the last groups masked); the quantizer
-    alone takes tiles of up to 8 groups, 8 bf16 (16 bytes) a thread at 4 warps."""
-    if quant:
-        groups = h // _GROUP
+    a row; ``quant_group``: the wire format's columns per scale (one tile row each), 0 for none. A norm holds
+    its row in one tile (BLOCK_G a power of two, the last groups masked); the quantizer alone takes tiles of
+    up to 1024 columns, 8 bf16 (16 bytes) a thread at 4 warps."""
+    if quant_group:
+        groups = h // quant_group
         if not norm:
-            block_g = min(triton.next_power_of_2(groups), 8)
-            return block_g, _GROUP, triton.cdiv(groups, block_g), 4
-        block_g, group = triton.next_power_of_2(groups), _GROUP
+            block_g = min(triton.next_power_of_2(groups), max(1024 // quant_group, 1))
+            return block_g, quant_group, triton.cdiv(groups, block_g), 4
+        block_g, group = triton.next_power_of_2(groups), quant_group
     else:
         group = min(_GROUP, triton.next_power_of_2(max(h, 1)))
         block_g = triton.next_power_of_2(triton.cdiv(max(h, 1), group))
@@ -160,19 +168,22 @@ def _geometry(h: int, quant: bool, norm: bool) -> Tuple[int, int, int, int]:
     return block_g, group, 1, warps
 
 
-def _launch(x, residual, weight, eps, y, q, scale, count, rows, quant: bool, norm: bool) -> None:
+def _launch(x, residual, weight, eps, y, q, scale, count, rows, fmt: Optional[WireFormat], norm: bool) -> None:
     h = x.shape[1]
     if rows == 0 or h == 0:
         return
-    block_g, group, chunks, warps = _geometry(h, quant, norm)
+    quant = fmt is not None
+    block_g, group, chunks, warps = _geometry(h, fmt.group if quant else 0, norm)
+    traits = (fmt.pad_scale, fmt.max, fmt.amax_floor, fmt.scale_floor) if quant else (0.0, 0.0, 0.0, 0.0)
     dummy = x  # pointer for absent operands; the constexpr flags keep the kernel from touching it
     if norm:
         weight = weight.detach().contiguous()  # values only: a Parameter that requires grad is read as data
     operands = [t if t is not None else dummy for t in (residual, weight if norm else None, y, q, scale, count)]
     strides = [t.stride(0) if t is not None else 0 for t in (residual, y, q, scale)]
     _rows_kernel[(rows,)](
-        x, *operands, x.shape[0], float(eps), reference.FP8_PAD_SCALE, x.stride(0), *strides,
+        x, *operands, x.shape[0], float(eps), *traits, x.stride(0), *strides,
         ROW_LEN=h, HAS_RESIDUAL=residual is not None, HAS_COUNT=count is not None, NORM=norm, QUANT=quant,
+        POW2_SCALES=quant and fmt.pow2_scales,
         BLOCK_G=block_g, GROUP=group, CHUNKS=chunks, IS_BF16=x.dtype == torch.bfloat16, CAST_ROUNDS=COMPILED,
         CAST_SATURATES=quant and COMPILED and cast_saturates(x.device), FMA_ROUNDS_ONCE=quant and fma_rounds_once(),
         num_warps=warps,
@@ -239,13 +250,14 @@ def _write_slot(x, residual, weight, eps, dst, dst_scale, count, quant, norm: bo
     m = dst.shape[0]
     if quant is None:
         checks.check_like(dst, "dst", (m, h), x.dtype, x.device)
-        _launch(x, residual, weight, eps, dst, None, None, count, m, quant=False, norm=norm)
+        _launch(x, residual, weight, eps, dst, None, None, count, m, None, norm=norm)
         return
-    checks.check_like(dst, "dst", (m, h), torch.float8_e4m3fn, x.device)
+    checks.check_like(dst, "dst", (m, h), FORMATS[quant].dtype, x.device)
+    fmt = FORMATS[quant]
     if dst_scale is None:
-        raise ValueError(f"dst_scale: {quant} needs an fp32 [{m}, {h // _GROUP}] scale slot, got None")
-    checks.check_like(dst_scale, "dst_scale", (m, h // _GROUP), torch.float32, x.device)
-    _launch(x, residual, weight, eps, None, dst, dst_scale, count, m, quant=True, norm=norm)
+        raise ValueError(f"dst_scale: {quant} needs an fp32 [{m}, {h // fmt.group}] scale slot, got None")
+    checks.check_like(dst_scale, "dst_scale", (m, h // fmt.group), torch.float32, x.device)
+    _launch(x, residual, weight, eps, None, dst, dst_scale, count, m, fmt, norm=norm)
 
 
 def fused_add_rmsnorm(
@@ -269,16 +281,22 @@ def fused_add_rmsnorm(
     else:
         checks.check_like(out, "out", x.shape, x.dtype, x.device)
         y = out
-    _launch(_input_rows(x), residual, weight, eps, y, None, None, None, x.shape[0], quant=False, norm=True)
+    _launch(_input_rows(x), residual, weight, eps, y, None, None, None, x.shape[0], None, norm=True)
     return y, residual
 
 
-def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x [rows, H]`` -> new ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``, every row."""
+def quantize(x: torch.Tensor, quant: str = FP8_G128) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, H]`` -> new ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/group])`` in the wire format
+    ``quant`` (nsa_cp.wire), every row."""
     h = checks.check_x(x)
-    checks.check_quant(FP8_G128, h, x)
-    rows = x.shape[0]
-    q = torch.empty((rows, h), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, h // _GROUP), dtype=torch.float32, device=x.device)
-    _launch(_input_rows(x), None, None, 0.0, None, q, scale, None, rows, quant=True, norm=False)
+    checks.check_quant(quant, h, x)
+    fmt, rows = FORMATS[quant], x.shape[0]
+    q = torch.empty((rows, h), dtype=fmt.dtype, device=x.device)
+    scale = torch.empty((rows, h // fmt.group), dtype=torch.float32, device=x.device)
+    _launch(_input_rows(x), None, None, 0.0, None, q, scale, None, rows, fmt, norm=False)
     return q, scale
+
+
+def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(x, "fp8_e4m3_g128")``: ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/128])``."""
+    return quantize(x, FP8_G128)

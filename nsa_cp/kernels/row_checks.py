@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from ..wire import FP8_G128, FP8_GROUP
+from ..wire import FORMATS
 
-QUANT_MODES = (FP8_G128,)
+QUANT_MODES = tuple(FORMATS)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROW = 65536  # elements a program holds in registers; longer rows are refused
 
@@ -60,8 +60,8 @@ def check_norm_args(x: torch.Tensor, residual: Optional[torch.Tensor], weight: t
 def check_quant(quant: Optional[str], h: int, x: torch.Tensor) -> None:
     if quant is not None and quant not in QUANT_MODES:
         raise ValueError(f"quant: expected None or one of {QUANT_MODES}, got {quant!r}")
-    if quant is not None and h % FP8_GROUP:
-        raise ValueError(f"x: {quant} needs H a multiple of {FP8_GROUP}, got shape {shape_of(x)}")
+    if quant is not None and h % FORMATS[quant].group:
+        raise ValueError(f"x: {quant} needs H a multiple of {FORMATS[quant].group}, got shape {shape_of(x)}")
 
 
 def check_count(count: torch.Tensor, device: torch.device) -> None:

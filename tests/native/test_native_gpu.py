@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nsa_cp import _native
+from nsa_cp.wire import FORMATS
 
 
 _C = _native.load()
@@ -120,8 +121,8 @@ def test_gpu_kernel_info():
     families = ("barrier", "p2p_gather", "p2p_reduce_scatter", "pack_rows", "padded_compact")
     assert {n.split("<")[0] for n in names} == set(families), names
     # copy / fused norm / fp8 stages of the gather, plain and norm-epilogue reduce-scatters, row copies
-    assert len(info) == 1 + 15 + 12 + 6, sorted(names)
-    assert {"p2p_gather<copy16>", "p2p_gather<norm,bf16,2>", "p2p_gather<fp8,bf16,2>",
+    assert len(info) == 1 + (3 + 3 * 2 * 3) + 12 + 6, sorted(names)  # gather: copy x3, dtype x words x format
+    assert {"p2p_gather<copy16>", "p2p_gather<norm,bf16,2>", "p2p_gather<fp8_e4m3_g128,bf16,2>", "p2p_gather<fp8_e4m3_g128_ue8m0,bf16,4>",
             "p2p_reduce_scatter<norm,bf16,2>"} <= names
     import torch
 
@@ -450,19 +451,21 @@ def test_gpu_p2p_state_gathers(dtype_name):
                 for r in range(world):
                     torch.testing.assert_close(st.view(got[r], r, rows), want, **tol)
                     assert torch.equal(rs[r].cpu(), refs[r][1]), "residual not updated in place"
-                # fp8, quantize only: bitwise against the reference quantizer
-                got = st.each(lambda r, s, stream: s.norm_gather(
-                    xs[r].data_ptr(), xs[r].stride(0) * xs[r].element_size(), 0, 0, 0, 0, 0.0, False, 1,
-                    dc.data_ptr(), do.data_ptr(), m, compact, stream))
-                assert got == [next_buffer(m)] * world, (counts, compact, got)
-                q_want, s_want = reference.quant_fp8_g128(_expected_gather(xs, counts, m, compact, hidden, dtype).cpu())
-                for r in range(world):
-                    raw = st.gathers[got[r]][r].view(-1).view(torch.uint8)
-                    q = raw[: rows * hidden].cpu()
-                    off = st.states[r].scale_offset(got[r])
-                    scale = raw[off: off + rows * hidden // 128 * 4].view(torch.float32).view(rows, hidden // 128).cpu()
-                    assert torch.equal(q.view(rows, hidden), q_want.view(torch.uint8)), (counts, compact, r)
-                    assert torch.equal(scale, s_want), (counts, compact, r)
+                # every wire format, quantize only: bitwise against the format's reference quantizer
+                for fmt in FORMATS.values():
+                    got = st.each(lambda r, s, stream: s.norm_gather(
+                        xs[r].data_ptr(), xs[r].stride(0) * xs[r].element_size(), 0, 0, 0, 0, 0.0, False, fmt.code,
+                        dc.data_ptr(), do.data_ptr(), m, compact, stream))
+                    assert got == [next_buffer(m)] * world, (counts, compact, got)
+                    q_want, s_want = fmt.quantize_reference(_expected_gather(xs, counts, m, compact, hidden, dtype).cpu())
+                    groups = hidden // fmt.group
+                    for r in range(world):
+                        raw = st.gathers[got[r]][r].view(-1).view(torch.uint8)
+                        q = raw[: rows * hidden].cpu()
+                        off = st.states[r].scale_offset(got[r])
+                        scale = raw[off: off + rows * groups * 4].view(torch.float32).view(rows, groups).cpu()
+                        assert torch.equal(q.view(rows, hidden), q_want.view(torch.uint8)), (fmt, counts, compact, r)
+                        assert torch.equal(scale, s_want), (fmt, counts, compact, r)
             # ordered gather (compact geometry): compact row i lands at positions[i]
             total = sum(counts)
             pos = torch.randperm(total, generator=g).cuda()

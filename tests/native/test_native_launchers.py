@@ -48,7 +48,11 @@ def test_module_surface():
     assert _C.MAX_WORLD == 8 and _C.MAX_BLOCKS == 65535 and _C.THREADS_PER_BLOCK == 512
     assert (_C.ERR_NONE, _C.ERR_TIMEOUT, _C.ERR_BAD_DEVICE_ARG, _C.ERR_BAD_POSITION) == (0, 1, 2, 3)
     assert _C.ERR_LAYOUT_MISMATCH == 4 and _C.ERR_RECORD_WORDS == 12
-    assert (_C.QUANT_NONE, _C.QUANT_FP8_E4M3_G128) == (0, 1)
+    assert (_C.QUANT_NONE, _C.QUANT_FP8_E4M3_G128, _C.QUANT_FP8_E4M3_G128_UE8M0) == (0, 1, 2)
+    from nsa_cp import wire
+
+    for fmt in wire.FORMATS.values():  # csrc/codes.h's traits are nsa_cp/wire.py's
+        assert wire.native_mismatch(fmt, _C) is None, wire.native_mismatch(fmt, _C)
     for method in ("gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier", "copy_engine_begin",
                    "copy_engine_end", "error", "gather_rows", "scale_offset", "close"):
         assert getattr(_C.P2PState, method).__doc__, method

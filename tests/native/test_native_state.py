@@ -138,7 +138,7 @@ GATHER_BAD = [
     (dict(positions=P, compact=True, num_positions=WORLD * 16 + 1), "num_positions must be in"),
 ]
 NORM_BAD = [
-    (dict(quant=2), "quant must be"),
+    (dict(quant=7), "quant must be"),
     (dict(norm=False, quant=0, residual=0), "nothing to compute"),
     (dict(x=P + 8), "16-byte aligned"),
     (dict(x_row_stride_bytes=HIDDEN * 2 + 8), "16-byte aligned"),

@@ -44,12 +44,38 @@ def _norm(x, residual, weight, dtype):
     return y.to(dtype), (x if residual is None else s.to(dtype))
 
 
-def _quant(y):
+UE8M0 = "fp8_e4m3_g128_ue8m0"
+
+
+def _quant(y, quant="fp8_e4m3_g128"):
+    """SGLang's per_token_group_quant_fp8, or with UE8M0 vLLM's (its scale 2^ceil(log2(max(s, 1e-10))), taken
+    here in fp64, where ceil(log2) of an fp32 is exact)."""
     rows, hidden = y.shape
     g = y.float().reshape(rows, hidden // 128, 128)
     scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-10) / FP8_MAX
+    if quant == UE8M0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale.double().clamp_min(1e-10)))).float()
     q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(rows, hidden), scale.reshape(rows, hidden // 128)
+
+
+def _pad_scale(quant) -> float:
+    return float(_quant(torch.zeros(1, 128), quant)[1][0, 0])
+
+
+def _dequant_close(q, scale, want_q, want_s, what: str) -> Optional[str]:
+    """Power-of-two scales where y may differ by an ulp (CUDA): a scale may be the next power, so compare
+    the dequantized values, within one fp8 step of the larger scale."""
+    q, scale = q.detach().cpu().float(), scale.detach().cpu()
+    ratio = scale / want_s
+    if not ((ratio == 1) | (ratio == 2) | (ratio == 0.5)).all():
+        return f"{what}: power-of-two scales more than one power from the oracle's"
+    rows = q.shape[0]
+    got = (q.view(rows, -1, 128) * scale[..., None]).view(rows, -1)
+    want = (want_q.float().view(rows, -1, 128) * want_s[..., None]).view(rows, -1)
+    step = 2.0 ** -7 * torch.maximum(scale, want_s).repeat_interleave(128, dim=1)
+    bad = (got - want).abs() > 0.125 * want.abs() + step
+    return f"{what}: {int(bad.sum())} dequantized values more than one fp8 step off" if bool(bad.any()) else None
 
 
 def _arrange(shards, layout, how: str, positions=None, pad=0.0):
@@ -111,7 +137,8 @@ def make_cases(world: int, seed: int = 0, gpu: bool = False, backend: str = "aut
     cases = []
     for li, counts in enumerate(_layouts(world, rng)):
         for how in ("padded", "compact", "ordered"):
-            for quant in (None, "fp8_e4m3_g128"):
+            # the wire formats take turns by layout (every layout kind meets each)
+            for quant in (None, UE8M0 if li % 2 else "fp8_e4m3_g128"):
                 dtype = rng.choice(["bf16", "fp32"] if not gpu else ["bf16", "fp16"])
                 cases.append(dict(id=f"normgather-L{li}-{how}-{quant or 'bf'}-{dtype}", op="norm_gather", counts=counts,
                                   how=how, quant=quant, dtype=dtype, hidden=256 if quant else rng.choice([64, 200]),
@@ -122,7 +149,7 @@ def make_cases(world: int, seed: int = 0, gpu: bool = False, backend: str = "aut
                               dtype=dtype, hidden=rng.choice([64, 128]), residual=rng.random() < 0.8,
                               backend=backend, seed=rng.randrange(1 << 30)))
             cases.append(dict(id=f"quantgather-L{li}-{how}", op="quant_gather", counts=counts, how=how,
-                              dtype="bf16", hidden=384, use_out=rng.random() < 0.5, backend=backend,
+                              quant=UE8M0 if li % 2 else "fp8_e4m3_g128", dtype="bf16", hidden=384, use_out=rng.random() < 0.5, backend=backend,
                               seed=rng.randrange(1 << 30)))
     for i in range(4):  # the ordered gather / reduce-scatter on a real in-seq split
         seq_lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 4))]
@@ -187,12 +214,14 @@ def _run_norm_gather(case, rank, world, group, device) -> Optional[str]:
     ys = [y for y, _ in want]
     if quant is None:
         return _ulp_close(gathered, _arrange(ys, layout, case["how"], positions), exact, "gathered")
-    qs = [_quant(y) for y in ys]
+    qs = [_quant(y, quant) for y in ys]
     q, scale = gathered
-    problem = _ulp_close(q, _arrange([a for a, _ in qs], layout, case["how"], positions), exact, "q")
-    pad = 1e-10 / FP8_MAX
-    return problem or _ulp_close(scale, _arrange([b for _, b in qs], layout, case["how"], positions, pad=pad), exact,
-                                 "scale")
+    want_q = _arrange([a for a, _ in qs], layout, case["how"], positions)
+    want_s = _arrange([b for _, b in qs], layout, case["how"], positions, pad=_pad_scale(quant))
+    if quant == UE8M0 and not exact:
+        return _dequant_close(q, scale, want_q, want_s, "q * scale")
+    problem = _ulp_close(q, want_q, exact, "q")
+    return problem or _ulp_close(scale, want_s, exact, "scale")
 
 
 def _run_quant_gather(case, rank, world, group, device) -> Optional[str]:
@@ -203,21 +232,21 @@ def _run_quant_gather(case, rank, world, group, device) -> Optional[str]:
     out = (torch.full((rows, hidden), float("nan"), device=device).to(torch.float8_e4m3fn),
            torch.full((rows, hidden // 128), float("nan"), device=device)) if case["use_out"] else None
     q, scale = nsa_cp.cp_all_gather(xs[rank].to(device), layout, group, compact=case["how"] == "compact", out=out,
-                                    quant="fp8_e4m3_g128", backend=case["backend"],
+                                    quant=case["quant"], backend=case["backend"],
                                     positions=None if positions is None else positions.to(device))
     if out is not None and (q is not out[0] or scale is not out[1]):
         return "out= given but other tensors returned"
-    qs = [_quant(x) for x in xs]
+    qs = [_quant(x, case["quant"]) for x in xs]
     # quantizing before the gather equals quantizing the gathered rows: the library's own quantizer too
     full = _arrange(xs, layout, case["how"], positions)
-    q_lib, s_lib = nsa_cp.quant_fp8_g128(full.to(device))
+    q_lib, s_lib = nsa_cp.quantize(full.to(device), case["quant"])
     problem = _ulp_close(q, _arrange([a for a, _ in qs], layout, case["how"], positions), exact, "q")
     problem = problem or _ulp_close(scale, _arrange([b for _, b in qs], layout, case["how"], positions,
-                                                    pad=1e-10 / FP8_MAX), exact, "scale")
+                                                    pad=_pad_scale(case["quant"])), exact, "scale")
     if problem or case["how"] == "padded":  # padding rows: the gather's scale is the padding scale by contract
         return problem
-    problem = _ulp_close(q, q_lib.cpu(), exact, "q against quant_fp8_g128 of the gathered rows")
-    return problem or _ulp_close(scale, s_lib.cpu(), exact, "scale against quant_fp8_g128 of the gathered rows")
+    problem = _ulp_close(q, q_lib.cpu(), exact, "q against nsa_cp.quantize of the gathered rows")
+    return problem or _ulp_close(scale, s_lib.cpu(), exact, "scale against nsa_cp.quantize of the gathered rows")
 
 
 def _run_scatter_norm(case, rank, world, group, device) -> Optional[str]:

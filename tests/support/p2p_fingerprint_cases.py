@@ -102,11 +102,20 @@ def run_fingerprint_checks(rank: int, world: int, payload: dict) -> Dict[str, ob
     def stage(transport):  # same layout, but the deviant rank sends fp8 where the others send bf16 rows
         xs = gen(29, rank, good.count(rank), (256,), torch.bfloat16, "cpu").to(device)
         if rank == deviant:
-            transport.gather_runner(good, False, (256,), quant=p2p.QUANT_FP8)(xs)
+            transport.gather_runner(good, False, (256,), quant="fp8_e4m3_g128")(xs)
         else:
             transport.gather_runner(good, False, (256,))(xs)
         torch.cuda.synchronize()
         return _mismatch_expect(transport, rank, world, deviant, ["fp8" if rank == deviant else "padded"])
+
+    def wire_format(transport):  # same layout and row bytes, both FP8: the deviant rank's scales are ue8m0
+        xs = gen(31, rank, good.count(rank), (256,), torch.bfloat16, "cpu").to(device)
+        quant = "fp8_e4m3_g128_ue8m0" if rank == deviant else "fp8_e4m3_g128"
+        transport.gather_runner(good, False, (256,), quant=quant)(xs)
+        torch.cuda.synchronize()
+        # every rank's message names the format it assumed; the others' also the deviant's
+        words = ["fp8_e4m3_g128_ue8m0"] + (["fp8_e4m3_g128,"] if rank != deviant else [])
+        return _mismatch_expect(transport, rank, world, deviant, words)
 
     def check_off(transport):  # the same disagreement without the check: silently wrong (hence the check)
         poison(*transport._gathers)
@@ -122,5 +131,6 @@ def run_fingerprint_checks(rank: int, world: int, payload: dict) -> Dict[str, ob
     case("gather-entry", gather_entry, double_buffer_tokens=0)
     case("scatter", scatter)
     case("stage", stage)
+    case("format", wire_format)
     case("check-off", check_off, check_layout=False)
     return out

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import nsa_cp
 from nsa_cp import reference
+from nsa_cp.wire import FORMATS
 
 from oracles import check_sum, expected_gather, gen
 from p2p_common import (
@@ -155,27 +156,36 @@ def check_norm_gather(transport, rank, world, device, seed=61) -> Optional[str]:
     return None
 
 
-def _fp8_expected(rows_per_rank, layout, compact):
-    """(q, scale) of the gathered rows by the reference quantizer; padding rows as the transport
-    writes them (q = 0, scale = 1e-10/448)."""
+def _fp8_expected(rows_per_rank, layout, compact, fmt=FORMATS["fp8_e4m3_g128"]):
+    """(q, scale) of the gathered rows by the format's reference quantizer; padding rows as the transport
+    writes them (q = 0, the scale of a zero group)."""
     gathered = expected_gather(rows_per_rank, layout, compact)
-    q, scale = reference.quant_fp8_g128(gathered)
+    q, scale = fmt.quantize_reference(gathered)
     if not compact:
         real = expected_gather([torch.ones(n, 1) for n in layout.per_rank_actual_token], layout, False)[:, 0] == 1
         q.view(torch.uint8)[~real] = 0  # fp8 has no masked_fill: +0.0 is the zero byte
-        scale[~real] = reference.FP8_PAD_SCALE
+        scale[~real] = fmt.pad_scale
     return q, scale
 
 
 def check_fp8_gather(transport, rank, world, device, seed=71) -> Optional[str]:
-    """The FP8 wire: quantize-only (bitwise equal to the reference quantizer of the gathered rows: the
-    same IEEE operations per element) and norm + quantize (scales within one ulp of the dtype, q within
-    one fp8 step, since y itself may differ by one ulp)."""
-    hidden, dtype = transport.hidden_size, transport.dtype
-    verdict = transport.support(nsa_cp.ShardLayout([1] * world), (hidden,), dtype, device, quant=nsa_cp_quant())
+    """Every wire format (nsa_cp.wire.FORMATS): quantize-only (bitwise equal to the format's reference
+    quantizer of the gathered rows: the same IEEE operations per element) and norm + quantize (y itself may
+    differ by one ulp: scales within one ulp of the dtype, or for power-of-two scales the same or the next
+    power; the dequantized values within one fp8 step)."""
+    for quant in FORMATS:
+        problem = _check_format_gather(transport, rank, world, device, seed, FORMATS[quant])
+        if problem:
+            return f"{quant}: {problem}"
+    return None
+
+
+def _check_format_gather(transport, rank, world, device, seed, fmt) -> Optional[str]:
+    hidden, dtype, quant = transport.hidden_size, transport.dtype, fmt.name
+    verdict = transport.support(nsa_cp.ShardLayout([1] * world), (hidden,), dtype, device, quant=quant)
     if not verdict:
         try:
-            transport.gather_runner(nsa_cp.ShardLayout([1] * world), False, (hidden,), quant=nsa_cp_quant())
+            transport.gather_runner(nsa_cp.ShardLayout([1] * world), False, (hidden,), quant=quant)
         except ValueError as err:
             return None if verdict.reason in str(err) else f"refusal without the reason: {err}"
         return f"an fp8 gather runner was built where support() refuses ({verdict.reason})"
@@ -185,11 +195,11 @@ def check_fp8_gather(transport, rank, world, device, seed=71) -> Optional[str]:
             tag = f"{layout} compact={compact}"
             # quantize only
             poison(*transport._gathers)
-            q, scale = transport.gather_runner(layout, compact, (hidden,), quant=nsa_cp_quant())(xs[rank].to(device))
+            q, scale = transport.gather_runner(layout, compact, (hidden,), quant=quant)(xs[rank].to(device))
             q, scale = q.clone(), scale.clone()
             torch.cuda.synchronize()
             transport.check_error()
-            want_q, want_s = _fp8_expected(xs, layout, compact)
+            want_q, want_s = _fp8_expected(xs, layout, compact, fmt)
             if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or not (q.is_contiguous() and scale.is_contiguous()):
                 return f"fp8 gather {tag}: views are {q.dtype}/{scale.dtype}, contiguous {q.is_contiguous()}/{scale.is_contiguous()}"
             if not torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)) or not torch.equal(scale.cpu(), want_s):
@@ -201,23 +211,30 @@ def check_fp8_gather(transport, rank, world, device, seed=71) -> Optional[str]:
             # norm + quantize
             r = rs[rank].to(device)
             poison(*transport._gathers)
-            q, scale = transport.norm_gather_runner(layout, compact, (hidden,), quant=nsa_cp_quant())(
+            q, scale = transport.norm_gather_runner(layout, compact, (hidden,), quant=quant)(
                 xs[rank].to(device), r, weight.to(device), EPS)
             q, scale = q.clone().cpu(), scale.clone().cpu()
             torch.cuda.synchronize()
             transport.check_error()
-            want_q, want_s = _fp8_expected(ys, layout, compact)
+            want_q, want_s = _fp8_expected(ys, layout, compact, fmt)
             rtol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-5}[dtype]
-            if not torch.isfinite(scale).all() or ((scale - want_s).abs() > rtol * want_s.abs() * 2).any():
+            if not torch.isfinite(scale).all():
+                return f"norm + fp8 gather {tag}: scales that are not finite"
+            if fmt.pow2_scales:
+                ratio = scale / want_s
+                if not ((ratio == 1) | (ratio == 2) | (ratio == 0.5)).all():
+                    return f"norm + fp8 gather {tag}: power-of-two scales more than one power from the reference"
+            elif ((scale - want_s).abs() > rtol * want_s.abs() * 2).any():
                 return f"norm + fp8 gather {tag}: scales beyond {2 * rtol} relative"
-            dq, wq = q.float(), want_q.float()
-            if ((dq - wq).abs() > 0.125 * wq.abs() + 2 ** -9).any():
-                return f"norm + fp8 gather {tag}: q more than one fp8 step from the reference"
+            rows = q.shape[0]
+            dq = (q.float().view(rows, -1, fmt.group) * scale[..., None]).view(rows, -1)
+            wq = (want_q.float().view(rows, -1, fmt.group) * want_s[..., None]).view(rows, -1)
+            step = (2 ** -7) * torch.maximum(scale, want_s).repeat_interleave(fmt.group, dim=1)
+            if ((dq - wq).abs() > 0.125 * wq.abs() + step).any():
+                return f"norm + fp8 gather {tag}: dequantized values more than one fp8 step from the reference"
     return None
 
 
-def nsa_cp_quant() -> str:
-    return "fp8_e4m3_g128"
 
 
 def check_ordered(transport, rank, world, device, seed=81) -> Optional[str]:

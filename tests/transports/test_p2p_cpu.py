@@ -28,16 +28,17 @@ def test_codes_match_the_native_header():
 
 
 def test_fingerprint_flags_match_the_native_header():
-    """The flag bits the message decodes are the ones csrc/common.cuh sets."""
+    """The flag bits and the format code's place that the message decodes are the ones csrc/common.cuh sets."""
     common = (OPS_H.parent / "common.cuh").read_text()
     line = re.search(r"constexpr uint32_t (kFpCompact = .*?);", common).group(1)
     bits = {name: int(value.rstrip("u")) for name, value in re.findall(r"(kFp\w+) = (\w+)", line)}
-    names = {"kFpCompact": "compact", "kFpOrdered": "ordered", "kFpNorm": "norm", "kFpQuant": "fp8",
-             "kFpScatter": "reduce-scatter"}
+    names = {"kFpCompact": "compact", "kFpOrdered": "ordered", "kFpNorm": "norm", "kFpScatter": "reduce-scatter"}
     assert {names[k]: v for k, v in bits.items()} == {name: bit for bit, name in p2p_errors._FP_FLAGS}
+    shift = int(re.search(r"constexpr int kFpFormatShift = (\d+);", common).group(1))
+    assert shift == p2p_errors._FP_FORMAT_SHIFT and all(bit < 1 << shift for bit in bits.values())
 
 
-def _mismatch_text(slot, own=(0x1234ABCD, (21 << 8) | 1), peer=(0x0BADF00D, (20 << 8) | 1 | 8), epochs=(9, 9)):
+def _mismatch_text(slot, own=(0x1234ABCD, (21 << 8) | 1), peer=(0x0BADF00D, (20 << 8) | 1 | (1 << 5)), epochs=(9, 9)):
     record = [p2p_errors._ERR_LAYOUT_MISMATCH, slot, 3, epochs[0], *own, *peer, epochs[1], 0, 0, 0]
     return p2p_errors.error_from_record(record, rank=0, timeout_ms=60000)
 
@@ -46,7 +47,7 @@ def test_layout_mismatch_names_both_sides():
     cls, text = _mismatch_text(slot=1)
     assert cls is p2p.LayoutMismatchError
     for word in ("all-gather", "call #9", "rank 0 assumed 21 rows in total, compact", "0x1234abcd",
-                 "rank 3 assumed 20 rows in total, compact, fp8", "0x0badf00d", "ShardLayout", "overwritten with NaN",
+                 "rank 3 assumed 20 rows in total, compact, fp8_e4m3_g128", "0x0badf00d", "ShardLayout", "overwritten with NaN",
                  "unusable"):
         assert word in text, (word, text)
     assert "never arrived" not in text and "NSA_CP_P2P_TIMEOUT_MS" not in text
@@ -227,7 +228,6 @@ def _recording_transport(world=2, rank=1, hidden=256, max_tokens=8, double=8, re
 
     class FakeC:
         P2PDeviceError = type("P2PDeviceError", (RuntimeError,), {})
-        QUANT_FP8_E4M3_G128 = 1
 
     t = object.__new__(p2p.P2PTransport)
     state = _RecordingState()
@@ -270,7 +270,7 @@ def test_runners_resolve_pointers_in_one_place():
     t.norm_gather_runner(layout, False, (256,))(x, res, w, 1e-6)
     assert state.calls[-1] == ("norm_gather", (x.data_ptr(), 512, res.data_ptr(), 512, w.data_ptr(), 2, 1e-6, True, 0,
                                                counts.data_ptr(), offsets.data_ptr(), 5, False, 77, 0, -1))
-    t.gather_runner(layout, False, (256,), quant=p2p.QUANT_FP8)(x)
+    t.gather_runner(layout, False, (256,), quant="fp8_e4m3_g128")(x)
     assert state.calls[-1][1][:9] == (x.data_ptr(), 512, 0, 0, 0, 0, 0.0, False, 1)
 
     y = t.reduce_buffer(layout, True, (256,))

@@ -54,7 +54,7 @@ def test_peer_dies_mid_call():
     assert not failures, "\n".join(failures)
 
 
-FINGERPRINT_CASES = ["gather-double-buffered", "gather-entry", "scatter", "stage", "check-off"]
+FINGERPRINT_CASES = ["gather-double-buffered", "gather-entry", "scatter", "stage", "format", "check-off"]
 
 
 @pytest.mark.parametrize("case", FINGERPRINT_CASES)

@@ -15,11 +15,12 @@ Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's
     (all real) while the MoE runs, and put back by :func:`combine`;
   - where vLLM 0.34 quantizes before the gather (``runner._quantizes_before_pcp_gather()``) with dynamic
     per-token-group FP8 that nsa_cp's wire equals (``fp8_wire``: e4m3, groups of 128, fp32 row-major
-    scales, not UE8M0), nsa_cp quantizes this rank's real rows inside its gather and returns
-    ``(q [.., H] float8_e4m3fn, logits, scale [.., G] float32)``: on the real rows the bytes and scales of
-    vLLM's own quantizer; padding rows ``q = 0``, ``scale = 1e-10/448`` (vLLM's carry its padding rows'
-    values, which only padding rows' outputs depend on). Any other quantized input (UE8M0 or
-    column-major scales, NVFP4, another group) takes vLLM's own moves, logged once.
+    scales: ``fp8_e4m3_g128``, or with vLLM's UE8M0 (power-of-two) scales ``fp8_e4m3_g128_ue8m0``),
+    nsa_cp quantizes this rank's real rows inside its gather and returns ``(q [.., H] float8_e4m3fn,
+    logits, scale [.., G] float32)``: on the real rows the bytes and scales of vLLM's own quantizer (bf16
+    and fp16 rows; nsa_cp/wire.py on fp32 rows); padding rows ``q = 0`` and the format's zero-group scale
+    (vLLM's carry its padding rows' values, which only padding rows' outputs depend on). Any other
+    quantized input (column-major scales, NVFP4, another group) takes vLLM's own moves, logged once.
 * :func:`combine` ``(original, runner, shared_output, routed [P * M, H] | [T, H])``: the sum over ranks of
   this rank's real rows, ``[M, H]`` with zeros past ``n`` (vLLM's reduce-scatter leaves padding partials
   there; nothing reads them), returned as vLLM returns it (with ``shared_output`` where the runner has
@@ -43,7 +44,7 @@ import torch
 
 from ... import envs
 from .. import core
-from ...wire import FP8_E4M3_G128
+from ...wire import FP8_E4M3_G128, FP8_E4M3_G128_UE8M0
 from . import runtime, step
 
 STATE = core.IntegrationState()
@@ -112,7 +113,7 @@ def fp8_wire(runner: Any) -> Tuple[Optional[str], Optional[str]]:
 
 
 def _fp8_wire(qc: Any) -> Tuple[Optional[str], Optional[str]]:
-    fmt = FP8_E4M3_G128
+    fmt = FP8_E4M3_G128_UE8M0 if runtime.fp8_scales_ue8m0() else FP8_E4M3_G128
     block = getattr(qc, "block_shape", None)
     differs = []
     if getattr(qc, "use_nvfp4_w4a4", False):
@@ -124,8 +125,6 @@ def _fp8_wire(qc: Any) -> Tuple[Optional[str], Optional[str]]:
             differs.append(f"block {block}")
         if getattr(qc, "is_scale_transposed", False):
             differs.append("column-major scales")
-        if runtime.fp8_scales_ue8m0():
-            differs.append("UE8M0 scales")
         if runtime.fp8_max() != fmt.max:
             differs.append(f"fp8 max {runtime.fp8_max()}")
     if differs:

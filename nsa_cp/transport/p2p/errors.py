@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence, Tuple, Type
 
 from ... import errors
+from ...wire import FORMATS
 
 __all__ = ["P2PError", "P2PTimeoutError", "LayoutMismatchError", "describe_error", "error_from_record", "RECORD_WORDS"]
 
@@ -26,7 +27,7 @@ class P2PTimeoutError(P2PError):
 
 class LayoutMismatchError(P2PError, errors.LayoutMismatchError):
     """Ranks entered the same P2P call assuming different things: layout counts or max_rank_len, row
-    bytes, compact / ordered / norm / fp8, or the call number (csrc/common.cuh, the call fingerprint).
+    bytes, compact / ordered / norm / wire format, or the call number (csrc/common.cuh, the call fingerprint).
     Also a ``nsa_cp.LayoutMismatchError`` (what ``validate=True`` raises before a call), so one except
     clause catches both."""
 
@@ -36,13 +37,19 @@ _ERR_TIMEOUT, _ERR_BAD_DEVICE_ARG, _ERR_BAD_POSITION, _ERR_LAYOUT_MISMATCH = 1, 
 RECORD_WORDS = 12
 _PHASE_NAMES = ("entry barrier", "done barrier")
 _CHANNEL_NAMES = ("all-gather", "reduce-scatter")
-# csrc/common.cuh: kFpCompact, kFpOrdered, kFpNorm, kFpQuant, kFpScatter (bits of a fingerprint's desc)
-_FP_FLAGS = ((1, "compact"), (2, "ordered"), (4, "norm"), (8, "fp8"), (16, "reduce-scatter"))
+# csrc/common.cuh: kFpCompact, kFpOrdered, kFpNorm, kFpScatter (bits of a fingerprint's desc) and, in bits
+# kFpFormatShift.., the wire format's code
+_FP_FLAGS = ((1, "compact"), (2, "ordered"), (4, "norm"), (16, "reduce-scatter"))
+_FP_FORMAT_SHIFT = 5
+_FORMAT_NAMES = {fmt.code: fmt.name for fmt in FORMATS.values()}
 
 
 def describe_fingerprint(hash_: int, desc: int, epoch: int) -> str:
     """One side of a layout mismatch: what the call assumed, as the fingerprint carries it."""
     flags = [name for bit, name in _FP_FLAGS if desc & bit]
+    code = (desc >> _FP_FORMAT_SHIFT) & 7
+    if code:
+        flags.append(_FORMAT_NAMES.get(code, f"wire format #{code}"))
     layout = "compact" if desc & 1 else "padded"
     kind = ", ".join([layout] + [f for f in flags if f != "compact"])
     return f"{desc >> 8} rows in total, {kind}, call #{epoch}, layout hash {hash_:#010x}"

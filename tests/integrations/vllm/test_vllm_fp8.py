@@ -2,17 +2,18 @@
 
 vLLM 0.34 quantizes each rank's rows before the PCP all-gather when its experts take dynamic per-token-group
 FP8 input (``_quantizes_before_pcp_gather``), then gathers the FP8 rows and their scales. With the plugin on,
-nsa_cp's gather quantizes the real rows inside the gather (``quant="fp8_e4m3_g128"``). Each step is vLLM's
+nsa_cp's gather quantizes the real rows inside the gather (``quant="fp8_e4m3_g128"``, or with vLLM's UE8M0
+scales ``"fp8_e4m3_g128_ue8m0"``). Each step is vLLM's
 own (parallel state, ``PCPManager.partition_batch``, ``_maybe_dispatch`` / ``_maybe_combine``, its
 ``_quantize_input`` -> ``moe_kernel_quantize_input`` -> ``per_token_group_quant_fp8`` chain and its
 ``FusedMoEQuantConfig``), except the quantizer's arithmetic: a CPU has no vLLM CUDA kernel, so the kernel
 that ``per_token_group_quant_fp8`` launches on a CUDA GPU is transcribed in torch (``vllm_env.cuda_group_quant``),
 and gloo, which carries no float8, moves vLLM's FP8 rows as their bytes (``_fp8_over_gloo``).
 
-* served (e4m3, groups of 128, fp32 row-major scales): on every real row the FP8 bytes and the scales the
+* served (e4m3, groups of 128, fp32 row-major scales, as they come or UE8M0): on every real row the FP8 bytes and the scales the
   experts receive are bitwise vLLM's own, padded and compact; nsa_cp's padding rows hold ``q = 0`` and the
   pad scale; the combine's real rows match vLLM's (an fp32 sum) and the routers' mask is vLLM's again after;
-* not served (UE8M0 scales, column-major scales): vLLM's own moves, bitwise, the reason in ``status()``.
+* not served (column-major scales): vLLM's own moves, bitwise, the reason in ``status()``.
 
 Only where vLLM 0.34 (a contract with a quantized dispatch) is installed: 0.33 never quantizes before the
 gather, so these cases are not generated there (its venv runs the other vLLM tests).
@@ -116,12 +117,11 @@ def _check(rank, world, config, name, compact, variant):
         os.environ.pop("NSA_CP_VLLM_COMPACT")
 
     assert off[0].dtype == torch.float8_e4m3fn and off[2].dtype == torch.float32, (off[0].dtype, off[2].dtype)
-    if variant != "served":
+    if variant == "column-major":
         for a, b in zip(off[:4], on[:4]):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-        want = "UE8M0 scales" if variant == "ue8m0" else "column-major scales"
-        assert any(want in k for k in status["declined"]), status["declined"]
+        assert any("column-major scales" in k for k in status["declined"]), status["declined"]
         assert not status["gathers"], status
         return
     offsets = [sum(counts[:q]) for q in range(world)]
@@ -132,19 +132,20 @@ def _check(rank, world, config, name, compact, variant):
         padding[mine] = False
         assert torch.equal(on[0][mine].view(torch.uint8), off[0][theirs].view(torch.uint8)), f"rank {q}'s bytes"
         assert torch.equal(on[2][mine], off[2][theirs]), f"rank {q}'s scales"
-    ref_q, ref_s = nsa_cp.quant_fp8_g128(h[:n])
+    fmt = nsa_cp.wire.FP8_E4M3_G128_UE8M0 if variant == "ue8m0" else nsa_cp.wire.FP8_E4M3_G128
+    ref_q, ref_s = nsa_cp.quantize(h[:n], fmt.name)
     start = offsets[rank] if compact else rank * m
     assert torch.equal(on[0][start : start + n].view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(on[2][start : start + n], ref_s)
     assert on[0].shape[0] == (sum(counts) if compact else world * m) == on[1].shape[0] == on[2].shape[0]
     assert not on[0][padding].view(torch.uint8).any(), "padding rows: q = 0"
-    assert torch.equal(on[2][padding], torch.full_like(on[2][padding], nsa_cp.wire.FP8_PAD_SCALE))
+    assert torch.equal(on[2][padding], torch.full_like(on[2][padding], fmt.pad_scale))
     # the same partials summed in fp32 in another order: within a few fp32 ulps of the row's largest value
     largest = float(off[3][:n].abs().amax()) if n else 0.0
     torch.testing.assert_close(on[3][:n], off[3][:n], rtol=1e-5, atol=1e-6 * largest + 1e-12)
     assert not on[3][n:].any(), "rows past the real count are zero"
     assert on[4] is local_on.is_padding, "forward_context.is_padding must be vLLM's again after the combine"
-    kind = ("compact" if compact else "padded") + " fp8_e4m3_g128"
+    kind = ("compact" if compact else "padded") + " " + fmt.name
     assert status["gathers"] == {kind: 1} and not status["declined"], status
 
 
@@ -157,7 +158,8 @@ def _worker(rank, world, payload):
 
 CASES = {
     w: {**{f"{s}-{lay}": (s, lay == "compact", "served") for s in STEPS for lay in ("padded", "compact")},
-        "uneven-ue8m0-declined": ("uneven", False, "ue8m0"),
+        **{f"{s}-{lay}-ue8m0": (s, lay == "compact", "ue8m0") for s in ("uneven", "zero-token-ranks")
+           for lay in ("padded", "compact")},
         "uneven-column-major-declined": ("uneven", True, "column-major")}
     for w in (2, 3, 4)
 } if QUANTIZES_FIRST else {}
@@ -178,7 +180,8 @@ if QUANTIZES_FIRST:  # defined only where vLLM quantizes before the gather: no e
 
 
 def test_fp8_wire_declines_what_it_does_not_carry(monkeypatch):
-    """nsa_cp's choice from vLLM's quant config alone (no vLLM needed): only e4m3 / 128 / fp32 row-major."""
+    """nsa_cp's choice from vLLM's quant config alone (no vLLM needed): only e4m3 / 128 / fp32 row-major, its
+    scales as they come or UE8M0."""
     from nsa_cp.integrations.vllm import contract, moe, runtime
 
     monkeypatch.setattr(moe, "CONTRACT", [contract.V0_34])
@@ -194,6 +197,9 @@ def test_fp8_wire_declines_what_it_does_not_carry(monkeypatch):
     assert "NVFP4" in verdict(use_nvfp4_w4a4=True, quant_dtype="nvfp4")[1]
     assert "block [1, 64]" in verdict(block_shape=[1, 64])[1]
     assert "column-major" in verdict(is_scale_transposed=True)[1]
+    monkeypatch.setattr(runtime, "fp8_scales_ue8m0", lambda: True)
+    assert verdict() == ("fp8_e4m3_g128_ue8m0", None)
+    monkeypatch.setattr(runtime, "fp8_scales_ue8m0", lambda: False)
     monkeypatch.setattr(runtime, "fp8_max", lambda: 224.0)
     assert "fp8 max 224.0" in verdict()[1]
     config = types.SimpleNamespace(**fp8)  # decided once per quant config (a layer's is fixed)
