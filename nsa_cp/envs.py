@@ -12,7 +12,7 @@ itself, with the meanings documented here.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 __all__ = ["ENVIRONMENT_VARIABLES", "PLAN_VARIABLES", "describe", "plan_state", "reader"]
 
@@ -47,14 +47,23 @@ class _Reader:
         return self._value
 
 
-def _choice(name: str, default: str, choices: Tuple[str, ...]) -> _Reader:
+def _choice(name: str, default: str, choices: Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]) -> _Reader:
     def parse(raw: Optional[str]) -> str:
         value = (default if raw is None else raw).strip().lower()
-        if value not in choices:
-            raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+        if raw is None:
+            return value  # the default (the choices may need the package: this file also loads alone)
+        allowed = choices() if callable(choices) else choices
+        if value not in allowed:
+            raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
         return value
 
     return _Reader(name, parse)
+
+
+def _transport_names() -> Tuple[str, ...]:
+    from . import transports  # the table's names (read when the variable is; this file also loads alone)
+
+    return transports.names()
 
 
 def _int(name: str, default: int, minimum: int = 0) -> _Reader:
@@ -105,9 +114,10 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "the same for the compact reduce-scatter (0: coalesced always; docs/performance.md)",
     ),
     "NSA_CP_BACKEND": (
-        _choice("NSA_CP_BACKEND", "auto", ("auto", "nccl", "p2p")),
-        "transport when a call says backend='auto': 'nccl' always, 'p2p' always (needs "
-        "nsa_cp.init_p2p), or 'auto': P2P for uneven layouts when a transport fits, NCCL otherwise",
+        _choice("NSA_CP_BACKEND", "auto", lambda: ("auto", *_transport_names())),
+        "transport when a call says backend='auto': one of nsa_cp/transports.py's rows always ('nccl': "
+        "torch.distributed, 'p2p': needs nsa_cp.init_p2p), or 'auto': the first row that serves the call "
+        "(P2P for uneven layouts when a transport fits, NCCL otherwise)",
     ),
     "NSA_CP_VALIDATE": (
         _flag("NSA_CP_VALIDATE", False),

@@ -119,7 +119,7 @@ def _route(req: Request, pg, stage, gather: bool):
     backend = envs.NSA_CP_BACKEND if req.backend == "auto" else req.backend
     providers = base.providers()
     if backend == "auto" and req.layout.is_even:
-        providers = providers[-1:]
+        providers = [base.fallback()]
     for provider in providers:
         if backend != "auto" and provider.name != backend:
             continue
@@ -131,7 +131,7 @@ def _route(req: Request, pg, stage, gather: bool):
             verdict = transport.support(req, serve)
         if verdict:
             if not req.layout.total_len:  # nothing moves: the last transport returns the empty results
-                transport, serve = base.providers()[-1].open(req, pg), stage
+                transport, serve = base.fallback().open(req, pg), stage
             return transport, (transport.gather(req, serve) if gather else transport.scatter(req, serve))
         if backend != "auto":
             raise ValueError(f"backend: {backend!r} cannot serve this call ({req.input_name}): {verdict.reason}")
@@ -162,7 +162,7 @@ class GatherPlan(_Plan):
     __slots__ = ("out_shapes", "out_dtypes")
 
     def __init__(self, req: Request, pg):
-        checks.check_choice("quant", req.quant, checks.QUANTS)
+        checks.format_of(req.quant)  # ValueError naming quant for a format nsa_cp does not know
         stage = req.stage
         super().__init__(req, pg, checks.GATHER_DTYPES if stage == COPY else checks.NORM_DTYPES)
         if stage != COPY:

@@ -4,8 +4,9 @@
 - ``nccl_native``: nsa_cp's own NCCL communicator for a group's uneven calls (``init_nccl``);
 - ``p2p``: the intranode P2P transport (peer memory + the nsa_cp._C kernels; ``init_p2p``).
 
-The planner asks them through one seam (``base``: the ``Transport`` protocol, ``register`` /
-``unregister``): P2P first, then torch.distributed (``dist``), which serves every call.
+The planner asks them through one seam (``base``: the ``Transport`` protocol), in the order of the static
+table nsa_cp/transports.py: P2P first, then torch.distributed (``dist``), which serves every call;
+``register`` / ``unregister`` add a provider at run time.
 
 The lifecycle helpers live here: ``init_p2p`` / ``get_p2p`` / ``destroy_p2p`` /
 ``p2p_unavailable_reason``, ``init_nccl`` / ``get_nccl`` / ``destroy_nccl`` / ``nccl_unavailable_reason``
@@ -15,13 +16,8 @@ and the two ``*_unavailable_reason`` (the use cases); its other lifecycle names 
 
 from ..workspace import workspace_bytes
 from .base import Route, Transport, register, unregister
-from .dist import DistProvider
 from .nccl_native import destroy_nccl, get_nccl, init_nccl, nccl_unavailable_reason
 from .p2p import destroy_p2p, get_p2p, init_p2p, p2p_unavailable_reason
-from .p2p.routes import P2PProvider
 
 __all__ = ["init_p2p", "get_p2p", "destroy_p2p", "p2p_unavailable_reason", "init_nccl", "get_nccl", "destroy_nccl",
            "nccl_unavailable_reason", "workspace_bytes", "Transport", "Route", "register", "unregister"]
-
-register(DistProvider(), last=True)  # serves every call: asked last
-register(P2PProvider())

@@ -1,30 +1,33 @@
 """The transport seam: what the planner asks of a transport, and the ordered list it asks.
 
-A *transport* moves one process group's rows for the calls it accepts. The planner (nsa_cp/plan.py) asks
-the registered transports in order for a request and takes the first whose verdict is yes; the
-torch.distributed transport (NCCL / gloo, nsa_cp/transport/dist.py) is last and serves every call. A
-verdict's reason feeds the fallback log and, when the caller insisted on that transport with
-``backend=<name>``, the ValueError.
+A *transport* moves one process group's rows for the calls it accepts. nsa_cp's transports are the rows of
+a static table (nsa_cp/transports.py: name, provider module); the planner (nsa_cp/plan.py) asks their
+providers in order for a request and takes the first whose verdict is yes; the torch.distributed
+transport (NCCL / gloo, nsa_cp/transport/dist.py) is last and serves every call. A verdict's reason feeds
+the fallback log and, when the caller insisted on that transport with ``backend=<name>``, the ValueError.
 
-Registering one (a module of its own, then one line)::
+A provider has a ``name`` (what ``backend=`` insists on) and ``open(req, group)`` returning the group's
+``Transport`` (or a ``Support.no`` saying why there is none). A new transport of nsa_cp's is a module
+and a row of the table; code outside nsa_cp may add one at run time::
 
     nsa_cp.transport.register(MyTransports())      # asked before the others; unregister(name) removes it
 
-where ``MyTransports`` has a ``name`` (what ``backend=`` insists on) and ``open(req, group)`` returning the
-group's ``Transport`` (or a ``Support.no`` saying why there is none). Registering or unregistering
-drops every cached plan (the registry generation).
+Registering or unregistering drops every cached plan (the registry generation).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Protocol, Union
+import importlib
+from typing import Callable, Dict, List, NamedTuple, Protocol, Union
 
 import torch
 
+from .. import transports
 from ..support import Support
+from ..transports import TransportRow
 from . import registry
 
-__all__ = ["Transport", "Provider", "Route", "register", "unregister", "providers", "names"]
+__all__ = ["Transport", "Provider", "Route", "register", "unregister", "providers", "fallback", "names"]
 
 
 class Route(NamedTuple):
@@ -70,30 +73,48 @@ class Provider(Protocol):
         ...
 
 
-_PROVIDERS: List[Provider] = []
+_REGISTERED: List[Provider] = []  # providers registered at run time: asked before the table's
+_TABLE: Dict[TransportRow, Provider] = {}  # the table's providers, imported when first asked
 
 
-def register(provider: Provider, *, last: bool = False) -> None:
-    """Ask ``provider`` before the registered ones (``last``: after them; the torch.distributed transport
-    registers so, and stays last). A provider of the same name is replaced."""
+def _table_provider(row: TransportRow) -> Provider:
+    provider = _TABLE.get(row)
+    if provider is None:
+        provider = _TABLE[row] = getattr(importlib.import_module(row.module), row.provider)
+        if provider.name != row.name:
+            raise ValueError(f"nsa_cp.transports: the row {row.name!r} names {row.module}.{row.provider}, whose name "
+                             f"is {provider.name!r}")
+    return provider
+
+
+def register(provider: Provider) -> None:
+    """Ask ``provider`` before the others (a run-time addition; nsa_cp's own transports are the rows of
+    nsa_cp/transports.py). A provider of the same name is replaced."""
     if not isinstance(getattr(provider, "name", None), str) or not callable(getattr(provider, "open", None)):
         raise ValueError(f"provider: expected an object with a str 'name' and an 'open(req, group)' method, got "
                          f"{provider!r}")
     unregister(provider.name)
-    _PROVIDERS.insert(len(_PROVIDERS) if last else 0, provider)
+    _REGISTERED.insert(0, provider)
 
 
 def unregister(name: str) -> None:
-    """Remove the provider named ``name`` (nothing when there is none)."""
-    _PROVIDERS[:] = [p for p in _PROVIDERS if p.name != name]
+    """Remove the run-time provider named ``name`` (nothing when there is none)."""
+    _REGISTERED[:] = [p for p in _REGISTERED if p.name != name]
     registry.advance()
 
 
 def providers() -> List[Provider]:
-    """The providers in the order the planner asks them (the torch.distributed transport last)."""
-    return list(_PROVIDERS)
+    """The providers in the order the planner asks them: the registered ones, then the table's rows (the one
+    that serves every call last)."""
+    rows = sorted(transports.TRANSPORTS, key=lambda row: row.serves_every_call)
+    return [*_REGISTERED, *(_table_provider(row) for row in rows)]
+
+
+def fallback() -> Provider:
+    """The provider of the row that serves every call (torch.distributed)."""
+    return _table_provider(next(row for row in transports.TRANSPORTS if row.serves_every_call))
 
 
 def names() -> tuple:
     """What ``backend=`` accepts: "auto" and every provider's name."""
-    return ("auto", *sorted(p.name for p in _PROVIDERS))
+    return ("auto", *sorted({*transports.names(), *(p.name for p in _REGISTERED)}))

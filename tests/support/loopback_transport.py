@@ -27,6 +27,9 @@ class LoopbackProvider:
         return Loopback(group)
 
 
+PROVIDER = LoopbackProvider()  # what a row of nsa_cp/transports.py names
+
+
 class Loopback:
     """The group's loopback transport: the Transport protocol of nsa_cp/transport/base.py."""
 

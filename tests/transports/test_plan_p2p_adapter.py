@@ -13,7 +13,7 @@ from nsa_cp import plan
 from nsa_cp.request import Request
 from nsa_cp.support import Support
 from nsa_cp.transport import base
-from nsa_cp.transport.p2p.routes import P2PProvider, P2PRoutes
+from nsa_cp.transport.p2p.routes import P2PRoutes
 
 H = 256
 
@@ -86,9 +86,9 @@ def fake(monkeypatch):
         def open(self, req, group):
             return P2PRoutes(transport)
 
-    base.register(FakeProvider())
+    base.register(FakeProvider())  # asked before the table's P2P row
     yield transport
-    base.register(P2PProvider())
+    base.unregister("p2p")
 
 
 def test_plain_gather_hands_the_transport_view_back(fake):

@@ -1,5 +1,6 @@
 """The transport seam (nsa_cp/transport/base.py): a transport written outside nsa_cp
-(tests/support/loopback_transport.py) joins with one registration line, and the public calls run through it.
+(tests/support/loopback_transport.py) joins with one registration line, or as one row of the transport table
+(nsa_cp/transports.py), and the public calls run through it.
 
 On gloo, worlds 2 and 3, an uneven layout with a zero-token rank: every public call (plain, compact,
 ordered gathers; FP8; the fused add + RMSNorm gather; reduce-scatters, the fused one, the buffer) under
@@ -117,6 +118,47 @@ def _worker(rank, world, payload):
     except Exception:  # noqa: BLE001
         results["unregister"] = traceback.format_exc()
     return results
+
+
+def _table_worker(rank, world, payload):
+    """The loopback transport as one row of nsa_cp/transports.py (its module: tests/support/loopback_transport.py),
+    asked first: every public call reaches it with nsa_cp's own results; backend= names it."""
+    import torch
+
+    import loopback_transport
+    import nsa_cp
+    from nsa_cp import transports
+    from nsa_cp.transport import base
+
+    layout = nsa_cp.ShardLayout([5, 0, 3][:world])
+    table = transports.TRANSPORTS
+    try:
+        transports.TRANSPORTS = (transports.TransportRow("loopback", "loopback_transport", "PROVIDER"), *table)
+        theirs = _calls(nsa_cp, torch, layout, None, rank, 7)
+        assert {st for _, st in loopback_transport.CALLS} >= {"copy", "norm", "fp8_e4m3_g128"}, loopback_transport.CALLS
+        assert base.names() == ("auto", "loopback", "nccl", "p2p"), base.names()
+        before = len(loopback_transport.CALLS)
+        nsa_cp.cp_all_gather(torch.randn(layout.count(rank), 256), layout, backend="loopback")
+        assert len(loopback_transport.CALLS) == before + 1
+    except Exception:  # noqa: BLE001
+        return {"table": traceback.format_exc()}
+    finally:
+        transports.TRANSPORTS = table
+    try:
+        base.unregister("none")  # a new registry generation: the table changed under cached plans
+        own = _calls(nsa_cp, torch, layout, None, rank, 7)
+        for key in own:
+            _same(torch, theirs[key][0] if key in ("scatter_norm",) else theirs[key],
+                  own[key][0] if key in ("scatter_norm",) else own[key], key)
+        return {"table": None}
+    except Exception:  # noqa: BLE001
+        return {"table": traceback.format_exc()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_transport_added_as_a_table_row_serves_the_public_calls(world):
+    failures = case_failures(run_world(world, "gloo", _table_worker, None, timeout_s=600), "table")
+    assert not failures, "\n".join(failures)
 
 
 _WORLDS = {}

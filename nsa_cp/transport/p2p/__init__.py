@@ -16,9 +16,9 @@ from __future__ import annotations
 from .errors import LayoutMismatchError, P2PError, P2PTimeoutError, describe_error
 from .memory import p2p_unavailable_reason
 from .registry import any_registered, destroy_p2p, generation, get_p2p, init_p2p
-from .transport import QUANT_FP8, P2PTransport
+from .transport import P2PTransport
 
 __all__ = [
     "P2PTransport", "P2PError", "P2PTimeoutError", "LayoutMismatchError", "describe_error", "p2p_unavailable_reason", "init_p2p",
-    "get_p2p", "destroy_p2p", "any_registered", "generation", "QUANT_FP8",
+    "get_p2p", "destroy_p2p", "any_registered", "generation",
 ]

@@ -39,6 +39,9 @@ class P2PProvider:
         return _MISSING if transport is None else P2PRoutes(transport)
 
 
+PROVIDER = P2PProvider()  # its row in nsa_cp/transports.py
+
+
 class P2PRoutes:
     """One ``P2PTransport`` as the planner's Transport."""
 

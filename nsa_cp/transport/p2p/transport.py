@@ -7,8 +7,8 @@ ONE call into the native ``P2PState`` (which picks the double buffer) and return
 the runner. Per-call tensors (``device_counts`` for CUDA graphs, ``positions``) are arguments, never
 baked in. A launch refused because the error record is set raises P2PError / P2PTimeoutError /
 LayoutMismatchError (``errors``), and the transport stays unusable. Results are ordered on the calling
-stream (docs/streams_and_graphs.md). The planner reaches it through ``routes.py``; the copy engine's
-gather is ``copy_engine.py``. Design record: docs/design.md, "The P2P transport".
+stream (docs/streams_and_graphs.md). The planner reaches it through ``routes.py``, the copy engine's gather
+is ``copy_engine.py`` (docs/design.md, "The P2P transport").
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import torch.distributed as dist
 from ... import _native
 from ...layout import ShardLayout
 from ...support import Support
-from ...wire import FORMATS, FP8_G128
+from ...wire import FORMATS, native_mismatch
 from . import copy_engine
 from .buffers import P2PBuffers, dtype_codes
 from .errors import error_from_record
 
-__all__ = ["P2PTransport", "QUANT_FP8"]
+__all__ = ["P2PTransport"]
 
-QUANT_FP8 = FP8_G128  # the FP8 wire format's name (nsa_cp/wire.py)
 _NORM_MAX_WORDS = 4 * 512  # 16-byte words of one row the norm stage holds (csrc: 4 per thread, 512 threads)
 _VIEW_CACHE_LIMIT = 256
 
@@ -75,6 +74,7 @@ class P2PTransport:
         self._stream = _native.stream_getter()
         self._reduce_views = {}
         self._codes = dtype_codes(self._C)
+        self._native_formats = {}  # per format: None when _C's kernels have nsa_cp.wire's traits, else why not
 
     # ------------------------------------------------------------------ support
     def support(self, layout: ShardLayout, row_shape: Sequence[int], dtype: torch.dtype, device, *,
@@ -103,9 +103,10 @@ class P2PTransport:
             return Support.no(f"device {device} is not the P2P transport's {self.device}")
         if quant is not None:
             fmt = FORMATS.get(quant)
-            if fmt is None or not hasattr(self._C, fmt.native_code):
-                known = [f.name for f in FORMATS.values() if hasattr(self._C, f.native_code)]
-                return Support.no(f"quant {quant!r}: the P2P transport knows None and {known}")
+            why = f"quant {quant!r}: nsa_cp knows None and {sorted(FORMATS)}" if fmt is None else \
+                self._native_formats.setdefault(quant, native_mismatch(fmt, self._C))
+            if why is not None:
+                return Support.no(why)
             verdict = fmt.support(self.hidden_size)
             if not verdict:
                 return Support.no(f"{verdict.reason}, got hidden_size {self.hidden_size}")
@@ -113,9 +114,8 @@ class P2PTransport:
             if self._row_bytes % 16:
                 return Support.no(f"the fused norm/quant stage needs rows of a multiple of 16 bytes, got {self._row_bytes}")
             if self._row_bytes // 16 > _NORM_MAX_WORDS:
-                return Support.no(
-                    f"the fused norm/quant stage holds rows of up to {_NORM_MAX_WORDS * 16} bytes, got {self._row_bytes}"
-                )
+                return Support.no(f"the fused norm/quant stage holds rows of up to {_NORM_MAX_WORDS * 16} bytes, "
+                                  f"got {self._row_bytes}")
         return Support.yes()
 
     # ------------------------------------------------------------------ errors
@@ -267,7 +267,7 @@ class P2PTransport:
                 return views[call((x.data_ptr(), x.stride(0) * elem), device_counts, positions)]
         else:
             call = self._launcher(self._state.norm_gather, layout, compact, ordered, "gather")
-            qcode, codes = (0 if fmt is None else getattr(self._C, fmt.native_code)), self._codes
+            qcode, codes = (0 if fmt is None else fmt.code), self._codes
             if norm:
                 def run(x, residual, weight, eps, device_counts=None, positions=None):
                     r, rs = (0, 0) if residual is None else (residual.data_ptr(), residual.stride(0) * elem)
