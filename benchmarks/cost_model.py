@@ -31,7 +31,6 @@ consumer's achieved TFLOP/s and the slowdown default (conservative; overlap.py m
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -167,8 +166,7 @@ def print_projection(rows: List[dict], inp: sim.Inputs, moe: sim.Moe, min_rows: 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.arg_parser(__doc__)
     p.add_argument("--slowdown", type=float, help="consumer speed lost while a copy runs, a fraction (overlap.py's "
                                                   "'slowdown while copying'; default: the table's conservative 0.20)")
     p.add_argument("--tflops", type=float, help="the consumer's achieved bf16 TFLOP/s (default 600, assumed)")

@@ -431,8 +431,7 @@ def run_config(ctx: Ctx, methods, args, cfg_idx, log) -> Tuple[List[dict], Dict[
             ahead = not args.cold and not group[0].syncs_host
             stats.update(harness.time_methods(ctx, group, bufsets, args.rounds, args.warmup, ahead=ahead))
     del bufsets
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
+    harness.release_memory(ctx.device)
     rows = []
     for m in active:
         st = stats[m.name]

@@ -5,7 +5,6 @@ stages.py. A part of gather_scatter.py (no other benchmark imports it).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import List, Tuple
@@ -19,7 +18,7 @@ harness.part_of("gather_scatter.py", __name__)  # run as a script, it says which
 
 def parse_args(argv=None, doc: str = ""):
     """gather_scatter.py's arguments (``doc``: its docstring, the --help text)."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.arg_parser(doc)
     p.add_argument("--M", type=int, nargs="+", help="max_rank_len sweep (GPU: 256 2048 8192 32768; CPU: 64 256)")
     p.add_argument("--imbalance", type=float, nargs="+", default=[0.0, 0.2, 0.5],
                    help="s: counts [M, round(M*(1-s)), M, ...] cycling over ranks; 0 is the even case")

@@ -23,7 +23,11 @@ and the table helpers and CSV / JSON writers.
   "Benchmark protocol": warm-up, rounds of interleaved methods in a per-round order, CUDA events after
   an untimed aligner, the host enqueuing ahead, median over rounds, MAX over ranks.
 * ``run_rank``: the per-rank loop over configurations (layout, context, rows, rank 0's result file);
-  ``by_config`` / ``skipped_lines`` / ``header_line``: table helpers; ``write_rows``: CSV / JSON.
+  ``by_config`` / ``skipped_lines`` / ``config_sections`` / ``header_line`` / ``markdown_row`` /
+  ``markdown_head``: table helpers; ``write_rows``: CSV / JSON; ``release_memory``: a configuration's
+  caches and CUDA memory handed back once it is timed.
+* ``arg_parser``: a script's parser (its docstring's first paragraph); ``import_engine``: the serving
+  engine a script reads, or a one-line refusal saying what to install.
 
 A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these;
 a larger one keeps the rest in parts of its own (``<script>_<part>.py``, imported by that script alone).
@@ -35,10 +39,12 @@ every benchmark script at a tiny size, and skips this helper and the scripts' pa
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import datetime
 import fnmatch
+import importlib
 import json
 import math
 import multiprocessing
@@ -186,6 +192,22 @@ def run_main(main: Callable[[], None]) -> None:
         sys.stderr.write(f"{e}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
+
+
+# ============================================================================ command line
+def arg_parser(doc: str, **kw) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first paragraph as the description, kept as written."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
+def import_engine(module: str, script: str, pin: str, install: str):
+    """``import module`` for a script that reads a serving engine's own code; without it, SystemExit with
+    one line naming the version to install and how (no traceback), as the GPU-only scripts refuse."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise SystemExit(f"{script} needs {pin} ({err}): bash {install}") from None
 
 
 # ============================================================================ output paths
@@ -439,6 +461,15 @@ def rotating_sets(device: torch.device, set_bytes: int, most: int) -> int:
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
         return max(2, min(most, math.ceil(4 * l2 / max(1, set_bytes))))
     return 2
+
+
+def release_memory(device: torch.device, *caches: dict) -> None:
+    """After a configuration, once its buffer sets are dropped: empty the caches that still hold its
+    tensors (communicators, staged buffers) and hand the freed memory back to CUDA for the next one."""
+    for cache in caches:
+        cache.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def sync(ctx: Ctx):
@@ -715,6 +746,30 @@ def by_config(result: dict) -> List[Tuple[int, List[dict]]]:
 
 def skipped_lines(result: dict, cfg: int, width: int) -> List[str]:
     return [f"{name:<{width}}skipped: {why}" for name, why in result["skipped"].get(str(cfg), {}).items()]
+
+
+def config_sections(result: dict, head: Callable[[dict], List[str]], line: Callable[[dict], str],
+                    width: int) -> List[str]:
+    """A table's body, one section per configuration (``by_config``): a blank line, ``head(first row)``
+    (where it has rows), ``line(row)`` per row, then its skipped methods (``skipped_lines`` at ``width``)."""
+    lines: List[str] = []
+    for cfg, rs in by_config(result):
+        lines.append("")
+        if rs:
+            lines += head(rs[0])
+        lines += [line(r) for r in rs]
+        lines += skipped_lines(result, cfg, width)
+    return lines
+
+
+def markdown_row(cells: Sequence[object]) -> str:
+    """One row of a Markdown table: ``| a | b |``."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def markdown_head(columns: Sequence[str]) -> str:
+    """A Markdown table's header row and the rule under it."""
+    return markdown_row(columns) + "\n|" + "---|" * len(columns)
 
 
 def write_rows(tags: Optional[dict], rows: List[dict], csv_path: Optional[str], json_path: Optional[str],

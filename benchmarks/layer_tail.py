@@ -80,7 +80,6 @@ run. ``--csv`` / ``--json``: one row per (configuration, row), tagged as every b
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import os
 import sys
@@ -283,9 +282,7 @@ def run_config(c: TailCtx, rows: List[Row], args, cfg_idx: int, log) -> Tuple[Li
     dev = harness.time_methods(c, active, bufsets, args.rounds, args.warmup, ahead=not args.cold)
     eager = time_eager(c, active, bufsets, args.rounds, args.layers)
     del bufsets
-    c.comms.clear()
-    if c.device.type == "cuda":
-        torch.cuda.empty_cache()
+    harness.release_memory(c.device, c.comms)
     out = []
     for r in active:
         base = baseline_of(r)
@@ -346,21 +343,20 @@ def format_table(result, cpu: bool) -> str:
     lines.append(f"baseline norm: {result.get('norm', '?')}; MoE stand-in: one kernel (bf16), two (FP8)")
     hdr = (f"{'row':<24}{'device ms':>10}{'x base':>8}{'eager ms':>10}{'x base':>8}{'host us/layer':>15}"
            f"{'x base':>8}")
-    for cfg, rs in harness.by_config(result):
-        lines.append("")
-        if rs:
-            r0 = rs[0]
-            over = ("over sglang, FP8 rows over sglang_fp8" if r0.get("part", "tail") == "tail"
-                    else "over the row named in 'base'")
-            lines.append(f"counts [{r0['counts'].replace('/', ', ')}]  M={r0['max_rank_len']}  H={r0['hidden']} "
-                         f"{r0['dtype']}  ({r0['rounds']} rounds, eager: {r0['layers']} calls back to back; x base: "
-                         f"{over})")
-            lines.append(hdr + ("   base" if r0.get("part") == "boundary" else ""))
-        for r in rs:
-            base = f"   {r['baseline']}" if r.get("part") == "boundary" and r["baseline"] != r["row"] else ""
-            lines.append(f"{r['row']:<24}{r['device_ms']:>10.3f}{r['x_base_device']:>8.2f}{r['eager_ms']:>10.3f}"
-                         f"{r['x_base_eager']:>8.2f}{r['host_us_per_layer']:>15.1f}{r['x_base_host']:>8.2f}{base}")
-        lines += harness.skipped_lines(result, cfg, 24)
+
+    def head(r0):
+        over = ("over sglang, FP8 rows over sglang_fp8" if r0.get("part", "tail") == "tail"
+                else "over the row named in 'base'")
+        return [f"counts [{r0['counts'].replace('/', ', ')}]  M={r0['max_rank_len']}  H={r0['hidden']} "
+                f"{r0['dtype']}  ({r0['rounds']} rounds, eager: {r0['layers']} calls back to back; x base: {over})",
+                hdr + ("   base" if r0.get("part") == "boundary" else "")]
+
+    def line(r):
+        base = f"   {r['baseline']}" if r.get("part") == "boundary" and r["baseline"] != r["row"] else ""
+        return (f"{r['row']:<24}{r['device_ms']:>10.3f}{r['x_base_device']:>8.2f}{r['eager_ms']:>10.3f}"
+                f"{r['x_base_eager']:>8.2f}{r['host_us_per_layer']:>15.1f}{r['x_base_host']:>8.2f}{base}")
+
+    lines += harness.config_sections(result, head, line, 24)
     smoke = harness.smoke_note(tags)
     lines += [smoke] if smoke else format_targets(rows)
     return "\n".join(lines)
@@ -395,8 +391,7 @@ def format_targets(rows: List[dict]) -> List[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.arg_parser(__doc__)
     p.add_argument("--M", type=int, nargs="+", help="max_rank_len sweep (GPU: 256 2048 8192 32768; CPU: 16 64)")
     p.add_argument("--imbalance", type=float, default=0.2, help="counts [M, round(M*(1-s)), M, ...]")
     p.add_argument("--counts", action="append", metavar="a,b,...", help="explicit per-rank counts (repeatable)")

@@ -45,7 +45,6 @@ code runs tiny shapes on CPU tensors: a smoke run, its timings mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -126,8 +125,7 @@ def format_table(rows: List[dict], tags: dict, rate: float) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.arg_parser(__doc__)
     p.add_argument("--M", type=int, nargs="+", help="per-rank max_rank_len (GPU: 2048 4096 8192; smoke: 16)")
     p.add_argument("--cp", type=int, nargs="+", help="emulated ranks (GPU: 2 4 8; smoke: 2 4)")
     p.add_argument("--rate-gbs", type=float, default=356.0, help="the emulated link's rate, GB/s one way")

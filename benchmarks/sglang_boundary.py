@@ -145,9 +145,7 @@ def run_config(c: BoundaryCtx, methods: List[Method], args, cfg: int, log) -> Tu
         ops.update(gpu_ops(c, ms, bufsets[0], args.profile_calls, log if cfg == 0 else None))
     transport = transport_label(c)
     del bufsets
-    c.extra.clear()
-    if c.device.type == "cuda":
-        torch.cuda.empty_cache()
+    harness.release_memory(c.device, c.extra)
     rows = []
     for m in active:
         st, base = stats[m.name], stats.get(f"{m.side}/sglang")
@@ -205,19 +203,18 @@ def format_table(result: dict, mode: str) -> str:
                  f"measured in this run")
     hdr = (f"{'side':<8}{'method':<24}{'device ms':>10}{'x sglang':>9}{'host ms':>9}{'GPU ops':>8}{'MB/call':>9}"
            f"{'floor ms':>10}{'x floor':>9}")
-    for cfg, rs in harness.by_config(result):
-        lines.append("")
-        if rs:
-            r0 = rs[0]
-            lines.append(f"counts [{r0['counts'].replace('/', ', ')}]  physical {r0['physical']}  cp {r0['cp']}  "
-                         f"H {r0['hidden']} {r0['dtype']}  plugin: {r0['transport']}  copy {r0['copy_GBps']:.0f} GB/s "
-                         f"({r0['rounds']} rounds, bytes of the {r0['hbm_rule']})")
-            lines.append(hdr)
-        for r in rs:
-            lines.append(f"{r['side']:<8}{r['method']:<24}{r['device_ms']:>10.4f}{_cell(r['x_sglang'], '.2f'):>9}"
-                         f"{r['host_ms']:>9.4f}{_cell(r['gpu_ops_per_call'], 'g'):>8}{r['hbm_bytes'] / 1e6:>9.2f}"
-                         f"{r['floor_ms']:>10.3g}{r['x_floor']:>9.3g}")
-        lines += harness.skipped_lines(result, cfg, 32)
+
+    def head(r0):
+        return [f"counts [{r0['counts'].replace('/', ', ')}]  physical {r0['physical']}  cp {r0['cp']}  "
+                f"H {r0['hidden']} {r0['dtype']}  plugin: {r0['transport']}  copy {r0['copy_GBps']:.0f} GB/s "
+                f"({r0['rounds']} rounds, bytes of the {r0['hbm_rule']})", hdr]
+
+    def line(r):
+        return (f"{r['side']:<8}{r['method']:<24}{r['device_ms']:>10.4f}{_cell(r['x_sglang'], '.2f'):>9}"
+                f"{r['host_ms']:>9.4f}{_cell(r['gpu_ops_per_call'], 'g'):>8}{r['hbm_bytes'] / 1e6:>9.2f}"
+                f"{r['floor_ms']:>10.3g}{r['x_floor']:>9.3g}")
+
+    lines += harness.config_sections(result, head, line, 32)
     return "\n".join(lines)
 
 

@@ -19,6 +19,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
 import sglang_env  # noqa: E402  SGLang's own metadata on a CPU-only machine (the tests' stand-ins)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402  the engine import, the Markdown table
+
 BATCHES = {
     "one request of 131072": [131072],
     "one request of 8191": [8191],
@@ -42,14 +45,10 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Needs sglang==0.5.23 "
                             "(bash .ci/install_sglang.sh). Takes no arguments.").parse_args()
     sglang_env.prepare_process()
-    try:
-        import sglang
-    except ImportError as err:  # one line, as the GPU-only scripts refuse (no traceback)
-        raise SystemExit(f"sglang_padding.py needs sglang==0.5.23 ({err}): bash .ci/install_sglang.sh") from None
+    sglang = harness.import_engine("sglang", "sglang_padding.py", "sglang==0.5.23", ".ci/install_sglang.sh")
 
     print(f"SGLang {sglang.__version__}: padding rows / MoE rows of the padded gather ([P * cp, H])\n")
-    print("| batch | tokens | strategy | " + " | ".join(f"cp = {cp}" for cp in CPS) + " |")
-    print("|---|---|---|" + "---|" * len(CPS))
+    print(harness.markdown_head(["batch", "tokens", "strategy"] + [f"cp = {cp}" for cp in CPS]))
     for name, lens in BATCHES.items():
         for strategy in ("zigzag", "interleave"):
             cells = []
@@ -57,7 +56,7 @@ def main() -> None:
                 n, physical = split(strategy, lens, cp)
                 padded = physical * cp
                 cells.append(f"{100 * (padded - sum(n)) / padded:.3f}% ({padded - sum(n)} rows)")
-            print(f"| {name} | {sum(lens)} | {strategy} | " + " | ".join(cells) + " |")
+            print(harness.markdown_row([name, sum(lens), strategy] + cells))
 
 
 if __name__ == "__main__":

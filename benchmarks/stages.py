@@ -52,7 +52,6 @@ say nothing about GPUs, and it says so.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import random
@@ -271,8 +270,7 @@ def format_table(tags: dict, rows: List[dict]) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.arg_parser(__doc__)
     p.add_argument("--M", type=int, nargs="+", help="max_rank_len sweep (GPU: 256 2048 8192 32768; CPU: 64)")
     p.add_argument("--cp", type=int, default=2, help="ranks of the layout (counts [M, 0.8M, ...] cycling)")
     p.add_argument("--hidden", type=int, default=7168, help="row length (FP8 rows need a multiple of 128)")

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402  the engine import, the Markdown table
 
 # name -> (query lengths, prefilling): decodes are 1-token queries
 BATCHES = {
@@ -47,21 +51,17 @@ def main() -> None:
                             "(bash .ci/install_vllm.sh). Takes no arguments.").parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    try:
-        import vllm
-    except ImportError as err:  # one line, as the GPU-only scripts refuse (no traceback)
-        raise SystemExit(f"vllm_padding.py needs vllm==0.33.0 ({err}): bash .ci/install_vllm.sh") from None
+    vllm = harness.import_engine("vllm", "vllm_padding.py", "vllm==0.33.0", ".ci/install_vllm.sh")
 
     print(f"vLLM {vllm.__version__}: padding rows / MoE rows of the padded gather ([P * M, H])\n")
-    print("| batch | tokens | " + " | ".join(f"PCP = {p}" for p in PCPS) + " |")
-    print("|---|---|" + "---|" * len(PCPS))
+    print(harness.markdown_head(["batch", "tokens"] + [f"PCP = {p}" for p in PCPS]))
     for name, (lens, prefilling) in BATCHES.items():
         cells = []
         for pcp in PCPS:
             n = counts(lens, prefilling, pcp)
             padded = max(n) * pcp
             cells.append(f"{100 * (padded - sum(n)) / padded:.2f}% ({padded - sum(n)} rows)")
-        print(f"| {name} | {sum(lens)} | " + " | ".join(cells) + " |")
+        print(harness.markdown_row([name, sum(lens)] + cells))
 
 
 if __name__ == "__main__":

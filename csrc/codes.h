@@ -25,24 +25,25 @@ struct NoQuant {
   static constexpr bool kPow2Scales = false;
 };
 
-// fp8_e4m3_g128: SGLang's per_token_group_quant_fp8 (group 128, fp32 scales as they are).
-struct Fp8E4m3G128 {
-  static constexpr const char* kName = "QUANT_FP8_E4M3_G128";
-  static constexpr int kCode = 1;
+// float8_e4m3fn in groups of 128 columns, what both FP8 formats share.
+struct E4m3G128 {
   static constexpr int kGroup = 128;
   static constexpr float kMax = 448.0f;
   static constexpr float kAmaxFloor = 1e-10f;
+};
+
+// fp8_e4m3_g128: SGLang's per_token_group_quant_fp8 (fp32 scales as they come).
+struct Fp8E4m3G128 : E4m3G128 {
+  static constexpr const char* kName = "QUANT_FP8_E4M3_G128";
+  static constexpr int kCode = 1;
   static constexpr float kScaleFloor = 0.0f;
   static constexpr bool kPow2Scales = false;
 };
 
 // fp8_e4m3_g128_ue8m0: vLLM's per_token_group_quant_fp8 with use_ue8m0 (DeepGEMM's power-of-two scales).
-struct Fp8E4m3G128Ue8m0 {
+struct Fp8E4m3G128Ue8m0 : E4m3G128 {
   static constexpr const char* kName = "QUANT_FP8_E4M3_G128_UE8M0";
   static constexpr int kCode = 2;
-  static constexpr int kGroup = 128;
-  static constexpr float kMax = 448.0f;
-  static constexpr float kAmaxFloor = 1e-10f;
   static constexpr float kScaleFloor = 1e-10f;
   static constexpr bool kPow2Scales = true;
 };

@@ -46,11 +46,10 @@ def _rows(dtype, rows=9, h=384, seed=0):
 def _codes_h_structs() -> dict:
     """csrc/codes.h's format structs: {kName: {trait: value}} and the WireFormats list, parsed as text."""
     text = (ROOT / "csrc" / "codes.h").read_text()
-    structs = {}
-    for name, body in re.findall(r"struct (\w+) \{(.*?)\n\};", text, re.S):
-        traits = dict(re.findall(r"static constexpr [\w\s*]+?(k\w+) = ([^;]+);", body))
-        if "kCode" in traits:
-            structs[name] = traits
+    found = {}
+    for name, base, body in re.findall(r"struct (\w+)(?: : (\w+))? \{(.*?)\n\};", text, re.S):
+        found[name] = {**found.get(base, {}), **dict(re.findall(r"static constexpr [\w\s*]+?(k\w+) = ([^;]+);", body))}
+    structs = {name: traits for name, traits in found.items() if "kCode" in traits}
     listed = re.search(r"using WireFormats = FormatList<([^>]*)>;", text).group(1).replace(" ", "").split(",")
     return structs, listed
 
