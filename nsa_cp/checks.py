@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from .layout import ShardLayout
-from .wire import QUANTS, format_of  # noqa: F401  (QUANTS: what quant= accepts)
+from .wire import FP8_DTYPES, QUANTS, format_of  # noqa: F401  (QUANTS: what quant= accepts; FP8_DTYPES re-exported)
 
 __all__ = [
     "shape_str", "check_plan", "check_flag", "check_layer_args", "check_norm_partials", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
@@ -30,8 +30,6 @@ __all__ = [
 # A reduce-scatter sums: floating dtypes that NCCL and gloo both add. A gather only moves bytes: fp8 is
 # carried as uint8 (same bits), so every dtype either transport carries is accepted.
 SUM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                   if hasattr(torch, n))
 GATHER_DTYPES = SUM_DTYPES + FP8_DTYPES + (torch.uint8, torch.int8, torch.int32, torch.int64)
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

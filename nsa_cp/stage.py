@@ -13,8 +13,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .checks import FP8_DTYPES
-from .wire import WireFormat, format_of
+from .wire import FP8_DTYPES, WireFormat, format_of
 
 __all__ = ["Op", "OPS", "ALL_GATHER", "NORM_ALL_GATHER", "REDUCE_SCATTER", "NORM_REDUCE_SCATTER", "SCATTER_BUFFER",
            "Stage", "stage_of", "COPY", "NORM"]

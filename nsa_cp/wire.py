@@ -31,9 +31,12 @@ import torch
 from .support import Support
 
 __all__ = ["WireFormat", "FORMATS", "format_of", "native_mismatch", "FP8_E4M3_G128", "FP8_E4M3_G128_UE8M0",
-           "FP8_G128", "QUANTS", "FP8_GROUP", "FP8_MAX", "FP8_AMAX_FLOOR", "FP8_PAD_SCALE", "FP8_DTYPE"]
+           "FP8_G128", "QUANTS", "FP8_GROUP", "FP8_MAX", "FP8_AMAX_FLOOR", "FP8_PAD_SCALE", "FP8_DTYPE", "FP8_DTYPES"]
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+# every float8 dtype this torch has: a gather carries them as uint8 (the same bits)
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                   if hasattr(torch, n))
 _EXPONENT_MASK = -(1 << 23)  # 0xFF800000 as int32: sign and exponent of an fp32
 _MANTISSA_ONES = (1 << 23) - 1
 _FP32_INF_BITS = 0x7F800000

@@ -19,7 +19,7 @@ Every gather is one *source stage* then one *movement*:
   - "coalesced": the source stage writes a local ``[n_r, ...]`` tensor, then torch's uneven-list
     all-gather (grouped broadcasts on NCCL) writes straight into views of the compact output.
   - ordered (``positions``): the compact result, then ``index_copy_`` into batch order. The plan hands
-    over a permutation (nsa_cp.checks.ordered_rows), so every output row is written exactly once; the
+    over a permutation (nsa_cp's ordered_rows check), so every output row is written exactly once; the
     clamp below only keeps a direct caller's bad value inside the output.
 
 Reduce-scatters: "even" (one ``reduce_scatter_tensor`` on the caller's tensor), "padded" (into an
@@ -37,7 +37,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from .. import checks, reference
+from .. import reference
+from ..wire import FP8_DTYPES
 from ..layout import ShardLayout
 from ..stage import Stage
 from .torch_dist import Collectives
@@ -63,7 +64,7 @@ class Source:
         on the device (CUDA; under CUDA graphs it may differ from the host's n) or given as device counts;
         None on CPU without device counts."""
         stage = self.stage
-        if self.plain and x.dtype in checks.FP8_DTYPES:  # a copy moves bits: fp8 as uint8
+        if self.plain and x.dtype in FP8_DTYPES:  # a copy moves bits: fp8 as uint8
             x, slots = x.view(torch.uint8), [slots[0].view(torch.uint8)]
         if x.is_cuda and host_n and stage.norm and stage.fmt is None:  # n on the host: flashinfer's norm may serve
             _norm_rows(slots[0], x, n, norm_args)
