@@ -70,9 +70,9 @@ def _dequant_close(q, scale, want_q, want_s, what: str) -> Optional[str]:
     ratio = scale / want_s
     if not ((ratio == 1) | (ratio == 2) | (ratio == 0.5)).all():
         return f"{what}: power-of-two scales more than one power from the oracle's"
-    rows = q.shape[0]
-    got = (q.view(rows, -1, 128) * scale[..., None]).view(rows, -1)
-    want = (want_q.float().view(rows, -1, 128) * want_s[..., None]).view(rows, -1)
+    rows, hidden = q.shape
+    got = (q.view(rows, hidden // 128, 128) * scale[..., None]).view(rows, hidden)
+    want = (want_q.float().view(rows, hidden // 128, 128) * want_s[..., None]).view(rows, hidden)
     step = 2.0 ** -7 * torch.maximum(scale, want_s).repeat_interleave(128, dim=1)
     bad = (got - want).abs() > 0.125 * want.abs() + step
     return f"{what}: {int(bad.sum())} dequantized values more than one fp8 step off" if bool(bad.any()) else None

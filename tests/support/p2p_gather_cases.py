@@ -226,9 +226,9 @@ def _check_format_gather(transport, rank, world, device, seed, fmt) -> Optional[
                     return f"norm + fp8 gather {tag}: power-of-two scales more than one power from the reference"
             elif ((scale - want_s).abs() > rtol * want_s.abs() * 2).any():
                 return f"norm + fp8 gather {tag}: scales beyond {2 * rtol} relative"
-            rows = q.shape[0]
-            dq = (q.float().view(rows, -1, fmt.group) * scale[..., None]).view(rows, -1)
-            wq = (want_q.float().view(rows, -1, fmt.group) * want_s[..., None]).view(rows, -1)
+            rows, groups = q.shape[0], hidden // fmt.group
+            dq = (q.float().view(rows, groups, fmt.group) * scale[..., None]).view(rows, hidden)
+            wq = (want_q.float().view(rows, groups, fmt.group) * want_s[..., None]).view(rows, hidden)
             step = (2 ** -7) * torch.maximum(scale, want_s).repeat_interleave(fmt.group, dim=1)
             if ((dq - wq).abs() > 0.125 * wq.abs() + step).any():
                 return f"norm + fp8 gather {tag}: dequantized values more than one fp8 step from the reference"
