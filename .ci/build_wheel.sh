@@ -3,7 +3,7 @@
 #   * the wheel is platform-tagged and versioned +cuXX, and holds nsa_cp/_C*.so;
 #   * _C holds sm_90a machine code (cuobjdump --list-elf) and links neither libcuda nor libcudart;
 #   * in a fresh venv (torch 2.13 CPU), the wheel installs with its deps, nsa_cp and nsa_cp._C import,
-#     nsa_cp._native.available() is False with a reason saying there is no GPU, and the wheel declares
+#     nsa_cp.rows._native.available() is False with a reason saying there is no GPU, and the wheel declares
 #     (and loads) its SGLang and vLLM plugin entry points;
 #   * with NSA_CP_BUILD_CUDA=0 the wheel is pure (py3-none-any).
 # Builds from a copy of the checkout, so the working tree (and its editable build) is left alone.

@@ -1,4 +1,4 @@
-"""Host cost of the torch.library dispatcher that eager calls skip (nsa_cp/ops.py's eager bypass).
+"""Host cost of the torch.library dispatcher that eager calls skip (nsa_cp/api/ops.py's eager bypass).
 
     python benchmarks/dispatch_overhead.py [--worlds 1 2] [--M 64] [--H 128] [--calls 2000] [--rounds 10]
 
@@ -53,7 +53,7 @@ def worker(rank, world, args, result_path):
     kwargs = {"device_id": torch.device("cuda", rank)} if cuda else {}
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, **kwargs)
     import nsa_cp
-    from nsa_cp import ops
+    from nsa_cp.api import ops
 
     group = dist.group.WORLD
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

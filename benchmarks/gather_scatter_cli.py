@@ -114,7 +114,7 @@ def make_configs(args, world) -> List[Tuple[int, ...]]:
                 raise SystemExit(f"--counts {spec!r}: {len(counts)} counts for {world} ranks")
             configs.append(counts)
         if args.seq_lens:
-            from nsa_cp.split import in_seq_split  # the split rule of the package itself
+            from nsa_cp.geometry.split import in_seq_split  # the split rule of the package itself
 
             for spec in args.seq_lens:  # a prefill batch, split the way a model splits it
                 configs.append(tuple(in_seq_split(parse_seq_lens(spec), world, args.page_size)))

@@ -606,7 +606,7 @@ def p2p_needs(c: Ctx) -> Optional[str]:
     if c.device.type != "cuda":
         return "P2P needs CUDA GPUs"
     try:
-        from nsa_cp import _native
+        from nsa_cp.rows import _native
 
         if not _native.available():
             return f"nsa_cp._C unavailable: {_native.unavailable_reason()}"

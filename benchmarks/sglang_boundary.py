@@ -14,7 +14,7 @@ real (counts ``[M, round(0.8 M), ...]`` cycling over the ranks, ``--imbalance``,
 physical``). SGLang's steps are emulated with the kernels and collectives it runs (no SGLang import):
 
 * gather, ``sglang``: the read step, residual add + RMSNorm IN PLACE on all ``physical`` local rows
-  (``nsa_cp.norm.fused_add_rmsnorm_into(x, res, w, eps, out=x)``: flashinfer's ``fused_add_rmsnorm`` where
+  (``nsa_cp.rows.norm.fused_add_rmsnorm_into(x, res, w, eps, out=x)``: flashinfer's ``fused_add_rmsnorm`` where
   it imports, else nsa_cp's Triton kernel; the torch reference on the CPU; the output says which), then
   ``all_gather_into_tensor`` of the equal shards into a fresh ``[physical * cp, H]``.
 * gather, ``plugin``: ``CpMovesAdapter.gather_rows``' fused path: ``residual[n:physical].add_(x[n:physical])``
@@ -104,10 +104,10 @@ SHARED_NOTE = ("ranks SHARE ONE GPU (gloo for control, P2P over CUDA IPC for dat
 
 
 def norm_label(device: torch.device, dtype: torch.dtype) -> str:
-    """Which kernel ``nsa_cp.norm.fused_add_rmsnorm_into(x, res, w, eps, out=x)`` runs for SGLang's read step."""
+    """Which kernel ``nsa_cp.rows.norm.fused_add_rmsnorm_into(x, res, w, eps, out=x)`` runs for SGLang's read step."""
     if device.type != "cuda":
-        return "torch reference (nsa_cp.reference, CPU)"
-    from nsa_cp.norm import flashinfer_norm_module
+        return "torch reference (nsa_cp.rows.reference, CPU)"
+    from nsa_cp.rows.norm import flashinfer_norm_module
 
     if dtype in (torch.bfloat16, torch.float16) and flashinfer_norm_module() is not None:
         return "flashinfer fused_add_rmsnorm (in place)"
@@ -169,7 +169,7 @@ def worker(rank, world, mode, port, args, configs, result_path):
     device = harness.init_rank(rank, world, mode, port)
     torch.set_grad_enabled(False)
     nsa = harness.import_nsa_cp()
-    from nsa_cp.norm import fused_add_rmsnorm_into
+    from nsa_cp.rows.norm import fused_add_rmsnorm_into
 
     dtype = harness.DTYPES[args.dtype]
     w = (1.0 + 0.1 * harness.randn((args.hidden,), harness.seed_of(args.seed, 21), torch.float32, device)).to(dtype)

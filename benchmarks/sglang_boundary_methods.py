@@ -39,7 +39,7 @@ def physical_of(counts: Sequence[int], cp: int) -> int:
 class BoundaryCtx(harness.Ctx):
     physical: int = 0  # SGLang's local rows per rank (= layout.max_rank_len: ShardLayout(counts, align=physical))
     w: Optional[torch.Tensor] = None  # the read step's RMSNorm weight [H], of the rows' dtype
-    norm: Optional[Callable] = None  # nsa_cp.norm.fused_add_rmsnorm_into: SGLang's in-place add + RMSNorm
+    norm: Optional[Callable] = None  # nsa_cp.rows.norm.fused_add_rmsnorm_into: SGLang's in-place add + RMSNorm
     extra: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # where the plugin's partials are
 
 

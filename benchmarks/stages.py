@@ -6,7 +6,7 @@ Usage::
     python benchmarks/stages.py                          # the GPU: M in 256 2048 8192 32768, cp 2
     python benchmarks/stages.py --M 8192 --cp 8 --csv stages.csv --json stages.json
     python benchmarks/stages.py --M 16 --hidden 256 --rounds 2    # no GPU: a CPU smoke run
-    git show REV:nsa_cp/kernels/norm_rows.py > /tmp/before.py
+    git show REV:nsa_cp/rows/kernels/norm_rows.py > /tmp/before.py
     python benchmarks/stages.py --M 32768 --kernels-before /tmp/before.py  # REV's row kernels beside today's
 
 ``python benchmarks/gather_scatter.py`` runs this on a machine with one GPU. One GPU has no link
@@ -281,7 +281,7 @@ def parse_args(argv=None):
     p.add_argument("--floor-mib", type=int, default=1024, help="MiB of the HBM copy that sets the floor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels-before", metavar="FILE",
-                   help="a norm_rows.py of an earlier commit (git show REV:nsa_cp/kernels/norm_rows.py > FILE): its "
+                   help="a norm_rows.py of an earlier commit (git show REV:nsa_cp/rows/kernels/norm_rows.py > FILE): its "
                         "row-kernel stages are timed beside today's and checked bitwise against them")
     p.add_argument("--csv")
     p.add_argument("--json")

@@ -130,13 +130,13 @@ class Env:
 
 
 def make_env(s, nsa, log) -> Env:
-    from nsa_cp import layout as nsa_layout
+    from nsa_cp.geometry import layout as nsa_layout
 
     dev, M = s.device, s.M
     w = (1.0 + 0.1 * torch.randn(s.hidden, generator=torch.Generator().manual_seed(5))).to(s.dtype).to(dev)
     index = torch.cat([torch.arange(c) + r * M for r, c in enumerate(s.counts)]).to(dev)
     try:  # which row kernel nsa_cp takes for these tensors (the label of its rows)
-        from nsa_cp.kernels._rows import native_module
+        from nsa_cp.rows.kernels._rows import native_module
 
         native = native_module(torch.empty(1, 1, dtype=s.dtype, device=dev), None) is not None
     except Exception:  # noqa: BLE001 - the row says Triton then
@@ -149,7 +149,7 @@ def pack_nsa(e: Env, impl=None):
     """nsa_cp's pack of ``x`` into its slot (padding rows zeroed), as a ``make`` for ``Env.optional``."""
 
     def make():
-        from nsa_cp.kernels.pack import pack_into_slot
+        from nsa_cp.rows.kernels.pack import pack_into_slot
 
         return lambda b: pack_into_slot(b["x"], b["slot"], e.count, impl=impl)
 
@@ -249,7 +249,7 @@ def add_rmsnorm_into_slot(e: Env) -> List[Method]:
                       baseline=True))
 
     def nsa_norm_slot():
-        from nsa_cp.kernels.norm_rows import fused_add_rmsnorm_into
+        from nsa_cp.rows.kernels.norm_rows import fused_add_rmsnorm_into
 
         return lambda b: fused_add_rmsnorm_into(b["x"], b["res"], w, EPS, b["slot"], count)
 
@@ -308,7 +308,7 @@ def fp8(e: Env) -> List[Method]:
                       chk_norm_fp8(torch_norm_fp8), baseline=True))
 
     def nsa_norm_fp8():
-        from nsa_cp.kernels.norm_rows import fused_add_rmsnorm_into
+        from nsa_cp.rows.kernels.norm_rows import fused_add_rmsnorm_into
 
         return lambda b: fused_add_rmsnorm_into(b["x"], b["res"], w, EPS, b["q"], count, quant="fp8_e4m3_g128",
                                                 dst_scale=b["scale"])
@@ -338,7 +338,7 @@ def compaction(e: Env) -> List[Method]:
 
     def nsa_compact(impl=None):
         def make():
-            from nsa_cp.kernels.compact import padded_to_compact
+            from nsa_cp.rows.kernels.compact import padded_to_compact
 
             return lambda b: padded_to_compact(b["padded"], layout, b["compact"], impl=impl)
         return make
@@ -384,13 +384,13 @@ STAGES = (pack_pad, add_rmsnorm, add_rmsnorm_into_slot, fp8, compaction, accumul
 
 
 def load_row_kernels(path: str):
-    """A ``norm_rows.py`` of another commit (``git show REV:nsa_cp/kernels/norm_rows.py > FILE``), loaded as a
-    module of ``nsa_cp.kernels`` beside today's (its relative imports resolve there)."""
+    """A ``norm_rows.py`` of another commit (``git show REV:nsa_cp/rows/kernels/norm_rows.py > FILE``), loaded as a
+    module of ``nsa_cp.rows.kernels`` beside today's (its relative imports resolve there)."""
     import importlib.util
 
-    import nsa_cp.kernels  # noqa: F401  the parent package of the loaded module
+    import nsa_cp.rows.kernels  # noqa: F401  the parent package of the loaded module
 
-    spec = importlib.util.spec_from_file_location("nsa_cp.kernels._norm_rows_before", path)
+    spec = importlib.util.spec_from_file_location("nsa_cp.rows.kernels._norm_rows_before", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -399,7 +399,7 @@ def load_row_kernels(path: str):
 def before_methods(e: Env, before) -> List[Method]:
     """The row-kernel stages with ``before``'s kernels (``load_row_kernels``), each checked bitwise against
     today's kernel on copies of the same inputs: an earlier kernel timed beside today's, in one run."""
-    from nsa_cp.kernels import norm_rows as now
+    from nsa_cp.rows.kernels import norm_rows as now
 
     w, count = e.w, e.count
     calls = [  # (stage, method, call on a kernel module and a set, the outputs it writes; FP8: H % 128 == 0)

@@ -68,7 +68,7 @@ PYBIND11_MODULE(_C, m) {
                             py::arg("max") = q.max, py::arg("amax_floor") = q.amax_floor,
                             py::arg("scale_floor") = q.scale_floor, py::arg("pow2_scales") = q.pow2_scales));
   }
-  m.attr("WIRE_FORMATS") = formats;  // every format's traits (csrc/codes.h), for nsa_cp/wire.py to compare
+  m.attr("WIRE_FORMATS") = formats;  // every format's traits (csrc/codes.h), for nsa_cp/geometry/wire.py to compare
   m.attr("DTYPE_BF16") = static_cast<int>(nsa_cp::kBF16);
   m.attr("DTYPE_FP16") = static_cast<int>(nsa_cp::kFP16);
   m.attr("DTYPE_FP32") = static_cast<int>(nsa_cp::kFP32);

@@ -1,6 +1,6 @@
 // The codes and constants that cross the Python / native boundary, defined once: bindings.cpp exports
 // every one of them as an nsa_cp._C attribute and the Python side reads them from there (nsa_cp/transport/
-// p2p/buffers.py). The wire formats' traits are defined here and in nsa_cp/wire.py; the P2P transport
+// p2p/buffers.py). The wire formats' traits are defined here and in nsa_cp/geometry/wire.py; the P2P transport
 // checks that the two agree when it is made.
 #pragma once
 
@@ -56,7 +56,7 @@ struct FormatList {
 using WireFormats = FormatList<NoQuant, Fp8E4m3G128, Fp8E4m3G128Ue8m0>;
 
 // _C.QUANT_*: each format's code under its name; _C.WIRE_FORMATS: every format's traits, which the
-// Python side compares with its own (nsa_cp/wire.py). group: columns per scale (1 for none).
+// Python side compares with its own (nsa_cp/geometry/wire.py). group: columns per scale (1 for none).
 struct QuantCode {
   const char* name;
   int code;

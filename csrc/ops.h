@@ -37,7 +37,7 @@ constexpr uint32_t kErrLayoutMismatch = 4;
 // mismatch, [own hash, own desc, peer hash, peer desc, peer epoch] (then 3 unused words).
 constexpr int kErrRecordWords = 12;
 
-// The signal pad: uint32 words per rank (nsa_cp.workspace.SIGNAL_WORDS allocates this many). Epoch
+// The signal pad: uint32 words per rank (nsa_cp.geometry.workspace.SIGNAL_WORDS allocates this many). Epoch
 // slots [(channel*2 + phase)*world + src] below kDoneBase; the gather's done counters
 // [kDoneBase + channel*kMaxWorld + src] from there; the call fingerprints [kFpBase + ((channel*2 +
 // epoch parity)*kMaxWorld + src)*kFpWords + i] after them (see common.cuh).

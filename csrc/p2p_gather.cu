@@ -151,7 +151,7 @@ void p2p_gather(uint64_t src, int64_t src_row_stride_bytes, int64_t row_bytes, u
 
 namespace {
 // The norm stage of one dtype in every wire format, 2 and 4 words per thread: "p2p_gather<norm,bf16,2>",
-// "p2p_gather<fp8_e4m3_g128,bf16,4>" (the format's name in nsa_cp/wire.py) and so on.
+// "p2p_gather<fp8_e4m3_g128,bf16,4>" (the format's name in nsa_cp/geometry/wire.py) and so on.
 template <int D, class... F>
 void append_norm_kernel_info(std::vector<KernelInfo>& out, const std::string& dtype, FormatList<F...>) {
   const auto one = [&](auto fmt) {

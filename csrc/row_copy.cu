@@ -1,8 +1,8 @@
-// row_copy: the layout conversions of the NCCL path (nsa_cp/kernels), natively. Each is one launch
+// row_copy: the layout conversions of the NCCL path (nsa_cp/rows/kernels), natively. Each is one launch
 // whose row counts come from device memory (CUDA-graph replays may change them; the host never syncs).
 //
 // They exist because of host time, not device time: the same copies as the Triton kernels of
-// nsa_cp/kernels, but one launch through pybind11 costs far less CPU time than Triton's launcher
+// nsa_cp/rows/kernels, but one launch through pybind11 costs far less CPU time than Triton's launcher
 // (benchmarks/host_overhead.py; figures in docs/performance.md), and the NCCL path runs one or two
 // of them per collective. Without nsa_cp._C the Triton kernels do the same work.
 //

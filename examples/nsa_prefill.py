@@ -741,7 +741,7 @@ def run(args: argparse.Namespace) -> dict:
         if own_group:
             if ok:
                 # collective: only on the way out of a run every rank finished. The plans nsa_cp cached
-                # for the group go at exit (nsa_cp/plan.py).
+                # for the group go at exit (nsa_cp/planning/plan.py).
                 nsa_cp.transport.destroy_p2p(None)
                 nsa_cp.transport.destroy_nccl(None)
             dist.destroy_process_group()

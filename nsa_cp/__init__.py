@@ -52,20 +52,20 @@ __version__ = _installed_version(__version__)
 
 import logging as _logging
 
-from . import ops as _ops  # noqa: F401  registers torch.ops.nsa_cp.* (for graphs loaded by torch.export and friends)
-from .collectives import (
+from .api import ops as _ops  # noqa: F401  registers torch.ops.nsa_cp.* (for graphs loaded by torch.export and friends)
+from .api.collectives import (
     cp_all_gather,
     cp_reduce_scatter,
     cp_reduce_scatter_buffer,
     fused_add_rmsnorm_all_gather,
     reduce_scatter_fused_add_rmsnorm,
 )
-from .communicator import NSACPLayerCommunicator
-from .layout import ShardLayout
-from .moe import mask_padding_topk_ids
-from .norm import RMSNorm
-from .quant import dequant_fp8_g128, quant_fp8_g128, quantize
-from .split import in_seq_positions, in_seq_restore_index, in_seq_split
+from .api.communicator import NSACPLayerCommunicator
+from .geometry.layout import ShardLayout
+from .api.moe import mask_padding_topk_ids
+from .rows.norm import RMSNorm
+from .rows.quant import dequant_fp8_g128, quant_fp8_g128, quantize
+from .geometry.split import in_seq_positions, in_seq_restore_index, in_seq_split
 from .transport import init_nccl, init_p2p, nccl_unavailable_reason, p2p_unavailable_reason
 from .transport.p2p import P2PError, P2PTimeoutError
 from .errors import LayoutMismatchError

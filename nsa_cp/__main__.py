@@ -25,7 +25,7 @@ def machine_report() -> Dict[str, str]:
     import torch
 
     import nsa_cp
-    from nsa_cp import _native
+    from nsa_cp.rows import _native
 
     report = {"nsa_cp": f"{nsa_cp.__version__} ({os.path.dirname(nsa_cp.__file__)})",
               "torch": f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"}

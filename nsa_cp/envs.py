@@ -214,7 +214,7 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
 }
 
 
-# The variables a cached plan (nsa_cp/plan.py) depends on: their raw values are part of its key, so a
+# The variables a cached plan (nsa_cp/planning/plan.py) depends on: their raw values are part of its key, so a
 # change takes effect on the next call.
 PLAN_VARIABLES = (
     "NSA_CP_COMPACT_ALGO", "NSA_CP_COALESCED_GATHER_MIN_BYTES", "NSA_CP_COALESCED_SCATTER_MIN_BYTES",

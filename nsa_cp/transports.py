@@ -2,7 +2,7 @@
 
 A row names the transport (what ``backend=`` and ``NSA_CP_BACKEND`` insist on) and where its provider lives
 (a module and an attribute, imported the first time the planner asks it: nothing here imports a transport).
-The planner (nsa_cp/plan.py) asks the rows in order, after any provider registered at run time
+The planner (nsa_cp/planning/plan.py) asks the rows in order, after any provider registered at run time
 (``nsa_cp.transport.register``), and takes the first whose verdict on a call is yes; the row that
 ``serves_every_call`` is asked last, serves even layouts under ``backend="auto"`` (the contract: the old
 even-shard path) and empty calls. ``envs.NSA_CP_BACKEND`` accepts ``"auto"`` and these names.

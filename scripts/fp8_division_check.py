@@ -1,6 +1,6 @@
 """The FP8 quantizer's division, checked exhaustively over bf16 inputs without a GPU.
 
-``nsa_cp.kernels.exact_fp32.div_by_group_scale`` replaces the correctly rounded ``v / scale`` (``div_rn``,
+``nsa_cp.rows.kernels.exact_fp32.div_by_group_scale`` replaces the correctly rounded ``v / scale`` (``div_rn``,
 per element) by the group's correctly rounded reciprocal ``r``, ``q0 = v * r`` and one remainder correction
 ``q0 - fma(q0, scale, -v) * r``. Its fp32 quotient may be an ulp off; what the wire carries is its
 e4m3 rounding after the clamp to +-448, and that must equal the reference's (``torch``: ``v / scale``).

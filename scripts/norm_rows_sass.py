@@ -1,6 +1,6 @@
 """The row kernel's machine code per variant, compiled ahead of time for sm_90 on a machine without a GPU.
 
-``nsa_cp.kernels.norm_rows._rows_kernel`` at the production row length (H = 7168, bf16, residual, device
+``nsa_cp.rows.kernels.norm_rows._rows_kernel`` at the production row length (H = 7168, bf16, residual, device
 count), for each stage (add + RMSNorm into the slot, + FP8 quantization, the FP8 quantizer alone) and each
 ``CAST_ROUNDS`` (False: the interpreter's integer rounding, True: the GPU's casts): SASS instructions per
 thread, straight-line (the row is unrolled), by opcode, and warp instructions a row (a thread's count times
@@ -34,7 +34,7 @@ def sass(stage: str, cast_rounds: bool, hidden: int) -> Tuple[int, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nsa_cp.kernels import norm_rows
+    from nsa_cp.rows.kernels import norm_rows
 
     fn = norm_rows._rows_kernel
     if not isinstance(fn, triton.runtime.JITFunction):

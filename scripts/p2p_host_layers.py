@@ -90,7 +90,7 @@ def _stub_transport(nsa_cp, layout):
 
 def rows(nsa_cp):
     """``{name: call}``: the public P2P calls of benchmarks/host_overhead.py, on one rank."""
-    from nsa_cp import plan
+    from nsa_cp.planning import plan
 
     layout = nsa_cp.ShardLayout([int(M * 0.8)], align=M)
     transport = _stub_transport(nsa_cp, layout)

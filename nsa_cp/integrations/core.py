@@ -34,8 +34,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..collectives import cp_all_gather, cp_reduce_scatter
-from ..layout import ShardLayout
+from ..api.collectives import cp_all_gather, cp_reduce_scatter
+from ..geometry.layout import ShardLayout
 from ..transport.p2p import get_p2p
 from ..transport.policy import ensure_transport, transport_decision
 

@@ -14,7 +14,7 @@ and ``workspace_bytes`` (what ``init_p2p`` allocates). ``nsa_cp`` itself keeps `
 and the two ``*_unavailable_reason`` (the use cases); its other lifecycle names are deprecated aliases.
 """
 
-from ..workspace import workspace_bytes
+from ..geometry.workspace import workspace_bytes
 from .base import Route, Transport, register, unregister
 from .nccl_native import destroy_nccl, get_nccl, init_nccl, nccl_unavailable_reason
 from .p2p import destroy_p2p, get_p2p, init_p2p, p2p_unavailable_reason

@@ -1,7 +1,7 @@
 """The transport seam: what the planner asks of a transport, and the ordered list it asks.
 
 A *transport* moves one process group's rows for the calls it accepts. nsa_cp's transports are the rows of
-a static table (nsa_cp/transports.py: name, provider module); the planner (nsa_cp/plan.py) asks their
+a static table (nsa_cp/transports.py: name, provider module); the planner (nsa_cp/planning/plan.py) asks their
 providers in order for a request and takes the first whose verdict is yes; the torch.distributed
 transport (NCCL / gloo, nsa_cp/transport/dist.py) is last and serves every call. A verdict's reason feeds
 the fallback log and, when the caller insisted on that transport with ``backend=<name>``, the ValueError.
@@ -46,11 +46,11 @@ class Route(NamedTuple):
 
 
 class Transport(Protocol):
-    """One process group's transport. ``stage``: the gather's source stage (nsa_cp/stage.py), or for a
+    """One process group's transport. ``stage``: the gather's source stage (nsa_cp/geometry/stage.py), or for a
     reduce-scatter whether it ends with the add + RMSNorm (``stage.norm``)."""
 
     def support(self, req, stage) -> Support:
-        """Whether this transport serves ``req`` (an nsa_cp.request.Request) with ``stage``; a no says why."""
+        """Whether this transport serves ``req`` (an nsa_cp.planning.request.Request) with ``stage``; a no says why."""
 
     def gather(self, req, stage) -> Route:
         """The gather's route (called after a yes)."""

@@ -3,10 +3,10 @@ per request and hands it to the planner.
 
 Every gather is one *source stage* then one *movement*:
 
-* source stage (``Source``, over the request's ``Stage``: nsa_cp/stage.py): what this rank contributes,
+* source stage (``Source``, over the request's ``Stage``: nsa_cp/geometry/stage.py): what this rank contributes,
   written straight into its slot of the collective's buffer, padding rows included: a copy of ``x``, its
-  quantization to a wire format, the fused add + RMSNorm, or both. One kernel on CUDA (nsa_cp.kernels),
-  the pure-torch reference on CPU (nsa_cp.reference). A wire format produces two streams (FP8: ``q
+  quantization to a wire format, the fused add + RMSNorm, or both. One kernel on CUDA (nsa_cp.rows.kernels),
+  the pure-torch reference on CPU (nsa_cp.rows.reference). A wire format produces two streams (FP8: ``q
   [rows, H]`` float8_e4m3fn carried as uint8, ``scale [rows, H/128]`` fp32, padding rows ``1e-10/448``,
   what quantizing a zero row gives); the others one.
 * movement, chosen once per plan (``algo``; the gathers' table ``_MOVES``):
@@ -37,17 +37,17 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from .. import reference
-from ..wire import FP8_DTYPES
-from ..layout import ShardLayout
-from ..stage import Stage
+from ..rows import reference
+from ..geometry.wire import FP8_DTYPES
+from ..geometry.layout import ShardLayout
+from ..geometry.stage import Stage
 from .torch_dist import Collectives
 
 __all__ = ["Source", "gather_runner", "scatter_runner"]
 
 
 class Source:
-    """What a rank contributes to a gather: its ``stage`` (nsa_cp/stage.py) and the result ``streams``
+    """What a rank contributes to a gather: its ``stage`` (nsa_cp/geometry/stage.py) and the result ``streams``
     ``(row shape, result dtype, dtype on the wire)``."""
 
     __slots__ = ("stage", "streams", "plain")
@@ -89,8 +89,8 @@ def _fill_reference(stage: Stage, slots, x: torch.Tensor, n: int, norm_args) -> 
 
 def _norm_rows(slot: torch.Tensor, x: torch.Tensor, n: int, norm_args) -> None:
     """slot[:n] = add + RMSNorm of x's n rows (residual in place), slot[n:] = 0, with the local norm of
-    nsa_cp.norm (flashinfer where it suits: a cheaper launch than the Triton kernel's)."""
-    from ..norm import fused_add_rmsnorm_into
+    nsa_cp.rows.norm (flashinfer where it suits: a cheaper launch than the Triton kernel's)."""
+    from ..rows.norm import fused_add_rmsnorm_into
 
     if n:
         fused_add_rmsnorm_into(x, *norm_args, out=slot if n == slot.shape[0] else slot[:n])
@@ -101,11 +101,11 @@ def _norm_rows(slot: torch.Tensor, x: torch.Tensor, n: int, norm_args) -> None:
 def _fill_cuda(stage: Stage, slots, x: torch.Tensor, count: torch.Tensor, norm_args) -> None:
     fmt = stage.fmt
     if not stage.norm and fmt is None:
-        from ..kernels import pack
+        from ..rows.kernels import pack
 
         pack.pack_into_slot(x, slots[0], count)
         return
-    from ..kernels import norm_rows as kernels  # the fused source stages: one Triton kernel each
+    from ..rows.kernels import norm_rows as kernels  # the fused source stages: one Triton kernel each
 
     if not stage.norm:
         kernels.quant_into(x, slots[0], slots[1], count, fmt.name)
@@ -117,7 +117,7 @@ def _fill_cuda(stage: Stage, slots, x: torch.Tensor, count: torch.Tensor, norm_a
 
 def _padded_to_compact(padded: torch.Tensor, layout: ShardLayout, compact: torch.Tensor) -> None:
     if padded.is_cuda:
-        from ..kernels import compact as kernels
+        from ..rows.kernels import compact as kernels
 
         kernels.padded_to_compact(padded, layout, compact)
     else:
@@ -126,7 +126,7 @@ def _padded_to_compact(padded: torch.Tensor, layout: ShardLayout, compact: torch
 
 def _compact_to_padded(compact: torch.Tensor, layout: ShardLayout, padded: torch.Tensor) -> None:
     if compact.is_cuda:
-        from ..kernels import compact as kernels
+        from ..rows.kernels import compact as kernels
 
         kernels.compact_to_padded(compact, layout, padded)
     else:
@@ -165,7 +165,7 @@ class _Gather:
             if coll.native is not None:
                 self.pack_gather = coll.native.pack_gather_launcher(self.m, self.row_len * element_size, self.count0)
             else:
-                from ..kernels import pack as kernels
+                from ..rows.kernels import pack as kernels
 
                 self.pack = kernels.launcher(req.device, self.row_len, element_size, self.count0)
 
@@ -241,7 +241,7 @@ _MOVES = {"even": _padded, "padded": _padded, "coalesced": _coalesced, "padded+c
 
 def gather_runner(coll: Collectives, req, rank: int, source: Source, algo: str) -> Callable:
     """``run(x, outs, device_counts, positions, norm_args) -> [results]`` for the gather ``req`` (an
-    nsa_cp.request.Request): one result per stream, each ``[global_len or T, *row]``; ``outs`` (or None)
+    nsa_cp.planning.request.Request): one result per stream, each ``[global_len or T, *row]``; ``outs`` (or None)
     are the caller's output tensors (checked)."""
     g = _Gather(coll, req, rank, source)
     rows = g.total if (req.compact or req.ordered) else g.padded_len
@@ -273,7 +273,7 @@ def gather_runner(coll: Collectives, req, rank: int, source: Source, algo: str) 
 # --------------------------------------------------------------------------- reduce-scatters
 def scatter_runner(coll: Collectives, req, rank: int, algo: str) -> Callable:
     """``run(y, out, device_counts, positions) -> [n_r, ...]`` for the reduce-scatter ``req`` (an
-    nsa_cp.request.Request; device_counts unused: padded rows past them are summed and ignored), a view of
+    nsa_cp.planning.request.Request; device_counts unused: padded rows past them are summed and ignored), a view of
     a private ``[M, ...]`` buffer on the padded uneven path without ``out``."""
     layout, compact, ordered = req.layout, req.compact, req.ordered
     m, n = layout.max_rank_len, layout.count(rank)

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import _native, envs
+from ..rows import _native
+from .. import envs
 from ..support import Support
 from .torch_dist import check_group, resolve_group
 from .registry import GroupRegistry

@@ -47,7 +47,7 @@ SMOKE = {
                            "--csv", "{out}/stages.csv", "--json", "{out}/stages.json"], ["stages.csv", "stages.json"]),
                   # an earlier commit's row kernels beside today's (here today's file: checked bitwise equal)
                   ("kernels-before", ["--M", "16", "--hidden", "256", "--rounds", "1", "--warmup", "0",
-                                      "--kernels-before", "nsa_cp/kernels/norm_rows.py", "--csv", "{out}/ab.csv"],
+                                      "--kernels-before", "nsa_cp/rows/kernels/norm_rows.py", "--csv", "{out}/ab.csv"],
                    ["ab.csv"])],
     "sglang_boundary.py": [("cpu", ["--cpu-ranks", "2", "--M", "8", "--hidden", "128", "--rounds", "1", "--warmup", "0",
                                     "--compact", "--csv", "{out}/sb.csv", "--json", "{out}/sb.json"], ["sb.csv", "sb.json"])],

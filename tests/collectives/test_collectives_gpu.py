@@ -56,7 +56,7 @@ NATIVE_PARAMS = [pytest.param(world, case_id, id=f"native-w{world}-{case_id}")
 
 @pytest.mark.parametrize("world,case_id", NATIVE_PARAMS)
 def test_case_native_nccl(world, case_id):
-    from nsa_cp import _native
+    from nsa_cp.rows import _native
 
     C = _native.load()
     if C is None or not hasattr(C, "NcclComm"):

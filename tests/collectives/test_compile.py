@@ -1,4 +1,4 @@
-"""torch.compile of cp_all_gather / cp_reduce_scatter (nsa_cp/ops.py).
+"""torch.compile of cp_all_gather / cp_reduce_scatter (nsa_cp/api/ops.py).
 
 * gloo, world 2, spawned once: ``torch.compile(fullgraph=True)`` with the "eager", "aot_eager" and
   "inductor" backends (Inductor's C++ backend on CPU) of a function calling cp_all_gather, torch ops and
@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import compile_cases
 import nsa_cp
-import nsa_cp.ops  # noqa: F401  registers torch.ops.nsa_cp.*
+import nsa_cp.api.ops  # noqa: F401  registers torch.ops.nsa_cp.*
 from dist_harness import case_failures, run_world, scoped_env
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

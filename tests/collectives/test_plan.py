@@ -41,7 +41,7 @@ def test_plan_keys_gloo(world):
 @pytest.mark.skipif(GPUS < 2, reason=f"init_p2p / destroy_p2p need 2 GPUs, found {GPUS}")
 @pytest.mark.parametrize("name", ["keys", "p2p_reinit"])
 def test_plan_keys_nccl(name):
-    from nsa_cp import _native
+    from nsa_cp.rows import _native
 
     if name == "p2p_reinit" and _native.load() is None:
         pytest.skip(_native.unavailable_reason())

@@ -16,7 +16,7 @@ def _worker(rank, world, payload):
     import torch.distributed as dist
 
     import nsa_cp
-    from nsa_cp import plan
+    from nsa_cp.planning import plan
 
     try:
         layout = nsa_cp.ShardLayout([5, 3])

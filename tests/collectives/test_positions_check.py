@@ -1,5 +1,5 @@
 """``positions=`` that is not a permutation never returns memory the call did not write: the ordered calls
-use nsa_cp.checks.ordered_rows (a permutation computed on the device, no host sync, no collective), with a
+use nsa_cp.planning.checks.ordered_rows (a permutation computed on the device, no host sync, no collective), with a
 documented result the same on every rank. On gloo, 2 and 3 ranks, padded and compact requests, the copy,
 FP8 and norm gathers and the reduce-scatter (tests/support/positions_cases.py)."""
 
@@ -11,7 +11,7 @@ import torch
 
 import positions_cases
 from dist_harness import case_failures, run_world
-from nsa_cp import checks
+from nsa_cp.planning import checks
 
 WORLDS = (2, 3)
 

@@ -1,4 +1,4 @@
-"""The call record (nsa_cp/request.py) on gloo: an unknown quant is refused, a non-tensor input is named
+"""The call record (nsa_cp/planning/request.py) on gloo: an unknown quant is refused, a non-tensor input is named
 after the record is built (which never raises), and the record keys the plan cache (tests/support/request_worker.py)."""
 
 import functools

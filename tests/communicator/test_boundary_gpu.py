@@ -21,7 +21,7 @@ HIDDEN = 256  # one transport row for every P2P case (a multiple of 128 for the 
 def _p2p_reason():
     if GPUS < 2:
         return f"the P2P world needs 2 GPUs, found {GPUS}"
-    from nsa_cp import _native
+    from nsa_cp.rows import _native
 
     if _native.load() is None:
         return _native.unavailable_reason()

@@ -1,4 +1,4 @@
-"""The FP8 quantizer's division (``nsa_cp.kernels.exact_fp32.div_by_group_scale``): a reciprocal per group
+"""The FP8 quantizer's division (``nsa_cp.rows.kernels.exact_fp32.div_by_group_scale``): a reciprocal per group
 and one remainder correction per element instead of ``div_rn`` per element, with the same e4m3 bytes.
 
 Why it holds. ``r = RN(1/scale)`` and ``q0 = RN(v * r)`` put q0 within 1.5 fp32 ulps of ``v / scale``. The
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from nsa_cp import reference
+from nsa_cp.rows import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("fp8_division_check", ROOT / "scripts" / "fp8_division_check.py")
@@ -85,7 +85,7 @@ def _rows_for(pairs):
 
 
 def _assert_kernel_is_reference(x):
-    from nsa_cp.kernels import norm_rows
+    from nsa_cp.rows.kernels import norm_rows
 
     q, scale = norm_rows.quant_fp8_g128(x.to(DEVICE))
     want_q, want_scale = reference.quant_fp8_g128(x)
@@ -117,7 +117,7 @@ def test_the_kernel_on_zeros_subnormals_the_floor_and_inf():
     x[3, 3, 0] = float("inf")  # scale inf: every finite value -> +-0
     x[3, 3, 1:3] = torch.tensor([-3.0, -0.0])
     x = x.reshape(4, 512)
-    from nsa_cp.kernels import norm_rows
+    from nsa_cp.rows.kernels import norm_rows
 
     q, scale = norm_rows.quant_fp8_g128(x.to(DEVICE))
     want_q, want_scale = reference.quant_fp8_g128(x)
@@ -136,7 +136,7 @@ def test_the_kernel_takes_the_reciprocal_where_fma_rounds_once():
         pytest.skip("Triton is not installed")
     import triton
 
-    from nsa_cp.kernels import exact_fp32
+    from nsa_cp.rows.kernels import exact_fp32
 
     if exact_fp32.COMPILED:
         assert exact_fp32.fma_rounds_once()

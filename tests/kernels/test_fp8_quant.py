@@ -1,4 +1,4 @@
-"""nsa_cp.quant: the public FP8 per-token-group quantizer (SGLang's per_token_group_quant_fp8 convention).
+"""nsa_cp.rows.quant: the public FP8 per-token-group quantizer (SGLang's per_token_group_quant_fp8 convention).
 
 The reference against hand-computed values; the public function against the reference (bitwise, on CPU and,
 through the Triton kernel, on CUDA); its argument errors; dequantization; the round-trip bound; the layout
@@ -8,7 +8,7 @@ flashinfer's FP8 block-scale MoE takes (scales transposed to [H/128, T]).
 import pytest
 import torch
 
-from nsa_cp import quant, reference
+from nsa_cp.rows import quant, reference
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])

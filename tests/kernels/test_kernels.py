@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import nsa_cp
-from nsa_cp import _native, reference
+from nsa_cp.rows import _native, reference
 from nsa_cp.support import Support
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
 # Triton present: an import error below (e.g. its interpreter's numpy missing) must fail, not skip
-from nsa_cp.kernels import compact as compact_kernels  # noqa: E402
-from nsa_cp.kernels import pack as pack_kernels  # noqa: E402
+from nsa_cp.rows.kernels import compact as compact_kernels  # noqa: E402
+from nsa_cp.rows.kernels import pack as pack_kernels  # noqa: E402
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -143,7 +143,7 @@ def test_impl_choice_errors():
 
 
 def test_row_kernels_env_choice(monkeypatch):
-    from nsa_cp.kernels import _rows
+    from nsa_cp.rows.kernels import _rows
 
     t = torch.empty(1, device=DEVICE)
     monkeypatch.setenv("NSA_CP_ROW_KERNELS", "triton")
@@ -160,7 +160,7 @@ def test_row_kernels_fall_back_to_triton_on_a_gpu_without_native_code(monkeypatc
     """auto takes Triton on a device the native build cannot run on; "native" there says why."""
     from types import SimpleNamespace
 
-    from nsa_cp.kernels import _rows
+    from nsa_cp.rows.kernels import _rows
 
     monkeypatch.setattr(_native, "device_support", lambda index: Support.no(f"no kernels for cuda:{index}"))
     gpu_tensor = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=3))  # all native_module reads
@@ -192,7 +192,7 @@ def test_native_pack_clamps_the_device_count(device_count, expect_rows):
 
 def test_native_expand_and_compact_skip_rows_outside_the_compact_tensor():
     _native_only()
-    from nsa_cp.kernels import _rows
+    from nsa_cp.rows.kernels import _rows
 
     layout = nsa_cp.ShardLayout([3, 2])  # M = 3, total 5
     native = _rows.native_module(torch.empty(1, device=DEVICE), "native")
@@ -251,7 +251,7 @@ def test_native_kernels_launch_on_the_tensors_gpu_whatever_the_current_one():
 
 _FIRST_USE_IN_A_GRAPH = """
 import torch
-from nsa_cp.kernels import compact, pack
+from nsa_cp.rows.kernels import compact, pack
 import nsa_cp
 
 layout = nsa_cp.ShardLayout([5, 3])
@@ -266,7 +266,7 @@ graph = torch.cuda.CUDAGraph()
 with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
     pack.pack_into_slot(x, slot, count[0])  # the first native launch of this process, inside the capture
     compact.padded_to_compact(padded, layout, out)
-from nsa_cp import _native
+from nsa_cp.rows import _native
 assert _native.device_support(0), _native.device_support(0).reason
 for n in (4, 0, 5):
     count.fill_(n)

@@ -1,10 +1,10 @@
-"""nsa_cp.moe.mask_padding_topk_ids on CPU: padding rows -> -1, real rows untouched, errors write nothing."""
+"""nsa_cp.api.moe.mask_padding_topk_ids on CPU: padding rows -> -1, real rows untouched, errors write nothing."""
 
 import pytest
 import torch
 
 from nsa_cp import ShardLayout
-from nsa_cp.moe import mask_padding_topk_ids
+from nsa_cp.api.moe import mask_padding_topk_ids
 
 LAYOUTS = [
     ([5, 3], 1),

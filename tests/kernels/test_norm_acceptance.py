@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nsa_cp
-from nsa_cp.communicator import norm_parameters
+from nsa_cp.api.communicator import norm_parameters
 
 H = 256
 F32_EPS = torch.finfo(torch.float32).eps
@@ -25,7 +25,7 @@ class RMSNorm(torch.nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x, residual=None):
-        y, r = nsa_cp.reference.fused_add_rmsnorm(x, residual, self.weight, self.variance_epsilon)
+        y, r = nsa_cp.rows.reference.fused_add_rmsnorm(x, residual, self.weight, self.variance_epsilon)
         return y if residual is None else (y, r)
 
 
@@ -37,7 +37,7 @@ class GemmaRMSNorm(torch.nn.Module):  # y = rmsnorm(x) * (1 + weight): must not 
 
     def forward(self, x, residual=None):
         s = x if residual is None else x + residual
-        y = nsa_cp.reference.fused_add_rmsnorm(s, None, 1 + self.weight, self.variance_epsilon)[0]
+        y = nsa_cp.rows.reference.fused_add_rmsnorm(s, None, 1 + self.weight, self.variance_epsilon)[0]
         return y if residual is None else (y, s)
 
 
@@ -70,9 +70,9 @@ def test_torch_rmsnorm_eps_none_is_the_one_torch_adds():
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(1)) * 1e-4
     norm = _weighted(torch.nn.RMSNorm(H))
     weight, eps = norm_parameters(norm)
-    ours, _ = nsa_cp.reference.fused_add_rmsnorm(x, None, weight, eps)
+    ours, _ = nsa_cp.rows.reference.fused_add_rmsnorm(x, None, weight, eps)
     torch.testing.assert_close(ours, norm(x).detach(), rtol=1e-6, atol=0)
-    wrong, _ = nsa_cp.reference.fused_add_rmsnorm(x, None, weight, torch.finfo(torch.bfloat16).eps)
+    wrong, _ = nsa_cp.rows.reference.fused_add_rmsnorm(x, None, weight, torch.finfo(torch.bfloat16).eps)
     assert not torch.allclose(wrong, norm(x).detach(), rtol=1e-2)
 
 

@@ -1,4 +1,4 @@
-"""The fused add + RMSNorm (+ FP8) row kernels (nsa_cp.kernels.norm_rows) against nsa_cp.reference.
+"""The fused add + RMSNorm (+ FP8) row kernels (nsa_cp.rows.kernels.norm_rows) against nsa_cp.rows.reference.
 
 Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (conftest sets it); with one,
 the same tests run on CUDA. Checks, per the house rules:
@@ -18,11 +18,11 @@ import importlib.util
 import pytest
 import torch
 
-from nsa_cp import reference
+from nsa_cp.rows import reference
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
-from nsa_cp.kernels import norm_rows as K  # noqa: E402
+from nsa_cp.rows.kernels import norm_rows as K  # noqa: E402
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -475,7 +475,7 @@ def test_cuda_graph_replays_follow_the_device_count():
 @pytest.mark.parametrize("norm", [True, False])
 def test_fp8_into_one_wire_buffer(norm):
     """The FP8 slot as views of one uint8 wire row (q bytes, then the scales): what one collective moves."""
-    from nsa_cp import quant
+    from nsa_cp.rows import quant
 
     h, m, n = 256, 5, 3
     wire = torch.full((3 * m, quant.fp8_wire_row_bytes(h)), 0xEE, dtype=torch.uint8, device=DEVICE)

@@ -1,4 +1,4 @@
-"""nsa_cp.RMSNorm: DESIGN.md's convention on every implementation it picks, against nsa_cp.reference and fp64.
+"""nsa_cp.RMSNorm: DESIGN.md's convention on every implementation it picks, against nsa_cp.rows.reference and fp64.
 
 CPU: the torch path (the reference itself) and the Triton kernel forced through the interpreter are not the
 same thing, so the module is checked on CPU through its torch path, and the kernels separately in
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import nsa_cp
-from nsa_cp import norm as norm_module
-from nsa_cp import reference
+from nsa_cp.rows import norm as norm_module
+from nsa_cp.rows import reference
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (none visible here)")

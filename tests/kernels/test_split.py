@@ -1,4 +1,4 @@
-"""Tests for nsa_cp.split: the page-aligned zigzag in-seq split (CPU only, fast)."""
+"""Tests for nsa_cp.geometry.split: the page-aligned zigzag in-seq split (CPU only, fast)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nsa_cp.split import _block_bounds, in_seq_positions, in_seq_restore_index, in_seq_split
+from nsa_cp.geometry.split import _block_bounds, in_seq_positions, in_seq_restore_index, in_seq_split
 
 FUNCS = [in_seq_split, in_seq_positions, in_seq_restore_index]
 

@@ -1,4 +1,4 @@
-"""The wire formats as data (nsa_cp/wire.py, csrc/codes.h): one set of traits, read by the reference, the Triton
+"""The wire formats as data (nsa_cp/geometry/wire.py, csrc/codes.h): one set of traits, read by the reference, the Triton
 quantizer and the P2P kernels; the second format (``fp8_e4m3_g128_ue8m0``, vLLM's power-of-two scales) against an
 oracle written here; and a format added with one table row, served end to end on gloo.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nsa_cp
-from nsa_cp import wire
+from nsa_cp.geometry import wire
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -75,7 +75,7 @@ def test_codes_h_repeats_every_python_format_exactly():
 
 
 def test_native_traits_agree_where_built():
-    from nsa_cp import _native
+    from nsa_cp.rows import _native
 
     C = _native.load()
     if C is None:
@@ -139,8 +139,8 @@ def test_triton_quantizer_is_the_reference_for_every_format(quant, dtype):
 @needs_triton
 @pytest.mark.parametrize("quant", list(wire.FORMATS))
 def test_triton_slot_writer_pads_with_the_formats_zero_scale(quant):
-    from nsa_cp import reference
-    from nsa_cp.kernels import norm_rows
+    from nsa_cp.rows import reference
+    from nsa_cp.rows.kernels import norm_rows
 
     fmt = wire.FORMATS[quant]
     x, res = _rows(torch.bfloat16, rows=6, h=256, seed=7), _rows(torch.bfloat16, rows=6, h=256, seed=8)
@@ -165,11 +165,11 @@ def test_bad_quant_names_the_choices():
         nsa_cp.quantize(torch.randn(2, 100), UE8M0.name)
 
 
-# ---- a third format, added as one row of nsa_cp.wire.FORMATS (group 64), served on gloo by the reference path
+# ---- a third format, added as one row of nsa_cp.geometry.wire.FORMATS (group 64), served on gloo by the reference path
 def _added_format_worker(rank, world, payload):
     import torch.distributed as dist
 
-    from nsa_cp import wire as w
+    from nsa_cp.geometry import wire as w
 
     fmt = w.WireFormat("fp8_e4m3_g64", "fp8_g64", 3, group=64, max_=448.0, amax_floor=1e-10)
     w.FORMATS[fmt.name] = fmt  # the row

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from nsa_cp import _native
-from nsa_cp.wire import FORMATS
+from nsa_cp.rows import _native
+from nsa_cp.geometry.wire import FORMATS
 
 
 _C = _native.load()
@@ -409,7 +409,7 @@ def test_gpu_p2p_state_gathers(dtype_name):
     the second buffer, buffer 0 otherwise."""
     import torch
 
-    from nsa_cp import reference
+    from nsa_cp.rows import reference
 
     dtype = getattr(torch, dtype_name)
     world, max_rows, double_rows, hidden = 2, 16, 8, 256

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 
 
@@ -49,9 +49,9 @@ def test_module_surface():
     assert (_C.ERR_NONE, _C.ERR_TIMEOUT, _C.ERR_BAD_DEVICE_ARG, _C.ERR_BAD_POSITION) == (0, 1, 2, 3)
     assert _C.ERR_LAYOUT_MISMATCH == 4 and _C.ERR_RECORD_WORDS == 12
     assert (_C.QUANT_NONE, _C.QUANT_FP8_E4M3_G128, _C.QUANT_FP8_E4M3_G128_UE8M0) == (0, 1, 2)
-    from nsa_cp import wire
+    from nsa_cp.geometry import wire
 
-    for fmt in wire.FORMATS.values():  # csrc/codes.h's traits are nsa_cp/wire.py's
+    for fmt in wire.FORMATS.values():  # csrc/codes.h's traits are nsa_cp/geometry/wire.py's
         assert wire.native_mismatch(fmt, _C) is None, wire.native_mismatch(fmt, _C)
     for method in ("gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier", "copy_engine_begin",
                    "copy_engine_end", "error", "gather_rows", "scale_offset", "close"):
@@ -290,7 +290,7 @@ def test_negative_pointer_is_a_type_error():
 def test_signal_pad_layout_matches_the_workspace():
     """The transport allocates the pad the kernels index: the epoch slots of every channel at the
     largest world, then the gather's done counters, inside SIGNAL_WORDS."""
-    from nsa_cp import workspace
+    from nsa_cp.geometry import workspace
 
     assert workspace.SIGNAL_WORDS == _C.SIGNAL_WORDS
     assert workspace.NUM_CHANNELS * 2 * _C.MAX_WORLD <= _C.DONE_BASE

@@ -1,4 +1,4 @@
-"""nsa_cp._native, the loader of the optional native module: it answers (module or None, available or
+"""nsa_cp.rows._native, the loader of the optional native module: it answers (module or None, available or
 not, why not) and never raises, whatever the build or the machine. No GPU needed."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import importlib.util
 
 import pytest
 
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 
-# ---- nsa_cp._native ---------------------------------------------------------------------------------
+# ---- nsa_cp.rows._native ---------------------------------------------------------------------------------
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 _C = _native.load()
 pytestmark = pytest.mark.skipif(_C is None, reason=f"nsa_cp._C not importable: {_native._import_reason}")

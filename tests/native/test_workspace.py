@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nsa_cp
-from nsa_cp import workspace
+from nsa_cp.geometry import workspace
 
 
 def _recording_allocators(record):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import nsa_cp
-from nsa_cp import _native, envs
+from nsa_cp import envs
+from nsa_cp.rows import _native
 from nsa_cp.__main__ import machine_report, main
 from nsa_cp.support import Support
 

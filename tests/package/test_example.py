@@ -177,11 +177,11 @@ def test_example_under_torchrun():
 
 def _p2p_reason():
     try:
-        import nsa_cp._native as native
+        import nsa_cp.rows._native as native
 
         return None if native.available() else native.unavailable_reason()
     except Exception as e:  # noqa: BLE001  reported as the skip reason
-        return f"nsa_cp._native: {e}"
+        return f"nsa_cp.rows._native: {e}"
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (ranks sharing it)")

@@ -6,7 +6,7 @@ alive, its worker threads included, into interpreter finalization. A worker thre
 the last reference to the last collective's tensor needed the GIL, was ended by the finalizing
 interpreter inside a destructor and took the process down with ``terminate called without an active
 exception`` (SIGABRT) after the example had printed ok=True: 7 of 16 launches on a 2-core machine
-before nsa_cp/plan.py emptied the cache at exit. The second test checks that cause directly: after a
+before nsa_cp/planning/plan.py emptied the cache at exit. The second test checks that cause directly: after a
 gather and a reduce-scatter, ``destroy_process_group()`` and the exit handlers, no gloo thread is left.
 """
 

@@ -1,14 +1,15 @@
 """The tree's shape rules (docs/development.md, "Layout of the tree"), checked on the source so that a
-change breaking one fails CI: no ``nsa_cp`` module over 350 lines (the planner 250), no import circle among the modules'
-imports (lazy ones, inside functions, count too: a circle closed lazily is a circle), and no benchmark importing another benchmark (a benchmark's parts belong to it alone;
-what benchmarks share lives in ``benchmarks/harness.py``)."""
+change breaking one fails CI: no ``nsa_cp`` module over 350 lines (the planner 250); every module in a layer of
+docs/design.md's code map, its subpackage, and no import from a layer to a higher one nor any import circle
+(lazy imports, inside functions, count too); no benchmark importing another benchmark (a benchmark's parts
+belong to it alone; what benchmarks share lives in ``benchmarks/harness.py``)."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_LINES = 350
-PLAN_MAX_LINES = 250  # the planner only plans (nsa_cp/plan.py): transports own their routes
+PLAN_MAX_LINES = 250  # the planner only plans (nsa_cp/planning/plan.py): transports own their routes
 
 
 def _top_level_imports(path: pathlib.Path, package: str, lazy: bool = False):
@@ -43,8 +44,8 @@ def test_no_library_module_is_over_350_lines():
     long = {str(path.relative_to(ROOT)): n for path in sorted((ROOT / "nsa_cp").rglob("*.py"))
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
-    plan = len((ROOT / "nsa_cp" / "plan.py").read_text().splitlines())
-    assert plan <= PLAN_MAX_LINES, f"nsa_cp/plan.py has {plan} lines (at most {PLAN_MAX_LINES}: it only plans)"
+    plan = len((ROOT / "nsa_cp" / "planning" / "plan.py").read_text().splitlines())
+    assert plan <= PLAN_MAX_LINES, f"nsa_cp/planning/plan.py has {plan} lines (at most {PLAN_MAX_LINES}: it only plans)"
 
 
 def test_no_import_circle_among_library_modules_lazy_imports_included():
@@ -71,6 +72,43 @@ def test_no_import_circle_among_library_modules_lazy_imports_included():
         if name not in state:
             visit(name)
     assert len(state) == len(mods) > 20  # the walk saw every module (the test can see a circle)
+
+
+# docs/design.md's code map, lowest first: a module imports from its own layer and the ones below only
+LAYERS = (
+    ("base", ("nsa_cp.envs", "nsa_cp.support", "nsa_cp.errors", "nsa_cp.transports")),
+    ("geometry", ("nsa_cp.geometry",)),
+    ("row compute", ("nsa_cp.rows",)),
+    ("movement", ("nsa_cp.transport",)),
+    ("planning", ("nsa_cp.planning",)),
+    ("public API", ("nsa_cp.api",)),
+    ("integrations", ("nsa_cp.integrations",)),
+    ("package", ("nsa_cp", "nsa_cp.__main__")),
+)
+
+
+def _layer(module: str) -> int:
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    assert best is not None, f"{module} is in no layer of docs/design.md's code map"
+    return best[0]
+
+
+def test_every_module_is_in_its_layer_and_imports_only_downward():
+    mods = _library_modules()
+    upward = []
+    for name, (path, pkg) in mods.items():
+        here = _layer(name)
+        for dep in set(_top_level_imports(path, pkg, lazy=True)):
+            if dep in mods and dep != name and not name.startswith(dep + ".") and _layer(dep) > here:
+                upward.append(f"{name} ({LAYERS[here][0]}) imports {dep} ({LAYERS[_layer(dep)][0]})")
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(upward))
+    packages = {prefix for _, prefixes in LAYERS[1:-1] for prefix in prefixes}
+    flat = sorted(n for n in mods if n.count(".") == 1 and n not in packages and _layer(n) not in (0, len(LAYERS) - 1))
+    assert not flat, f"modules outside their layer's subpackage: {flat}"
 
 
 def test_no_benchmark_imports_another_benchmark():

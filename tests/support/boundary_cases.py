@@ -4,7 +4,7 @@ loop through chained communicators against the unfused loop, tensors with autogr
 
 Like dist_cases: the parent builds case dicts, every rank runs all of them and reports
 ``{case_id: None | error}``; every rank derives every rank's inputs from the case seed, and the expected
-results come from an oracle written here in plain torch (not nsa_cp.reference). Outputs are poisoned
+results come from an oracle written here in plain torch (not nsa_cp.rows.reference). Outputs are poisoned
 with NaN. On CPU (gloo) the library runs the same arithmetic as the oracle, so results must be exact;
 on CUDA the kernels may round a norm or an FP8 division differently: within one unit in the last place.
 """

@@ -119,7 +119,7 @@ def _run_model(case, rank, world, group, device, dtype) -> Optional[str]:
 
 def _run_p2p(case, rank, world, group, device, dtype) -> Optional[str]:
     """The P2P backend (auto picks it for uneven layouts): the compiled gather must own its memory."""
-    from nsa_cp import _native
+    from nsa_cp.rows import _native
     from nsa_cp.transport import p2p
 
     reason = _native.unavailable_reason() if not _native.available() else p2p.p2p_unavailable_reason(group, device)
@@ -151,7 +151,7 @@ def _unused_gather(x, y, layout, group):
 
 def _run_unused(case, rank, world, group, device, dtype) -> Optional[str]:
     """Dead-code elimination must keep a gather whose result is unused and a zero-row reduce-scatter."""
-    from nsa_cp import plan
+    from nsa_cp.planning import plan
 
     torch._dynamo.reset()
     layout, x = _inputs(case, rank, device, dtype)
@@ -248,11 +248,11 @@ def _run_out_fullgraph(case, rank, world, group, device, dtype) -> Optional[str]
 
 
 def _run_bypass(case, rank, world, group, device, dtype) -> Optional[str]:
-    """Eager calls never reach nsa_cp.ops (no dispatcher)."""
-    from nsa_cp import ops
+    """Eager calls never reach nsa_cp.api.ops (no dispatcher)."""
+    from nsa_cp.api import ops
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("an eager call went through nsa_cp.ops")
+        raise AssertionError("an eager call went through nsa_cp.api.ops")
 
     saved = ops.call
     ops.call = forbidden
@@ -305,7 +305,7 @@ _RUNNERS = {
 
 def run_compile_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
     """Entry point in every rank."""
-    import nsa_cp.ops  # noqa: F401  registers torch.ops.nsa_cp.* for the direct calls
+    import nsa_cp.api.ops  # noqa: F401  registers torch.ops.nsa_cp.* for the direct calls
 
     device = rank_device(rank) if payload["device"] == "cuda" else torch.device("cpu")
     dtype = DTYPES[payload["dtype"]]

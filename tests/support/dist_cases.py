@@ -3,7 +3,7 @@
 The parent builds a list of case dicts (``make_cases``); every rank runs all of them (``run_cases``)
 and reports ``{case_id: None | error}``. Every rank derives every rank's inputs from the case seed, so
 expected results come from an independent oracle (tests/support/oracles.py: plain torch.cat / fp64 sums), not
-from nsa_cp.reference. Outputs handed in are poisoned with NaN first, so an unwritten row fails.
+from nsa_cp.rows.reference. Outputs handed in are poisoned with NaN first, so an unwritten row fails.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def _run_errors(case, rank, world, group, device, nsa_cp) -> Optional[str]:
 
 def _run_validate(case, rank, world, group, device, nsa_cp) -> Optional[str]:
     """validate=True: disagreement or one rank's bad input makes EVERY rank raise, nobody hangs."""
-    from nsa_cp.validation import LayoutMismatchError
+    from nsa_cp.planning.validation import LayoutMismatchError
 
     base = nsa_cp.ShardLayout(case["counts"], align=2)
     other = nsa_cp.ShardLayout(case["counts"][:-1] + [case["counts"][-1] + 1], align=2)
@@ -503,8 +503,8 @@ def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
 
 def _native_plans(rank, world, group, device, nsa_cp) -> Optional[str]:
     """After init_nccl: every uneven movement's plan holds the native communicator, the even one never."""
-    from nsa_cp import plan
-    from nsa_cp.request import Request
+    from nsa_cp.planning import plan
+    from nsa_cp.planning.request import Request
 
     even = nsa_cp.ShardLayout([4] * world)
     uneven = nsa_cp.ShardLayout([5 + q for q in range(world)]) if world > 1 else None

@@ -3,7 +3,7 @@
 
 It serves uneven calls on CPU tensors over gloo with the plainest algorithm there is: every rank's real
 rows travel through ``dist.all_gather_object`` (so nothing of nsa_cp's own movement is reused), the
-source stage (norm, FP8) comes from nsa_cp.reference, and every call is recorded in ``CALLS`` (op,
+source stage (norm, FP8) comes from nsa_cp.rows.reference, and every call is recorded in ``CALLS`` (op,
 stage name) so a test sees that the public functions reached it. The torch.distributed transport stays
 registered behind it.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nsa_cp import reference
+from nsa_cp.rows import reference
 from nsa_cp.support import Support
 from nsa_cp.transport import Route
 

@@ -1,5 +1,5 @@
 """The oracles the in-group checks share (dist_cases, the P2P cases): seeded inputs every rank can rebuild,
-and independent expected results written with plain torch.cat and fp64 sums, never from nsa_cp.reference.
+and independent expected results written with plain torch.cat and fp64 sums, never from nsa_cp.rows.reference.
 """
 
 from __future__ import annotations

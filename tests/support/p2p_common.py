@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import nsa_cp
-from nsa_cp import reference
+from nsa_cp.rows import reference
 from nsa_cp.transport import p2p
 
 from oracles import expected_gather, gen

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import nsa_cp
-from nsa_cp import reference
-from nsa_cp.wire import FORMATS
+from nsa_cp.rows import reference
+from nsa_cp.geometry.wire import FORMATS
 
 from oracles import check_sum, expected_gather, gen
 from p2p_common import (
@@ -169,7 +169,7 @@ def _fp8_expected(rows_per_rank, layout, compact, fmt=FORMATS["fp8_e4m3_g128"]):
 
 
 def check_fp8_gather(transport, rank, world, device, seed=71) -> Optional[str]:
-    """Every wire format (nsa_cp.wire.FORMATS): quantize-only (bitwise equal to the format's reference
+    """Every wire format (nsa_cp.geometry.wire.FORMATS): quantize-only (bitwise equal to the format's reference
     quantizer of the gathered rows: the same IEEE operations per element) and norm + quantize (y itself may
     differ by one ulp: scales within one ulp of the dtype, or for power-of-two scales the same or the next
     power; the dequantized values within one fp8 step)."""

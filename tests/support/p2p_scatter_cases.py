@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import nsa_cp
-from nsa_cp import reference
+from nsa_cp.rows import reference
 
 from oracles import check_sum, gen
 from dist_harness import shared_gpu

@@ -80,15 +80,15 @@ def handle(rank: int, world: int, payload: dict) -> List[Optional[str]]:
 
 # --------------------------------------------------------------------------- named checks
 def _plan_of(x, layout, group, compact=False, out=None):
-    from nsa_cp import plan
-    from nsa_cp.request import Request
+    from nsa_cp.planning import plan
+    from nsa_cp.planning.request import Request
 
     return plan.lookup(Request.of("cp_all_gather", x, layout, group, compact, out=out))
 
 
 def _check_keys(rank, world, group, device) -> Optional[str]:
     import nsa_cp
-    from nsa_cp import plan
+    from nsa_cp.planning import plan
 
     counts = [3 + q for q in range(world)]
     base = dict(op="gather", counts=counts, align=1, rest=(8,), dtype="fp32", compact=False, out=False, seed=1)

@@ -1,6 +1,6 @@
 """Ordered calls with ``positions`` that are not a permutation (tests/collectives/test_positions_check.py).
 
-The documented result (nsa_cp.checks.ordered_rows): the first entry holding a value in [0, T) keeps it;
+The documented result (nsa_cp.planning.checks.ordered_rows): the first entry holding a value in [0, T) keeps it;
 every other entry (a repeat, a value out of range) takes, in entry order, one of the rows no entry holds,
 in increasing order. ``want_rows`` writes that rule out in plain Python, independently of the library.
 Every case checks, on every rank: the result is exactly the rule's (torch.equal), every row of a
@@ -107,7 +107,7 @@ def _case(rank, world, case):
     weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype)
     normed, _ = nsa_cp.fused_add_rmsnorm_all_gather(x, None, weight, 1e-6, layout, compact=case["compact"],
                                                     positions=positions)
-    want_normed = nsa_cp.reference.fused_add_rmsnorm(want, None, weight, 1e-6)[0]
+    want_normed = nsa_cp.rows.reference.fused_add_rmsnorm(want, None, weight, 1e-6)[0]
     if not torch.equal(normed, want_normed):
         return f"ordered norm gather ({case['kind']}): not the documented rows"
 

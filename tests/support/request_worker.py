@@ -5,8 +5,8 @@ from typing import Dict, Optional
 import torch
 
 import nsa_cp
-from nsa_cp import plan
-from nsa_cp.request import Request
+from nsa_cp.planning import plan
+from nsa_cp.planning.request import Request
 from boundary_cases import _expect_value_error as _raises
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import nccl_native_worker
 from dist_harness import case_failures, run_world
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 _C = _native.load()
 needs_C = pytest.mark.skipif(_C is None, reason=f"nsa_cp._C not importable: {_native._import_reason}")

@@ -15,7 +15,7 @@ import torch
 import p2p_fault_cases
 import p2p_fingerprint_cases
 from dist_harness import case_failures, run_world
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD = 8

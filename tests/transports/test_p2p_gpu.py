@@ -14,7 +14,7 @@ import torch
 import p2p_cases
 import p2p_fault_cases
 from dist_harness import case_failures, run_world
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 # (world size, process-group backend). One GPU per rank where there are enough GPUs; on a machine with one

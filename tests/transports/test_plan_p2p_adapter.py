@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import nsa_cp
-from nsa_cp import plan
-from nsa_cp.request import Request
+from nsa_cp.planning import plan
+from nsa_cp.planning.request import Request
 from nsa_cp.support import Support
 from nsa_cp.transport import base
 from nsa_cp.transport.p2p.routes import P2PRoutes

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ... import envs
-from ...collectives import fused_add_rmsnorm_all_gather
-from ...communicator import NSACPLayerCommunicator
-from ...layout import ShardLayout
+from ...api.collectives import fused_add_rmsnorm_all_gather
+from ...api.communicator import NSACPLayerCommunicator
+from ...geometry.layout import ShardLayout
 from .. import core
 from . import readstep, runtime, state
 from .metadata import int_list, layout_from_cp_metadata, physical_rows

@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from ...layout import ShardLayout
+from ...geometry.layout import ShardLayout
 
 logger = logging.getLogger("nsa_cp")
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...moe import mask_padding_topk_ids
+from ...api.moe import mask_padding_topk_ids
 from .adapter import NOT_GIVEN, CpMovesAdapter
 from .metadata import layout_from_cp_metadata
 

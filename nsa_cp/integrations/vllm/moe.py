@@ -18,7 +18,7 @@ Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's
     scales: ``fp8_e4m3_g128``, or with vLLM's UE8M0 (power-of-two) scales ``fp8_e4m3_g128_ue8m0``),
     nsa_cp quantizes this rank's real rows inside its gather and returns ``(q [.., H] float8_e4m3fn,
     logits, scale [.., G] float32)``: on the real rows the bytes and scales of vLLM's own quantizer (bf16
-    and fp16 rows; nsa_cp/wire.py on fp32 rows); padding rows ``q = 0`` and the format's zero-group scale
+    and fp16 rows; nsa_cp/geometry/wire.py on fp32 rows); padding rows ``q = 0`` and the format's zero-group scale
     (vLLM's carry its padding rows' values, which only padding rows' outputs depend on). Any other
     quantized input (column-major scales, NVFP4, another group) takes vLLM's own moves, logged once.
 * :func:`combine` ``(original, runner, shared_output, routed [P * M, H] | [T, H])``: the sum over ranks of
@@ -44,7 +44,7 @@ import torch
 
 from ... import envs
 from .. import core
-from ...wire import FP8_E4M3_G128, FP8_E4M3_G128_UE8M0
+from ...geometry.wire import FP8_E4M3_G128, FP8_E4M3_G128_UE8M0
 from . import runtime, step
 
 STATE = core.IntegrationState()

@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from ...layout import ShardLayout
+from ...geometry.layout import ShardLayout
 
 __all__ = ["StepLayout", "current", "set_current", "for_forward", "build_batch_layout", "partition_batch"]
 

@@ -3,7 +3,7 @@ the host-mapped error record, and the ``nsa_cp._C.P2PState`` built from one ``P2
 
 ``P2PBuffers(...)`` is collective (every rank of the group, the same sizes). It allocates exactly
 ``nsa_cp.transport.workspace_bytes(cp_size, max_tokens_per_rank, hidden_size, dtype, double_buffer_tokens)``
-per rank (``nsa_cp.workspace``'s plan): gather buffer 0 and the reduce buffer of ``cp_size *
+per rank (``nsa_cp.geometry.workspace``'s plan): gather buffer 0 and the reduce buffer of ``cp_size *
 max_tokens_per_rank`` rows of ``hidden_size`` elements, gather buffer 1 of ``cp_size *
 double_buffer_tokens`` rows, the signal pads, and the local epoch / arrive / gather-state words.
 Everything is sized up front (before any CUDA-graph capture) and never regrown. Design record:
@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ... import _native, envs, workspace
+from ...rows import _native
+from ... import envs
+from ...geometry import workspace
 from .memory import memory_kind, share_function, survey
 
 logger = logging.getLogger("nsa_cp")

@@ -8,7 +8,7 @@ slots (NSA_CP_P2P_CE_MIN_BYTES; docs/design.md, "Engines").
 from __future__ import annotations
 
 from ... import envs
-from ...layout import ShardLayout
+from ...geometry.layout import ShardLayout
 
 __all__ = ["ENGINES", "choose", "runner"]
 

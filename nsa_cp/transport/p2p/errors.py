@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence, Tuple, Type
 
 from ... import errors
-from ...wire import FORMATS
+from ...geometry.wire import FORMATS
 
 __all__ = ["P2PError", "P2PTimeoutError", "LayoutMismatchError", "describe_error", "error_from_record", "RECORD_WORDS"]
 

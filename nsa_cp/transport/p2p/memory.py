@@ -19,7 +19,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ... import _native, envs
+from ...rows import _native
+from ... import envs
 from ..torch_dist import check_group
 
 __all__ = ["p2p_unavailable_reason", "survey", "share_function", "memory_kind"]

@@ -19,10 +19,10 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ... import _native
-from ...layout import ShardLayout
+from ...rows import _native
+from ...geometry.layout import ShardLayout
 from ...support import Support
-from ...wire import FORMATS, native_mismatch
+from ...geometry.wire import FORMATS, native_mismatch
 from . import copy_engine
 from .buffers import P2PBuffers, dtype_codes
 from .errors import error_from_record
@@ -74,7 +74,7 @@ class P2PTransport:
         self._stream = _native.stream_getter()
         self._reduce_views = {}
         self._codes = dtype_codes(self._C)
-        self._native_formats = {}  # per format: None when _C's kernels have nsa_cp.wire's traits, else why not
+        self._native_formats = {}  # per format: None when _C's kernels have nsa_cp.geometry.wire's traits, else why not
 
     # ------------------------------------------------------------------ support
     def support(self, layout: ShardLayout, row_shape: Sequence[int], dtype: torch.dtype, device, *,

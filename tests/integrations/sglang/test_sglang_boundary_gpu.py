@@ -36,7 +36,7 @@ import torch
 import sglang_stack
 import sglang_env
 from dist_harness import case_failures, rank_device, run_world
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [

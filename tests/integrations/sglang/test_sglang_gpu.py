@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dist_harness import case_failures, rank_device, run_world
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [

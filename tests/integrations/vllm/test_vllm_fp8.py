@@ -132,7 +132,7 @@ def _check(rank, world, config, name, compact, variant):
         padding[mine] = False
         assert torch.equal(on[0][mine].view(torch.uint8), off[0][theirs].view(torch.uint8)), f"rank {q}'s bytes"
         assert torch.equal(on[2][mine], off[2][theirs]), f"rank {q}'s scales"
-    fmt = nsa_cp.wire.FP8_E4M3_G128_UE8M0 if variant == "ue8m0" else nsa_cp.wire.FP8_E4M3_G128
+    fmt = nsa_cp.geometry.wire.FP8_E4M3_G128_UE8M0 if variant == "ue8m0" else nsa_cp.geometry.wire.FP8_E4M3_G128
     ref_q, ref_s = nsa_cp.quantize(h[:n], fmt.name)
     start = offsets[rank] if compact else rank * m
     assert torch.equal(on[0][start : start + n].view(torch.uint8), ref_q.view(torch.uint8))

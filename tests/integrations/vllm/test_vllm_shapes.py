@@ -28,7 +28,7 @@ import torch
 
 import vllm_env
 from dist_harness import case_failures, rank_device, run_cases, run_world
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 H = 256
 LAYERS = 3
@@ -86,7 +86,7 @@ FP8_CONFIG = types.SimpleNamespace(quant_dtype=torch.float8_e4m3fn, block_shape=
 
 def _fp8_rows(x):
     """The reference quantizer on the CPU: ``(q bytes, scale)`` of ``x``'s rows."""
-    from nsa_cp.wire import FP8_E4M3_G128
+    from nsa_cp.geometry.wire import FP8_E4M3_G128
 
     q, scale = FP8_E4M3_G128.quantize_reference(x.cpu())
     return q.view(torch.uint8), scale
@@ -94,7 +94,7 @@ def _fp8_rows(x):
 
 def _check(rank, world, name, dtype, compact, device, fp8=False):
     from nsa_cp.integrations.vllm import contract, moe, runtime, step
-    from nsa_cp.wire import FP8_PAD_SCALE
+    from nsa_cp.geometry.wire import FP8_PAD_SCALE
 
     lens, prefilling, extra = STEPS[name]
     counts = dual_chunk_swap_counts(lens, prefilling, world)

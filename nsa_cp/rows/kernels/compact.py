@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import _native
-from ..layout import ShardLayout
+from ...geometry.layout import ShardLayout
 from ._rows import as_rows, block_shape, byte_strides, native_module
 
 __all__ = ["padded_to_compact", "compact_to_padded"]

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..wire import FORMATS
+from ...geometry.wire import FORMATS
 
 QUANT_MODES = tuple(FORMATS)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

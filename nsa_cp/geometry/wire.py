@@ -4,7 +4,7 @@ traits once more in csrc/codes.h for the P2P kernels, which are templated on the
 A ``WireFormat`` holds everything a layer above the kernels asks of a format: its name (what ``quant=``
 takes), its traits, the result streams a gather returns, what its rows need (``support``) and the torch
 reference quantizer, which defines it. ``FORMATS`` lists them by name; ``format_of(quant)`` is the one
-lookup. The Triton quantizer (nsa_cp/kernels/norm_rows.py) reads the traits; the P2P transport serves a
+lookup. The Triton quantizer (nsa_cp/rows/kernels/norm_rows.py) reads the traits; the P2P transport serves a
 format whose traits ``nsa_cp._C.WIRE_FORMATS`` repeats exactly (``native_mismatch``). Adding a format is a
 row here and a struct in csrc/codes.h: docs/design.md, "Wire formats".
 
@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .support import Support
+from ..support import Support
 
 __all__ = ["WireFormat", "FORMATS", "format_of", "native_mismatch", "FP8_E4M3_G128", "FP8_E4M3_G128_UE8M0",
            "FP8_G128", "QUANTS", "FP8_GROUP", "FP8_MAX", "FP8_AMAX_FLOOR", "FP8_PAD_SCALE", "FP8_DTYPE", "FP8_DTYPES"]
@@ -138,7 +138,7 @@ def native_mismatch(fmt: WireFormat, C) -> Optional[str]:
         return f"quant {fmt.name!r}: nsa_cp._C has no kernels for it (it knows {sorted(rows)})"
     want = fmt.traits()
     differs = [f"{k} {row.get(k)!r} != {v!r}" for k, v in want.items() if row.get(k) != v]
-    return f"quant {fmt.name!r}: nsa_cp._C's traits differ from nsa_cp.wire's: {', '.join(differs)}" if differs else None
+    return f"quant {fmt.name!r}: nsa_cp._C's traits differ from nsa_cp.geometry.wire's: {', '.join(differs)}" if differs else None
 
 
 def format_of(quant: Optional[str]) -> Optional[WireFormat]:

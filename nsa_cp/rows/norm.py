@@ -17,10 +17,10 @@ Implementations, chosen per call (the first use of each is logged once on the "n
   the output dtype before its rounding: ``rsqrt`` is the hardware approximation (a few fp32 ulps) and
   the sum of squares is a warp-tree reduction. Its fused kernel writes y into its input, so this module
   hands it a copy of x (x stays unmodified).
-- Triton (``nsa_cp.kernels.norm_rows``) on other CUDA tensors (fp32, a weight of another dtype, strided
+- Triton (``nsa_cp.rows.kernels.norm_rows``) on other CUDA tensors (fp32, a weight of another dtype, strided
   rows): the reference's arithmetic with correctly rounded division and square root; it differs from
   the reference only through the order of the sum of squares.
-- torch (``nsa_cp.reference.fused_add_rmsnorm``) on CPU, and where neither kernel applies.
+- torch (``nsa_cp.rows.reference.fused_add_rmsnorm``) on CPU, and where neither kernel applies.
 
 ``impl=`` ("auto", "flashinfer", "triton", "torch") forces one; a forced one that cannot serve the call
 raises ValueError saying why.
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .support import Support
+from ..support import Support
 
 __all__ = ["RMSNorm", "flashinfer_norm_module", "fused_add_rmsnorm_into", "norm_in_place"]
 

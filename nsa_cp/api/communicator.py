@@ -43,13 +43,13 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .checks import check_flag, check_layer_args
+from ..planning.checks import check_flag, check_layer_args
 from .collectives import (cp_all_gather, cp_reduce_scatter, cp_reduce_scatter_buffer, fused_add_rmsnorm_all_gather,
                           reduce_scatter_fused_add_rmsnorm)
-from .layout import ShardLayout
-from .norm import fused_add_rmsnorm_into
-from .transport.policy import ensure_transport
-from .wire import format_of
+from ..geometry.layout import ShardLayout
+from ..rows.norm import fused_add_rmsnorm_into
+from ..transport.policy import ensure_transport
+from ..geometry.wire import format_of
 
 __all__ = ["NSACPLayerCommunicator", "norm_parameters"]
 

@@ -12,7 +12,7 @@ Design record:
 - Every arithmetic step is the reference's, in the same order and with correctly rounded fp32
   division and square root (``div_rn`` / ``sqrt_rn``; Triton's ``/`` is an approximate division on
   GPUs), each one rounded operation (no FMA contraction): ``var = fp32(sum(s^2) in fp64) / H``,
-  ``rstd = 1 / sqrt(var + eps)``, ``y = (s * rstd) * w``; FP8 the wire format's (nsa_cp.wire):
+  ``rstd = 1 / sqrt(var + eps)``, ``y = (s * rstd) * w``; FP8 the wire format's (nsa_cp.geometry.wire):
   ``scale = max(amax, amax_floor) / max`` (floored, a power of two where the format says), ``q = clamp(y / scale, +-max)``.
 - The sum of squares is taken in fp64 and rounded once to fp32: ``tl.sum`` adds in the order of the
   register layout the compiler picks, which differs between the plain and FP8 variants, and with an fp32
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..wire import FORMATS, FP8_G128, WireFormat
+from ...geometry.wire import FORMATS, FP8_G128, WireFormat
 from . import row_checks as checks
 from .exact_fp32 import COMPILED, cast_saturates, div_by_group_scale, fma_rounds_once, round_bf16, round_e4m3
 from .row_checks import QUANT_MODES
@@ -123,7 +123,7 @@ def _rows_kernel(
                 yf = y.to(tl.float32)
                 amax = tl.maximum(tl.max(tl.abs(yf), axis=1), amax_floor)
                 scale = tl.maximum(tl.math.div_rn(amax, tl.zeros([BLOCK_G], tl.float32) + fmax), scale_floor)
-                if POW2_SCALES:  # up to a power of two, exactly (nsa_cp.wire.pow2_up)
+                if POW2_SCALES:  # up to a power of two, exactly (nsa_cp.geometry.wire.pow2_up)
                     bits = scale.to(tl.int32, bitcast=True)
                     up = (bits + 0x7FFFFF) & -8388608
                     scale = tl.where(bits < 0x7F800000, up, bits).to(tl.float32, bitcast=True)
@@ -287,7 +287,7 @@ def fused_add_rmsnorm(
 
 def quantize(x: torch.Tensor, quant: str = FP8_G128) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x [rows, H]`` -> new ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/group])`` in the wire format
-    ``quant`` (nsa_cp.wire), every row."""
+    ``quant`` (nsa_cp.geometry.wire), every row."""
     h = checks.check_x(x)
     checks.check_quant(quant, h, x)
     fmt, rows = FORMATS[quant], x.shape[0]

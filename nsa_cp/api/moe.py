@@ -17,8 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .checks import check_device_counts, shape_str
-from .layout import ShardLayout
+from ..planning.checks import check_device_counts, shape_str
+from ..geometry.layout import ShardLayout
 
 __all__ = ["mask_padding_topk_ids"]
 

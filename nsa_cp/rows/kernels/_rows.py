@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 import triton
 
-from .. import _native, envs
+from .. import _native
+from ... import envs
 
 _IMPLS = ("auto", "native", "triton")
 

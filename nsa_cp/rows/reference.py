@@ -1,7 +1,7 @@
 """Pure-torch implementations: the oracle for the kernels, and the CPU path.
 
 Data movement (``pack_into_slot``, ``padded_to_compact``, ``compact_to_padded``): every function has a
-Triton twin in ``nsa_cp.kernels`` with the same signature and the same result bit for bit. Tensors are
+Triton twin in ``nsa_cp.rows.kernels`` with the same signature and the same result bit for bit. Tensors are
 viewed as rows: ``[rows, row_len]`` after flattening the trailing dims. Shapes use ``P = cp_size``,
 ``M = max_rank_len``, ``T = total_len``.
 
@@ -10,7 +10,7 @@ forms) follow DESIGN.md's conventions, written so that every step is one IEEE fp
 order a kernel can reproduce: the mean is ``sum(s^2) / H`` (the sum of squares in fp64 rounded once to
 fp32, then one fp32 division; CUDA's ``mean`` multiplies by 1/H, and so does CUDA's division by a Python
 scalar, so the divisors here are tensors), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
-rounded steps), ``y = (s * rstd) * w``. The Triton kernels in ``nsa_cp.kernels.norm_rows`` follow that order;
+rounded steps), ``y = (s * rstd) * w``. The Triton kernels in ``nsa_cp.rows.kernels.norm_rows`` follow that order;
 the fp64 sum rounds to the same fp32 total in any summation order (but for ~1 row in 10^7), so they
 match this oracle almost always bit for bit (see tests/kernels/test_norm_kernels.py).
 """
@@ -21,8 +21,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .layout import ShardLayout
-from .wire import FP8_AMAX_FLOOR, FP8_E4M3_G128, FP8_GROUP, FP8_MAX, FP8_PAD_SCALE, WireFormat  # noqa: F401  re-exported
+from ..geometry.layout import ShardLayout
+from ..geometry.wire import FP8_AMAX_FLOOR, FP8_E4M3_G128, FP8_GROUP, FP8_MAX, FP8_PAD_SCALE, WireFormat  # noqa: F401  re-exported
 
 __all__ = [
     "pack_into_slot",
@@ -74,7 +74,7 @@ def rmsnorm_fp32(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     """``s [rows, H]`` (fp32) -> ``s * rstd * weight`` in fp32, ``rstd = 1 / sqrt(sum(s^2) / H + eps)``."""
     h = s.shape[-1]
     # the sum of squares in fp64, rounded once to fp32: exact squares, an error far below fp32's quantum, so
-    # the same fp32 total whatever order a kernel (or torch) sums in (nsa_cp/kernels/norm_rows.py)
+    # the same fp32 total whatever order a kernel (or torch) sums in (nsa_cp/rows/kernels/norm_rows.py)
     total = s.double().square().sum(dim=-1, keepdim=True).float()
     # a tensor divisor: on CUDA, torch divides by a Python scalar as a product with its reciprocal, which
     # is not the correctly rounded quotient the kernels compute (div_rn); a tensor gets a true division
@@ -128,7 +128,7 @@ def quant_fp8_g128(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
     Per row and group of 128 columns: ``amax = max(|x|)`` in fp32, clamped to >= 1e-10;
     ``scale = amax / 448``; ``q = clamp(x / scale, -448, 448)`` rounded to nearest even (the format's
-    definition: nsa_cp/wire.py). Shapes are not checked here (``nsa_cp.quant`` does it).
+    definition: nsa_cp/geometry/wire.py). Shapes are not checked here (``nsa_cp.rows.quant`` does it).
     """
     return FP8_E4M3_G128.quantize_reference(x)
 

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from . import envs
+from .. import envs
 
 __all__ = ["Allocation", "workspace_plan", "workspace_bytes", "double_buffer_rows", "check_budget", "allocate", "SIGNAL_WORDS", "NUM_CHANNELS"]
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .support import Support
+from ..support import Support
 
 __all__ = [
     "load", "available", "support", "unavailable_reason", "device_support", "current_stream", "stream_getter",

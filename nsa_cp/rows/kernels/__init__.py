@@ -1,4 +1,4 @@
-"""Row kernels, one family per module; each mirrors a function of ``nsa_cp.reference``.
+"""Row kernels, one family per module; each mirrors a function of ``nsa_cp.rows.reference``.
 
 - ``pack`` / ``compact``: row copies (pack into a padded slot, padded <-> compact). Each holds the Triton
   kernel and dispatches to its native twin in ``nsa_cp._C`` (csrc/row_copy.cu) where that is available for

@@ -1,9 +1,9 @@
 """The public collectives: ``cp_all_gather``, ``cp_reduce_scatter``, the fused layer boundary
 (``fused_add_rmsnorm_all_gather``, ``reduce_scatter_fused_add_rmsnorm``) and ``cp_reduce_scatter_buffer``.
 
-Each builds the call's ``Request`` (nsa_cp/request.py) once and hands it to ``_dispatch``: while
-torch.compile traces, the call becomes one ``torch.ops.nsa_cp.*`` node (nsa_cp/ops.py); otherwise it
-goes straight to ``plan.call`` (nsa_cp/plan.py), which the op also runs when a compiled graph executes.
+Each builds the call's ``Request`` (nsa_cp/planning/request.py) once and hands it to ``_dispatch``: while
+torch.compile traces, the call becomes one ``torch.ops.nsa_cp.*`` node (nsa_cp/api/ops.py); otherwise it
+goes straight to ``plan.call`` (nsa_cp/planning/plan.py), which the op also runs when a compiled graph executes.
 One path: ``public function -> plan -> transport -> kernel``.
 
 Even layouts (every rank holds ``max_rank_len`` rows): ``cp_all_gather`` / ``cp_reduce_scatter`` run
@@ -18,9 +18,9 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import plan
-from .layout import ShardLayout
-from .request import Request
+from ..planning import plan
+from ..geometry.layout import ShardLayout
+from ..planning.request import Request
 
 __all__ = ["cp_all_gather", "cp_reduce_scatter", "fused_add_rmsnorm_all_gather", "reduce_scatter_fused_add_rmsnorm",
            "cp_reduce_scatter_buffer"]
@@ -81,7 +81,7 @@ def cp_all_gather(
             are not a permutation still give a defined result, the same on every rank and backend, with
             every row written (no host sync, no collective): the first entry holding a value in range
             keeps it, the others (repeats, values out of range) take the rows no entry holds, in order
-            (nsa_cp.checks.ordered_rows). ``validate=True`` raises on them instead.
+            (nsa_cp.planning.checks.ordered_rows). ``validate=True`` raises on them instead.
         quant: None, or "fp8_e4m3_g128": every rank's rows quantized before they move (SGLang's
             ``per_token_group_quant_fp8`` convention, nsa_cp.quant_fp8_g128); returns ``(q, scale)``:
             float8_e4m3fn ``[rows, H]`` and float32 ``[rows, H/128]``, padding rows q = 0 and scale =

@@ -1,7 +1,7 @@
 """Plans: everything about a call that does not change from call to call, resolved once and cached.
 
 ``call(request, ...)`` is the one eager entry point (the public functions when not compiling, and the
-torch.library ops of nsa_cp/ops.py when a compiled graph runs): it finds the cached plan of the
+torch.library ops of nsa_cp/api/ops.py when a compiled graph runs): it finds the cached plan of the
 ``Request`` (built on a miss), runs the call checks, the rank agreement when asked, and the plan's one
 runner. A plan holds the choices (transport, algorithm, source stage) and the runner of the route its
 transport gave: the first registered transport whose verdict is yes (nsa_cp/transport/base.py; the
@@ -18,12 +18,13 @@ from typing import Optional
 
 import torch
 
-from . import checks, envs, validation
-from .norm import norm_after, norm_before
+from . import checks, validation
+from .. import envs
+from ..rows.norm import norm_after, norm_before
 from .request import Request
-from .stage import COPY, NORM
-from .support import Support
-from .transport import base, registry, torch_dist
+from ..geometry.stage import COPY, NORM
+from ..support import Support
+from ..transport import base, registry, torch_dist
 
 __all__ = ["call", "lookup", "buffer", "GatherPlan", "ScatterPlan", "clear_cache", "cache_size"]
 

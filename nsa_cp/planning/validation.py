@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from . import checks
-from .errors import LayoutMismatchError
-from .layout import ShardLayout
-from .transport import torch_dist
+from ..errors import LayoutMismatchError
+from ..geometry.layout import ShardLayout
+from ..transport import torch_dist
 
 __all__ = ["LayoutMismatchError", "layout_fingerprint", "agree", "agree_on_plan"]
 

@@ -1,4 +1,4 @@
-"""Triton helpers that round exactly as torch's CPU ops do (``nsa_cp.reference``), for ``norm_rows``.
+"""Triton helpers that round exactly as torch's CPU ops do (``nsa_cp.rows.reference``), for ``norm_rows``.
 
 - ``round_bf16`` / ``round_e4m3``: fp32 -> the nearest bf16 / float8_e4m3fn value (ties to even), still as
   fp32. Under Triton's interpreter a cast rounds ties away (and drops a rounded-up mantissa's carry); after

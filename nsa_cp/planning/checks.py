@@ -1,7 +1,7 @@
 """Input checks of the public functions: each raises ``ValueError`` naming the argument, the expected and
 the actual value, before anything is written.
 
-Two kinds, kept apart on purpose (nsa_cp/plan.py):
+Two kinds, kept apart on purpose (nsa_cp/planning/plan.py):
 
 * plan checks: everything a cached plan is keyed on (layout against the group, dtype, row shape,
   compact, algorithm, backend, quantization). They run once, when a plan is built.
@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .layout import ShardLayout
-from .wire import FP8_DTYPES, QUANTS, format_of  # noqa: F401  (QUANTS: what quant= accepts; FP8_DTYPES re-exported)
+from ..geometry.layout import ShardLayout
+from ..geometry.wire import FP8_DTYPES, QUANTS, format_of  # noqa: F401  (QUANTS: what quant= accepts; FP8_DTYPES re-exported)
 
 __all__ = [
     "shape_str", "check_plan", "check_flag", "check_layer_args", "check_norm_partials", "check_layout", "check_tensor", "check_rows", "check_dtype", "check_out", "check_choice",
@@ -86,7 +86,7 @@ def check_out(name: str, out, expected_shape, dtype: torch.dtype, device: torch.
 
 
 def check_plan(req, group_size: int, dtypes, algos, backends) -> None:
-    """The plan checks every call shares (``req``: an nsa_cp.request.Request): its layout against the
+    """The plan checks every call shares (``req``: an nsa_cp.planning.request.Request): its layout against the
     group, ``algo``, ``backend``, the input's dtype, and device counts only with the padded layout."""
     check_layout(req.layout, group_size)
     check_flag("compact", req.compact)
@@ -162,7 +162,7 @@ def check_outs(out, shapes, dtypes, device: torch.device) -> None:
 
 def check_row_stage(req) -> None:
     """Plan check of a gather with a row stage (norm, a wire format): rows ``[n_r, H]`` that the format
-    takes (``req``: an nsa_cp.request.Request)."""
+    takes (``req``: an nsa_cp.planning.request.Request)."""
     shape = shape_str(req.row_shape)
     if len(req.row_shape) != 1:
         raise ValueError(f"x: expected a 2-D tensor [n_r, hidden], got a tensor of {len(req.row_shape) + 1} dims, "

@@ -16,11 +16,11 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import checks, plan
-from .layout import ShardLayout
-from .request import Request
-from .stage import ALL_GATHER, NORM_ALL_GATHER, NORM_REDUCE_SCATTER, REDUCE_SCATTER, Op, stage_of
-from .wire import FORMATS, WireFormat
+from ..planning import checks, plan
+from ..geometry.layout import ShardLayout
+from ..planning.request import Request
+from ..geometry.stage import ALL_GATHER, NORM_ALL_GATHER, NORM_REDUCE_SCATTER, REDUCE_SCATTER, Op, stage_of
+from ..geometry.wire import FORMATS, WireFormat
 
 __all__ = ["call", "body"]
 

@@ -2,8 +2,8 @@
 
 Every public collective builds one ``Request`` from its arguments (``Request.of``) and hands it on
 unchanged: it is the plan-cache key (with the resolved process group and the environment that steers
-choices: nsa_cp/plan.py), the one argument the plan constructors take, and what the torch.library ops'
-schema arguments are derived from (nsa_cp/ops.py). Its fields are the call's choices and the facts about
+choices: nsa_cp/planning/plan.py), the one argument the plan constructors take, and what the torch.library ops'
+schema arguments are derived from (nsa_cp/api/ops.py). Its fields are the call's choices and the facts about
 its input that a plan depends on; the tensors themselves (and ``validate``, ``eps``) travel beside it.
 docs/design.md ("A call, described once") has the design record.
 """
@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .stage import OPS, Op, Stage, stage_of
+from ..geometry.stage import OPS, Op, Stage, stage_of
 
 __all__ = ["Request"]
 
@@ -56,7 +56,7 @@ class Request(NamedTuple):
 
     @property
     def kind(self) -> Op:
-        """The public call's ``Op`` (nsa_cp/stage.py)."""
+        """The public call's ``Op`` (nsa_cp/geometry/stage.py)."""
         return OPS[self.op]
 
     @property

@@ -8,9 +8,9 @@ scales): per row and group of 128 columns, ``amax = max |x|`` in fp32 clamped to
 ``scale = 1e-10/448`` (``reference.FP8_PAD_SCALE``), which is what quantizing a zero row gives. The
 quantization is per row, so quantizing before the gather equals quantizing the gathered rows.
 
-Exactness: on CPU, and on GPUs through ``nsa_cp.kernels.norm_rows`` (``div_rn``: correctly rounded fp32
+Exactness: on CPU, and on GPUs through ``nsa_cp.rows.kernels.norm_rows`` (``div_rn``: correctly rounded fp32
 division; bf16 rows: the group's reciprocal and a remainder correction, the same bytes), the result is
-bitwise that of ``nsa_cp.reference.quant_fp8_g128``. SGLang's Triton quantizer
+bitwise that of ``nsa_cp.rows.reference.quant_fp8_g128``. SGLang's Triton quantizer
 writes ``y / y_s`` and ``amax / 448``, which Triton lowers to the approximate ``div.full.f32`` on NVIDIA
 GPUs: its ``scale`` can differ from ours in the last fp32 bit, and its ``q`` by one FP8 ulp where
 ``x / scale`` lies within an fp32 ulp or two of an FP8 rounding boundary.
@@ -59,7 +59,7 @@ __all__ = [
     "FP8_PAD_SCALE",
 ]
 
-from .wire import FP8_G128, FP8_GROUP, FP8_PAD_SCALE, format_of  # noqa: E402  re-exported
+from ..geometry.wire import FP8_G128, FP8_GROUP, FP8_PAD_SCALE, format_of  # noqa: E402  re-exported
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -85,7 +85,7 @@ def _triton_on(x: torch.Tensor) -> bool:
 
 def quantize(x: torch.Tensor, quant: str = FP8_G128) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x [rows, H]`` -> ``(q float8_e4m3fn [rows, H], scale fp32 [rows, H/group])`` in the wire format ``quant``
-    (``nsa_cp.wire.FORMATS``: "fp8_e4m3_g128", SGLang's; "fp8_e4m3_g128_ue8m0", vLLM's power-of-two scales), on
+    (``nsa_cp.geometry.wire.FORMATS``: "fp8_e4m3_g128", SGLang's; "fp8_e4m3_g128_ue8m0", vLLM's power-of-two scales), on
     x's device: CUDA tensors through the Triton kernel (one launch, bitwise equal to the reference), others
     through the format's torch reference. Works on values (autograd history is ignored). ValueError naming
     x and its shape when H is not a multiple of the group or the dtype is not bf16/fp16/fp32, naming quant
