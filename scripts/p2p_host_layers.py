@@ -13,6 +13,7 @@ nsa_cp, so ``PYTHONPATH`` picks the tree. Also reads trees from before ``nsa_cp/
 """
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -71,7 +72,11 @@ def _stub_transport(nsa_cp, layout):
     reduce = torch.empty(layout.padded_len, H, dtype=torch.bfloat16)
 
     # transport/p2p/buffers.py's P2PBuffers, as far as the runners read it
-    buffers = types.SimpleNamespace(gathers=gathers, reduce=reduce, close=lambda: None)
+    buffers = types.SimpleNamespace(gathers=gathers, reduce=reduce, hidden_size=H, close=lambda: None)
+    for view in ("rows_view", "quant_views"):  # trees where the buffers hand out their views: the real methods
+        method = getattr(getattr(module, "P2PBuffers", None), view, None)
+        if method is not None:
+            setattr(buffers, view, functools.partial(method, buffers))
     fields = dict(_broken=None, _C=_StubNative, _state=_StubState(), group=None, rank=0, world=1,
                   device=torch.device("cpu"), max_tokens_per_rank=M, hidden_size=H, dtype=torch.bfloat16,
                   double_buffer_tokens=M, _gathers=gathers, _elem=2, _row_bytes=2 * H, _stream=lambda index: 0,
@@ -94,10 +99,15 @@ def rows(nsa_cp):
 
     layout = nsa_cp.ShardLayout([int(M * 0.8)], align=M)
     transport = _stub_transport(nsa_cp, layout)
-    try:  # where the planner finds a group's P2P transport: its provider (transport/p2p/routes.py)
-        finder = importlib.import_module("nsa_cp.transport.p2p.routes")
-    except ImportError:  # a tree from before the transport seam: the planner's own import
-        finder = plan.p2p
+    finder = plan.p2p if hasattr(plan, "p2p") else None  # a tree from before the transport seam
+    for where in ("nsa_cp.transport.p2p.registry", "nsa_cp.transport.p2p.routes"):  # its P2P provider, newest first
+        try:
+            module = importlib.import_module(where)
+        except ImportError:
+            continue
+        if hasattr(module, "PROVIDER"):
+            finder = module
+            break
     finder.get_p2p = lambda group=None: transport
     finder.any_registered = lambda: True
     n, bf16, p2p = layout.per_rank_actual_token[0], torch.bfloat16, "p2p"

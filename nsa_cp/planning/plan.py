@@ -24,7 +24,7 @@ from ..rows.norm import norm_after, norm_before
 from .request import Request
 from ..geometry.stage import COPY, NORM
 from ..support import Support
-from ..transport import base, registry, torch_dist
+from ..transport import base, groups, torch_dist
 
 __all__ = ["call", "lookup", "buffer", "GatherPlan", "ScatterPlan", "clear_cache", "cache_size"]
 
@@ -54,7 +54,7 @@ def lookup(req: Request):
     """The cached plan of ``req`` (its key: the request, the resolved group, ``envs.plan_state()``);
     built, running the plan checks, on a miss."""
     pg = torch_dist.resolve_group(req.group)
-    generation = registry.latest_generation()  # P2P transports and native NCCL communicators alike
+    generation = groups.latest_generation()  # P2P transports and native NCCL communicators alike
     if generation != _state["generation"]:
         _CACHE.clear()  # a transport came or went: drop every plan (and the references they hold)
         _state["generation"] = generation
@@ -125,11 +125,11 @@ def _route(req: Request, pg, stage, gather: bool):
         if backend != "auto" and provider.name != backend:
             continue
         transport = provider.open(req, pg)
-        verdict = transport.support(req, stage) if not isinstance(transport, Support) else transport
+        verdict = transport.serves(req, stage) if not isinstance(transport, Support) else transport
         serve = stage
         if not verdict and stage.norm and stage.fmt is None and not isinstance(transport, Support):
             serve = stage.unnormed
-            verdict = transport.support(req, serve)
+            verdict = transport.serves(req, serve)
         if verdict:
             if not req.layout.total_len:  # nothing moves: the last transport returns the empty results
                 transport, serve = base.fallback().open(req, pg), stage

@@ -12,7 +12,7 @@ and a row of the table; code outside nsa_cp may add one at run time::
 
     nsa_cp.transport.register(MyTransports())      # asked before the others; unregister(name) removes it
 
-Registering or unregistering drops every cached plan (the registry generation).
+Registering or unregistering drops every cached plan (the group registries' generation, nsa_cp/transport/groups.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from .. import transports
 from ..support import Support
 from ..transports import TransportRow
-from . import registry
+from . import groups
 
 __all__ = ["Transport", "Provider", "Route", "register", "unregister", "providers", "fallback", "names"]
 
@@ -49,7 +49,7 @@ class Transport(Protocol):
     """One process group's transport. ``stage``: the gather's source stage (nsa_cp/geometry/stage.py), or for a
     reduce-scatter whether it ends with the add + RMSNorm (``stage.norm``)."""
 
-    def support(self, req, stage) -> Support:
+    def serves(self, req, stage) -> Support:
         """Whether this transport serves ``req`` (an nsa_cp.planning.request.Request) with ``stage``; a no says why."""
 
     def gather(self, req, stage) -> Route:
@@ -100,7 +100,7 @@ def register(provider: Provider) -> None:
 def unregister(name: str) -> None:
     """Remove the run-time provider named ``name`` (nothing when there is none)."""
     _REGISTERED[:] = [p for p in _REGISTERED if p.name != name]
-    registry.advance()
+    groups.advance()
 
 
 def providers() -> List[Provider]:

@@ -41,7 +41,7 @@ class DistTransport:
     def __init__(self, group):
         self.group = group
 
-    def support(self, req, stage) -> Support:
+    def serves(self, req, stage) -> Support:
         return Support.yes()
 
     def _collectives(self, req, algo: str):

@@ -31,7 +31,7 @@ from ..rows import _native
 from .. import envs
 from ..support import Support
 from .torch_dist import check_group, resolve_group
-from .registry import GroupRegistry
+from .groups import GroupRegistry
 
 __all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_support", "nccl_unavailable_reason", "NCCL_DTYPES"]
 

@@ -36,7 +36,7 @@ class Loopback:
     def __init__(self, group):
         self.group = group
 
-    def support(self, req, stage):
+    def serves(self, req, stage):
         if req.device.type != "cpu":
             return Support.no("the loopback transport moves CPU tensors only")
         if req.has_device_counts:

@@ -65,7 +65,7 @@ def check_bad_positions(rank, world, device) -> Optional[str]:
 
 def check_runner_after_close(rank, world, device) -> Optional[str]:
     """A runner kept past its transport's close (init_p2p again, destroy_p2p) raises instead of touching
-    freed memory; init_p2p and destroy_p2p each change the registry generation."""
+    freed memory; init_p2p and destroy_p2p each change the group registries' generation."""
     before = p2p.generation()
     transport = nsa_cp.init_p2p(None, 8, 64, torch.bfloat16, device)
     after_init = p2p.generation()

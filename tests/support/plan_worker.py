@@ -141,15 +141,15 @@ def _check_keys(rank, world, group, device) -> Optional[str]:
     out = torch.empty((layout.padded_len, 8), device=device)
     if _plan_of(x, layout, group, out=out) is first:
         return "out= given and not given share a plan"
-    # a transport coming or going (init_p2p / destroy_p2p change the registry's generation) drops every plan
+    # a transport coming or going (init_p2p / destroy_p2p change the group registries' generation) drops every plan
     size = plan.cache_size()
-    real = plan.registry.latest_generation
-    plan.registry.latest_generation = lambda: ("changed",)
+    real = plan.groups.latest_generation
+    plan.groups.latest_generation = lambda: ("changed",)
     try:
         if _plan_of(x, layout, group) is first or plan.cache_size() > 1 or size < 2:
             return f"a new P2P generation did not drop the cached plans ({size} before, {plan.cache_size()} after)"
     finally:
-        plan.registry.latest_generation = real
+        plan.groups.latest_generation = real
     return None
 
 

@@ -225,6 +225,7 @@ def _recording_transport(world=2, rank=1, hidden=256, max_tokens=8, double=8, re
     """A P2PTransport over CPU tensors whose native state records its launches (support() says yes:
     the verdicts are tested elsewhere; this checks what the runners hand the native state)."""
     from nsa_cp.support import Support
+    from nsa_cp.transport.p2p.buffers import P2PBuffers
 
     class FakeC:
         P2PDeviceError = type("P2PDeviceError", (RuntimeError,), {})
@@ -242,8 +243,10 @@ def _recording_transport(world=2, rank=1, hidden=256, max_tokens=8, double=8, re
     t._gathers = tuple(torch.zeros(world * max_tokens, hidden, dtype=torch.bfloat16) for _ in range(2))
     t._stream, t._reduce_views = (lambda index: 77), {}
     t._codes = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # nsa_cp._C's DTYPE_* codes
-    t._buffers = types.SimpleNamespace(reduce=torch.zeros(world * max_tokens, hidden, dtype=torch.bfloat16),
-                                        close=lambda: None)
+    t._buffers = buffers = object.__new__(P2PBuffers)  # its views over CPU tensors; nothing native to close
+    buffers.reduce, buffers.gathers, buffers.hidden_size = torch.zeros(world * max_tokens, hidden, dtype=torch.bfloat16), \
+        t._gathers, hidden
+    buffers.state, buffers._err_host = state, None
     t.support = lambda *args, **kw: Support.yes()
     return t, state
 

@@ -1,6 +1,6 @@
-"""The P2P transport's routes (nsa_cp/transport/p2p/routes.py) as the planner takes them, on CPU with a
-recording stand-in for the P2PTransport (its routes registered through the transport seam in place of
-the real provider): which runner each plan builds, what it hands it, ``out=`` copied from the
+"""The P2P transport's routes (nsa_cp/transport/p2p/routes.py, the base P2PTransport answers the planner
+from) as the planner takes them, on CPU with a recording stand-in for the P2PTransport (the same base over
+recording runners, registered through the transport seam in place of the real provider): which runner each plan builds, what it hands it, ``out=`` copied from the
 transport's buffer, an unaligned residual staged through an aligned copy and written back, and the
 reduce-scatter's runner called without a frame of its own. The transport itself runs on GPUs
 (tests/transports/test_p2p_gpu.py); this pins the layer between it and the public functions."""
@@ -18,16 +18,19 @@ from nsa_cp.transport.p2p.routes import P2PRoutes
 H = 256
 
 
-class FakeTransport:
-    """Records the runners asked for and every call; a gather returns a fresh 'buffer view' of ones."""
+class FakeTransport(P2PRoutes):
+    """Records the runners asked for and every call; a gather returns a fresh 'buffer view' of ones. The
+    planner's runners come ``checked=True`` (one verdict: ``serves``), which ``unchecked`` records otherwise."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.verdicts, self.unchecked = [], 0, 0
 
     def support(self, *args, **kwargs):
+        self.verdicts += 1
         return Support.yes()
 
-    def gather_runner(self, layout, compact, row_shape, quant=None, ordered=False):
+    def gather_runner(self, layout, compact, row_shape, quant=None, ordered=False, checked=False):
+        self.unchecked += not checked
         rows = layout.total_len if ordered else layout.global_len(compact)
 
         def run(x, dc=None, pos=None):
@@ -36,7 +39,9 @@ class FakeTransport:
             return full if quant is None else (full, torch.ones(rows, row_shape[-1] // 128))
         return run
 
-    def norm_gather_runner(self, layout, compact, row_shape, quant=None, ordered=False):
+    def norm_gather_runner(self, layout, compact, row_shape, quant=None, ordered=False, checked=False):
+        self.unchecked += not checked
+
         def run(x, residual, weight, eps, dc=None, pos=None):
             self.calls.append(("norm_gather", residual, weight, eps))
             if residual is not None:
@@ -45,7 +50,8 @@ class FakeTransport:
             return full if quant is None else (full, torch.ones(full.shape[0], row_shape[-1] // 128))
         return run
 
-    def reduce_scatter_runner(self, layout, compact, row_shape, ordered=False, norm=False):
+    def reduce_scatter_runner(self, layout, compact, row_shape, ordered=False, norm=False, checked=False):
+        self.unchecked += not checked
         if norm:
             def run_norm(y, residual, weight, eps, out=None, dc=None, pos=None):
                 self.calls.append(("scatter_norm", residual))
@@ -84,7 +90,7 @@ def fake(monkeypatch):
         name = "p2p"
 
         def open(self, req, group):
-            return P2PRoutes(transport)
+            return transport
 
     base.register(FakeProvider())  # asked before the table's P2P row
     yield transport
@@ -153,3 +159,29 @@ def test_fused_reduce_scatter_passes_an_aligned_residual_itself(fake):
     y, back = p.run(torch.randn(LAYOUT.padded_len, H), None, None, None, (residual, torch.ones(H), 1e-6))
     assert fake.calls == [("scatter_norm", residual)] and back is residual
     assert torch.equal(residual, torch.ones(5, H))
+
+
+@pytest.mark.parametrize("op, plan_type, residual", [
+    ("cp_all_gather", plan.GatherPlan, False), ("fused_add_rmsnorm_all_gather", plan.GatherPlan, True),
+    ("cp_reduce_scatter", plan.ScatterPlan, False), ("reduce_scatter_fused_add_rmsnorm", plan.ScatterPlan, True),
+])
+def test_one_verdict_per_plan_and_the_runner_not_checked_again(fake, op, plan_type, residual):
+    p = plan_type(_req(op, residual=residual), FakeGroup())
+    assert p.backend == "p2p"
+    assert (fake.verdicts, fake.unchecked) == (1, 0), "the planner's runner re-checked what serves() said"
+
+
+def test_the_real_provider_hands_the_transport_itself():
+    from nsa_cp.transport.p2p import registry
+    from nsa_cp.transport.p2p.transport import P2PTransport
+
+    assert issubclass(P2PTransport, P2PRoutes)  # one object answers the planner: no adapter around it
+    transport = FakeTransport()
+    key = object()
+    registry._REGISTRY.put(key, transport)
+    try:
+        req = Request("cp_all_gather", LAYOUT, key, False, "auto", "p2p", None, torch.Size([H]), torch.bfloat16, CUDA,
+                      False, False, False, False)
+        assert registry.PROVIDER.open(req, FakeGroup()) is transport
+    finally:
+        registry._REGISTRY.pop(key)

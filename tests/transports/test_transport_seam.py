@@ -64,16 +64,16 @@ def _worker(rank, world, payload):
 
     import loopback_transport
     import nsa_cp
-    from nsa_cp.transport import register, registry, unregister
+    from nsa_cp.transport import groups, register, unregister
 
     results = {}
     counts = [5, 0, 3][:world]
     layout = nsa_cp.ShardLayout(counts)
     try:
         own = _calls(nsa_cp, torch, layout, None, rank, 7)
-        generation = registry.latest_generation()
+        generation = groups.latest_generation()
         register(loopback_transport.LoopbackProvider())  # the one line
-        assert registry.latest_generation() != generation, "registering kept the cached plans' generation"
+        assert groups.latest_generation() != generation, "registering kept the cached plans' generation"
         theirs = _calls(nsa_cp, torch, layout, None, rank, 7)
         for key in own:
             _same(torch, theirs[key][0] if key in ("scatter_norm",) else theirs[key],

@@ -5,8 +5,10 @@
 * ``memory``: can this group use P2P (``p2p_unavailable_reason``), and how buffers are mapped;
 * ``errors``: ``P2PError``, ``P2PTimeoutError``, ``LayoutMismatchError`` and the text of a device-side
   error record;
+* ``routes``: the planner's side of ``P2PTransport`` (its verdict and routes: the transport seam);
 * ``registry``: one transport per group (``init_p2p``, ``get_p2p``, ``destroy_p2p``; ``generation`` is
-  ``nsa_cp.transport.registry.latest_generation``, the plan-cache key).
+  ``nsa_cp.transport.groups.latest_generation``, the plan-cache key) and ``PROVIDER``, the P2P row's
+  provider in nsa_cp/transports.py.
 
 This package re-exports their public names (``nsa_cp`` and the communicator import them from here).
 """

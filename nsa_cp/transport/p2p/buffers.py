@@ -13,7 +13,7 @@ docs/design.md, "The P2P transport".
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -129,6 +129,21 @@ class P2PBuffers:
             max_rows_per_rank=self.max_tokens_per_rank, double_buffer_rows=self.double_buffer_tokens,
             check_layout=bool(check_layout),
         )
+
+    def rows_view(self, buffer: torch.Tensor, rows: int, row_shape: Tuple[int, ...]) -> torch.Tensor:
+        """The first ``rows`` rows of ``buffer`` as ``[rows, *row_shape]``."""
+        head = buffer[:rows]
+        return head if row_shape == (self.hidden_size,) else head.view(rows, *row_shape)
+
+    def quant_views(self, fmt, buffer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(q [rows, H] in the format's dtype, scale [rows, H / group] float32)`` over gather buffer
+        ``buffer`` (docs/design.md, "FP8 layout")."""
+        raw = self.gathers[buffer].view(-1).view(torch.uint8)
+        h, groups = self.hidden_size, self.hidden_size // fmt.group
+        q = raw[: rows * h].view(fmt.dtype).view(rows, h)
+        start = self.state.scale_offset(buffer)
+        scale = raw[start: start + rows * groups * 4].view(torch.float32).view(rows, groups)
+        return q, scale
 
     def close(self) -> None:
         """Refuse every later launch of the native state, then free the host-mapped error record."""

@@ -38,7 +38,7 @@ def runner(transport, layout: ShardLayout, compact: bool, row_shape):
     t = transport
     start, stop = layout.rows(t.rank, compact)
     n = stop - start
-    result = t._rows_view(t._gathers[0], layout.global_len(compact), row_shape)
+    result = t._buffers.rows_view(t._gathers[0], layout.global_len(compact), row_shape)
     targets = [peer[start:stop].view(n, *row_shape) for peer in t._buffers.peer_gather] if n else []
     padding = []
     if not compact:

@@ -1,21 +1,23 @@
 """One P2P transport per process group: ``init_p2p`` creates and registers it, ``get_p2p`` finds it,
-``destroy_p2p`` releases it.
+``destroy_p2p`` releases it; ``PROVIDER`` hands the planner a group's transport (the P2P row of
+nsa_cp/transports.py).
 
-``generation`` is ``nsa_cp.transport.registry.latest_generation``, the one generation of every group
+``generation`` is ``nsa_cp.transport.groups.latest_generation``, the one generation of every group
 registry (the plan-cache key): ``init_p2p`` and ``destroy_p2p`` change it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ..registry import GroupRegistry, latest_generation
+from ...support import Support
+from ..groups import GroupRegistry, latest_generation
 from .transport import P2PTransport
 
-__all__ = ["init_p2p", "get_p2p", "destroy_p2p", "any_registered", "generation"]
+__all__ = ["init_p2p", "get_p2p", "destroy_p2p", "any_registered", "generation", "P2PProvider", "PROVIDER"]
 
 _REGISTRY = GroupRegistry()
 generation = latest_generation  # one generation for every registry (the plan-cache key)
@@ -62,3 +64,25 @@ def destroy_p2p(group: Optional[dist.ProcessGroup] = None) -> None:
     transport = _REGISTRY.pop(group)
     if transport is not None:
         transport.close()
+
+
+_MISSING = Support.no("'p2p' needs nsa_cp.init_p2p(group, max_tokens_per_rank, hidden_size, dtype) first")
+# Said instead of _MISSING for tensors no init_p2p call can help (a registered transport judges its own).
+_NOT_CUDA = ("'p2p' cannot serve {device} tensors: the P2P transport moves rows between GPUs' memory with "
+             "nsa_cp._C's CUDA kernels (peer access over NVLink or PCIe), so it needs CUDA tensors on GPUs of one "
+             "node; on CPU use backend='nccl' (the process group's collectives, gloo) or 'auto'")
+
+
+class P2PProvider:
+    """The group's P2P transport, where ``init_p2p`` made one (the transport is the planner's Transport)."""
+
+    name = "p2p"
+
+    def open(self, req, group) -> Union[P2PTransport, Support]:
+        transport = get_p2p(req.group) if any_registered() else None
+        if transport is None and req.device is not None and req.device.type != "cuda":
+            return Support.no(_NOT_CUDA.format(device=req.device.type))
+        return _MISSING if transport is None else transport
+
+
+PROVIDER = P2PProvider()  # its row in nsa_cp/transports.py

@@ -7,14 +7,15 @@ ONE call into the native ``P2PState`` (which picks the double buffer) and return
 the runner. Per-call tensors (``device_counts`` for CUDA graphs, ``positions``) are arguments, never
 baked in. A launch refused because the error record is set raises P2PError / P2PTimeoutError /
 LayoutMismatchError (``errors``), and the transport stays unusable. Results are ordered on the calling
-stream (docs/streams_and_graphs.md). The planner reaches it through ``routes.py``, the copy engine's gather
-is ``copy_engine.py`` (docs/design.md, "The P2P transport").
+stream (docs/streams_and_graphs.md). It is the planner's Transport itself (``serves``, ``gather``,
+``scatter``, ``buffer`` from its base ``routes.P2PRoutes``: the planner's runners are built ``checked=True``,
+after the one verdict); the copy engine's gather is ``copy_engine.py`` (docs/design.md, "The P2P transport").
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from ...geometry.wire import FORMATS, native_mismatch
 from . import copy_engine
 from .buffers import P2PBuffers, dtype_codes
 from .errors import error_from_record
+from .routes import P2PRoutes
 
 __all__ = ["P2PTransport"]
 
@@ -33,7 +35,7 @@ _NORM_MAX_WORDS = 4 * 512  # 16-byte words of one row the norm stage holds (csrc
 _VIEW_CACHE_LIMIT = 256
 
 
-class P2PTransport:
+class P2PTransport(P2PRoutes):
     """Peer-mapped buffers of one CP group (symmetric memory or CUDA IPC), their native state, and the
     runners that move rows through them.
 
@@ -138,29 +140,11 @@ class P2PTransport:
         self.check_error()
         raise RuntimeError("nsa_cp P2P transport: a launch saw an error record that is no longer set")
 
-    # ------------------------------------------------------------------ views
-    def _rows_view(self, buffer: torch.Tensor, rows: int, row_shape: Tuple[int, ...]) -> torch.Tensor:
-        head = buffer[:rows]
-        return head if row_shape == (self.hidden_size,) else head.view(rows, *row_shape)
-
-    def _quant_views(self, fmt, buffer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(q [rows, H] in the format's dtype, scale [rows, H / group] float32)`` over gather buffer
-        ``buffer`` (docs/design.md, "FP8 layout")."""
-        raw = self._gathers[buffer].view(-1).view(torch.uint8)
-        h, groups = self.hidden_size, self.hidden_size // fmt.group
-        q = raw[: rows * h].view(fmt.dtype).view(rows, h)
-        start = self._state.scale_offset(buffer)
-        scale = raw[start: start + rows * groups * 4].view(torch.float32).view(rows, groups)
-        return q, scale
-
-    def choose_engine(self, engine: str, layout: ShardLayout, *, kernel_only: bool = False) -> str:
-        """'sm' or 'ce' for an engine request (nsa_cp/transport/p2p/copy_engine.py, ``choose``)."""
-        return copy_engine.choose(engine, layout.max_rank_len * self._row_bytes, kernel_only=kernel_only)
-
     # ------------------------------------------------------------------ runners
     def gather_runner(self, layout: ShardLayout, compact: bool, row_shape: Sequence[int], *, engine: str = "auto",
-                      quant: Optional[str] = None, ordered: bool = False):
-        """A callable ``run(x, device_counts=None, positions=None)`` for gathers in ``layout``.
+                      quant: Optional[str] = None, ordered: bool = False, checked: bool = False):
+        """A callable ``run(x, device_counts=None, positions=None)`` for gathers in ``layout`` (``checked``:
+        ``support`` already said yes to these arguments; every runner takes it).
 
         ``x``: this rank's ``[n_r, *row_shape]`` rows of the transport's dtype on its device (checked by
         the caller, not here); each row dense, any row stride. Returns a view of the gather buffer the
@@ -172,13 +156,15 @@ class P2PTransport:
         ``positions``: int64 ``[T]`` device tensor, the same on every rank, required when ``ordered``.
         """
         row_shape = tuple(int(d) for d in row_shape)
-        self.support(layout, row_shape, self.dtype, self.device, quant=quant).require("x")
-        if self.choose_engine(engine, layout, kernel_only=quant is not None or ordered) == "ce":
+        if not checked:
+            self.support(layout, row_shape, self.dtype, self.device, quant=quant).require("x")
+        kernel_only = quant is not None or ordered  # the copy engine moves plain rows in rank order only
+        if copy_engine.choose(engine, layout.max_rank_len * self._row_bytes, kernel_only=kernel_only) == "ce":
             return copy_engine.runner(self, layout, compact, row_shape)
         return self._gather_runner(layout, compact, row_shape, norm=False, quant=quant, ordered=ordered)
 
     def norm_gather_runner(self, layout: ShardLayout, compact: bool, row_shape: Sequence[int], *,
-                           quant: Optional[str] = None, ordered: bool = False):
+                           quant: Optional[str] = None, ordered: bool = False, checked: bool = False):
         """A callable ``run(x, residual, weight, eps, device_counts=None, positions=None)``: add + RMSNorm of
         this rank's rows fused with the gather (docs/design.md, "Norm stage").
 
@@ -188,11 +174,12 @@ class P2PTransport:
         ``gather_runner`` does, or ``(q, scale)`` with ``quant="fp8_e4m3_g128"``.
         """
         row_shape = tuple(int(d) for d in row_shape)
-        self.support(layout, row_shape, self.dtype, self.device, quant=quant, norm=True).require("x")
+        if not checked:
+            self.support(layout, row_shape, self.dtype, self.device, quant=quant, norm=True).require("x")
         return self._gather_runner(layout, compact, row_shape, norm=True, quant=quant, ordered=ordered)
 
     def reduce_scatter_runner(self, layout: ShardLayout, compact: bool, row_shape: Sequence[int], *,
-                              ordered: bool = False, norm: bool = False):
+                              ordered: bool = False, norm: bool = False, checked: bool = False):
         """``run(y, out=None, device_counts=None, positions=None) -> [n_r, *row_shape]``: the sum over ranks
         (fp32, rank order, rounded once) of this rank's rows of every rank's partials ``y [rows, *row_shape]``
         (``layout.global_len(compact)`` rows; ``ordered``: ``[T, ...]`` in batch order), into ``out``
@@ -202,7 +189,8 @@ class P2PTransport:
         ``residual <- s``, ``out = rmsnorm(s) * weight`` (16-byte aligned rows; docs/design.md, "Norm stage").
         ``device_counts``, ``positions``: as for ``gather_runner`` (rows past a replay's count untouched)."""
         row_shape = tuple(int(d) for d in row_shape)
-        self.support(layout, row_shape, self.dtype, self.device, norm=norm).require("y")
+        if not checked:
+            self.support(layout, row_shape, self.dtype, self.device, norm=norm).require("y")
         view = self.reduce_buffer(layout, compact or ordered, row_shape)
         view_ptr, view_stride = view.data_ptr(), view.stride()
         out_shape, dtype, device, elem = (layout.count(self.rank), *row_shape), self.dtype, self.device, self._elem
@@ -243,7 +231,7 @@ class P2PTransport:
         view = self._reduce_views.get(key)
         if view is None:
             self.support(layout, rest, self.dtype, self.device).require("reduce_buffer")
-            view = self._rows_view(self._buffers.reduce, layout.global_len(compact), rest)
+            view = self._buffers.rows_view(self._buffers.reduce, layout.global_len(compact), rest)
             if len(self._reduce_views) >= _VIEW_CACHE_LIMIT:
                 self._reduce_views.clear()
             self._reduce_views[key] = view
@@ -256,9 +244,9 @@ class P2PTransport:
         buffers = (0, 1) if layout.max_rank_len <= self.double_buffer_tokens else (0, 0)
         fmt = FORMATS[quant] if quant is not None else None
         if fmt is not None:
-            views = tuple(self._quant_views(fmt, b, rows) for b in buffers)
+            views = tuple(self._buffers.quant_views(fmt, b, rows) for b in buffers)
         else:
-            views = tuple(self._rows_view(self._gathers[b], rows, row_shape) for b in buffers)
+            views = tuple(self._buffers.rows_view(self._gathers[b], rows, row_shape) for b in buffers)
         elem = self._elem
         if not norm and quant is None:
             call = self._launcher(self._state.gather, layout, compact, ordered, "gather")
