@@ -10,9 +10,9 @@
 #                                            # (and SGLang's wheels, for tests/integrations/sglang/: scripts/gpu_sglang.sh)
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
 #   SHARDS="p2p boundary rest sglang faults" bash scripts/gpu_test_line.sh   # without SGLang carried (its CPU
-#       tests skip: CI runs them), then `source scripts/gpu_sglang.sh && SHARDS="example runs sglang_gpu" bash
-#       scripts/gpu_test_line.sh`: the line over two calls, every shard in one of them (on 1x H200, 2026-12-02:
-#       about 410 s and 430 s; runs and sglang_gpu together in one shard outran a 430 s cap)
+#       tests skip: CI runs them), then `source scripts/gpu_sglang.sh && SHARDS="example sglang_gpu seams" bash
+#       scripts/gpu_test_line.sh`, then `... SHARDS="runs" ...`: the line over three calls of under 10 minutes,
+#       every shard in one of them
 #
 # Each shard runs under `timeout -s INT` (pytest stops where it is and still prints its counts and the
 # failures so far; such a shard is flagged INTERRUPTED, its counts are not the shard's). Exit status: 0
@@ -36,14 +36,16 @@ SHARD_sglang_gpu="tests/integrations/sglang/test_sglang_boundary_gpu.py"
 # (2026-12-01), so give it a call of its own (SHARDS="sglang")
 SHARD_sglang="tests/integrations/sglang/test_sglang.py tests/integrations/sglang/test_sglang_real.py tests/integrations/sglang/test_sglang_fast_path.py tests/integrations/sglang/test_sglang_boundary.py"
 SHARD_boundary="tests/communicator/test_boundary_gloo.py tests/communicator/test_boundary_gpu.py tests/collectives/test_collectives_gloo.py tests/collectives/test_collectives_gpu.py tests/collectives/test_compile.py"
+# the transport seam and the P2P host layers on CPU / gloo (worlds in processes; "rest" outran its cap with them)
+SHARD_seams="tests/package/test_tree_shape.py tests/transports/test_nccl_native.py tests/transports/test_p2p_cpu.py tests/transports/test_p2p_host_layers.py tests/transports/test_plan_p2p_adapter.py tests/transports/test_transport_seam.py"
 FAULTS="tests/transports/test_p2p_faults.py"
-named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_sglang_gpu $SHARD_sglang $SHARD_boundary $FAULTS "
+named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_sglang_gpu $SHARD_sglang $SHARD_boundary $SHARD_seams $FAULTS "
 SHARD_rest=""
 for f in $(find tests -name "test_*.py" | sort); do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 
-ALL="p2p example runs sglang_gpu sglang boundary rest faults"
+ALL="p2p example runs sglang_gpu sglang boundary seams rest faults"
 SHARDS=${SHARDS:-$ALL}
 for shard in $SHARDS; do
   [[ " $ALL " == *" $shard "* ]] || { echo "unknown shard '$shard' (shards: $ALL)" >&2; exit 2; }
@@ -51,7 +53,7 @@ done
 want() { [[ " $SHARDS " == *" $1 "* ]]; }
 
 pids=()
-for shard in p2p example runs sglang_gpu sglang boundary rest; do
+for shard in p2p example runs sglang_gpu sglang boundary seams rest; do
   want "$shard" || continue
   var="SHARD_$shard"
   # shellcheck disable=SC2086

@@ -18,7 +18,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,6 +51,9 @@ class StepLayout:
 
 
 _CURRENT: List[Optional[StepLayout]] = [None]
+# id(manager) -> (counts, M) between a manager's _build_batch_layout and its partition_batch: kept here,
+# never on vLLM's objects, and dropped when partition_batch ends (raised or not)
+_BUILT: Dict[int, Tuple[List[int], int]] = {}
 
 
 def current() -> Optional[StepLayout]:
@@ -71,12 +74,12 @@ def for_forward(forward_context: Any) -> Optional[StepLayout]:
 
 
 def build_batch_layout(original: Callable, manager: Any, *args, **kwargs):
-    """Around ``PCPManager._build_batch_layout``: vLLM's result, and the counts and M kept on the manager
-    for :func:`partition_batch`."""
+    """Around ``PCPManager._build_batch_layout``: vLLM's result; the counts and M are kept (by nsa_cp, for
+    this manager) until its :func:`partition_batch`."""
     result = original(manager, *args, **kwargs)
     _, counts = result
     padded = kwargs.get("padded_num_tokens", args[4] if len(args) > 4 else None)
-    manager._nsa_cp_counts = (list(counts), max(counts) if padded is None else int(padded))
+    _BUILT[id(manager)] = (list(counts), max(counts) if padded is None else int(padded))
     return result
 
 
@@ -84,9 +87,10 @@ def partition_batch(original: Callable, manager: Any, *args, **kwargs):
     """Around ``PCPManager.partition_batch``: vLLM's rank-local batch; the step's layout becomes current,
     tied to the batch's padding mask."""
     set_current(None)
-    local = original(manager, *args, **kwargs)
-    kept = getattr(manager, "_nsa_cp_counts", None)
-    manager._nsa_cp_counts = None
+    try:
+        local = original(manager, *args, **kwargs)
+    finally:  # this build's counts serve this partition only
+        kept = _BUILT.pop(id(manager), None)
     if kept is not None:
         counts, rows = kept
         set_current(StepLayout.from_counts(counts, rows, getattr(local, "is_padding", None)))

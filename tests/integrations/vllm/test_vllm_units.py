@@ -41,14 +41,17 @@ def test_counts_are_kept_where_vllm_computes_them_and_tied_to_the_batch_mask():
     assert step.for_forward(types.SimpleNamespace(is_padding=mask.clone())) is None
     assert step.for_forward(None) is None
     step.partition_batch(partition, manager, "batch", 40)  # under a CUDA-graph bucket of 40 rows
-    assert step.current().rows == 40 and manager._nsa_cp_counts is None
+    assert step.current().rows == 40 and step._BUILT == {}
+    assert vars(manager) == {}, "nsa_cp left state on vLLM's manager"
 
     def failing(manager, batch, desc):
+        step.build_batch_layout(build, manager, None, None, None, None)
         raise RuntimeError("vLLM refused the batch")
 
     with pytest.raises(RuntimeError):
         step.partition_batch(failing, manager, "batch", None)
     assert step.current() is None, "a batch vLLM did not partition leaves no layout behind"
+    assert step._BUILT == {}, "a failed partition left its counts for the next batch"
 
 
 def test_worker_hook_sets_up_the_transport_after_vllm_loads_the_model(monkeypatch, caplog):
