@@ -11,7 +11,7 @@
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
 #   SHARDS="p2p boundary rest sglang faults" bash scripts/gpu_test_line.sh   # without SGLang carried (its CPU
 #       tests skip: CI runs them), then `source scripts/gpu_sglang.sh && SHARDS="example sglang_gpu seams" bash
-#       scripts/gpu_test_line.sh`, then `... SHARDS="runs" ...`: the line over three calls of under 10 minutes,
+#       scripts/gpu_test_line.sh`, then `... SHARDS="runs engines" ...`: the line over three calls of under 10 minutes,
 #       every shard in one of them
 #
 # Each shard runs under `timeout -s INT` (pytest stops where it is and still prints its counts and the
@@ -28,7 +28,9 @@ mkdir -p "$LOGS"
 # shards (files), the busiest first; "rest" is every other test file but the fault tests
 SHARD_p2p="tests/transports/test_p2p_gpu.py"
 SHARD_example="tests/package/test_example.py tests/package/test_example_exit.py"
-SHARD_runs="tests/bench/test_benchmarks_smoke.py tests/integrations/sglang/test_sglang_gpu.py tests/integrations/vllm/test_vllm_shapes.py"
+SHARD_runs="tests/bench/test_benchmarks_smoke.py"
+# the engines' shapes through nsa_cp on the GPU (with "runs" in one shard they outran a 480 s cap)
+SHARD_engines="tests/integrations/sglang/test_sglang_gpu.py tests/integrations/vllm/test_vllm_shapes.py"
 # SGLang's stack on the GPU at 2, 4 and 8 ranks sharing it (each world imports SGLang: 140 s alone on 1x H200)
 SHARD_sglang_gpu="tests/integrations/sglang/test_sglang_boundary_gpu.py"
 # SGLang's own code on CPU / gloo (they skip where SGLang is not installed: scripts/gpu_sglang.sh). With
@@ -39,13 +41,13 @@ SHARD_boundary="tests/communicator/test_boundary_gloo.py tests/communicator/test
 # the transport seam and the P2P host layers on CPU / gloo (worlds in processes; "rest" outran its cap with them)
 SHARD_seams="tests/package/test_tree_shape.py tests/transports/test_nccl_native.py tests/transports/test_p2p_cpu.py tests/transports/test_p2p_host_layers.py tests/transports/test_plan_p2p_adapter.py tests/transports/test_transport_seam.py"
 FAULTS="tests/transports/test_p2p_faults.py"
-named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_sglang_gpu $SHARD_sglang $SHARD_boundary $SHARD_seams $FAULTS "
+named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_engines $SHARD_sglang_gpu $SHARD_sglang $SHARD_boundary $SHARD_seams $FAULTS "
 SHARD_rest=""
 for f in $(find tests -name "test_*.py" | sort); do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 
-ALL="p2p example runs sglang_gpu sglang boundary seams rest faults"
+ALL="p2p example runs engines sglang_gpu sglang boundary seams rest faults"
 SHARDS=${SHARDS:-$ALL}
 for shard in $SHARDS; do
   [[ " $ALL " == *" $shard "* ]] || { echo "unknown shard '$shard' (shards: $ALL)" >&2; exit 2; }
@@ -53,7 +55,7 @@ done
 want() { [[ " $SHARDS " == *" $1 "* ]]; }
 
 pids=()
-for shard in p2p example runs sglang_gpu sglang boundary seams rest; do
+for shard in p2p example runs engines sglang_gpu sglang boundary seams rest; do
   want "$shard" || continue
   var="SHARD_$shard"
   # shellcheck disable=SC2086
