@@ -93,7 +93,7 @@ import re
 
 import nsa_cp
 import nsa_cp._C as C
-from nsa_cp import _native
+from nsa_cp.rows import _native
 
 assert nsa_cp.__file__.startswith(__import__("sys").prefix), f"imported the wrong nsa_cp: {nsa_cp.__file__}"
 version = importlib.metadata.version("nsa_cp")
