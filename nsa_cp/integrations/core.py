@@ -3,10 +3,13 @@
 Both engines pad every CP rank's shard up front to one physical length and move the MoE's rows rank-major;
 only how a batch's counts are found and where the moves are hooked differ. What they share lives here:
 
-* the plugin skeleton: the engine's code is verified against the contracts a plugin knows
-  (``contracts``) before anything is patched; :func:`decline_contract` records and logs one that does not
-  hold; :class:`Patches` is the one undo handle of what was patched; :func:`status_fields` the
-  ``status()`` keys both engines report alike;
+* the plugin skeleton: a plugin's target table (:class:`Target` rows: the contract role of each engine
+  function it wraps and the body run around it; :func:`targets` takes each row's path from the contracts,
+  so a function that moves is one contract entry, not a code change); the engine's code is verified
+  against the contracts a plugin knows (``contracts``) before anything is patched;
+  :func:`decline_contract` records and logs one that does not hold; :func:`wrap` puts every wrapper in
+  place or none, :class:`Patches` is the one undo handle of what was patched, :func:`is_wrapped` reads a
+  live binding; :func:`status_fields` the ``status()`` keys both engines report alike;
 * :class:`IntegrationState`, what a plugin did in this process (one instance per engine binding), with
   :func:`count`, :func:`record` and :func:`once` (a per-batch reason is logged once per process, not per
   layer) and :func:`transport_decision` (the ``status()["p2p"]`` record);
@@ -27,9 +30,10 @@ layout.total_len``; rank q's rows sit at ``q * M`` (padded) or ``layout.offsets[
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,10 +42,11 @@ from ..api.collectives import cp_all_gather, cp_reduce_scatter
 from ..geometry.layout import ShardLayout
 from ..transport.p2p import get_p2p
 from ..transport.policy import ensure_transport, transport_decision
+from . import contracts
 
 logger = logging.getLogger("nsa_cp")
 
-__all__ = ["Patches", "decline_contract", "declined", "status_fields", "IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
+__all__ = ["Target", "targets", "wrap", "is_wrapped", "Patches", "decline_contract", "declined", "status_fields", "IntegrationState", "count", "record", "once", "reset_logged", "transport_decision", "create_transport",
            "setup_transport_once", "create_sized", "then_setup", "over_capacity", "gather_rows",
            "reduce_scatter_rows", "take_back_rows", "which_layout"]
 
@@ -97,6 +102,78 @@ class Patches:
 
     def __len__(self) -> int:
         return len(self._done)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One row of a plugin's target table: the contract ``role`` of an engine function the plugin wraps
+    (its path comes from the contract: ``Spec.paths``) and ``around``, called as ``around(original, *args,
+    **kwargs)`` in its place (for a method, ``args[0]`` is the instance)."""
+
+    role: str
+    around: Callable
+
+
+def targets(table: Iterable[Target], known: Iterable[contracts.Contract]) -> Dict[str, Callable]:
+    """``{"module.Class.method": around}`` for a target table. Every known contract must put each wrapped
+    role at the same single path (a wrapped function that moved between versions needs a wrapper per
+    path, which the table does not express): ValueError naming the role otherwise."""
+    known = tuple(known)
+    out: Dict[str, Callable] = {}
+    for row in table:
+        paths = {c.specs[row.role].paths for c in known if row.role in c.specs}
+        if len(paths) != 1 or len(next(iter(paths))) != 1:
+            raise ValueError(f"target {row.role!r}: the known contracts give {sorted(paths) or 'no'} paths; "
+                             "a wrapped role needs one path in every contract")
+        out[next(iter(paths))[0]] = row.around
+    return out
+
+
+def _owner(path: str) -> Tuple[Any, str]:
+    """``"module.Class.method"`` -> ``(Class, "method")``; ImportError naming ``path`` where it does not import."""
+    where, name = path.rsplit(".", 1)
+    try:
+        return contracts.resolve(where), name
+    except Exception as e:  # noqa: BLE001  said with the target it concerns
+        raise ImportError(f"{path}: {type(e).__name__}: {e}") from e
+
+
+def _wrapper(around: Callable, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return around(original, *args, **kwargs)
+
+    wrapper._nsa_cp_original = original  # the marker is_wrapped() and a second load read
+    return wrapper
+
+
+def wrap(patches: Patches, items: Mapping[str, Callable]) -> int:
+    """Wrap every ``path -> around`` of ``items`` in place, recording each in ``patches``; returns how many
+    were wrapped now. All or nothing: every path is resolved first (ImportError / AttributeError naming it,
+    nothing wrapped); one already nsa_cp's wrapper is left as it is (a second load)."""
+    resolved = []
+    for path, around in items.items():
+        owner, name = _owner(path)
+        current = owner.__dict__.get(name) if isinstance(owner, type) else None
+        if current is None:
+            current = getattr(owner, name)  # AttributeError naming the attribute
+        resolved.append((owner, name, current, around))
+    done = 0
+    for owner, name, current, around in resolved:
+        if getattr(current, "_nsa_cp_original", None) is None:
+            patches.set(owner, name, _wrapper(around, current))
+            done += 1
+    return done
+
+
+def is_wrapped(path: str) -> bool:
+    """Whether ``path`` is bound to an nsa_cp wrapper now (False where it does not import)."""
+    try:
+        owner, name = _owner(path)
+    except ImportError:
+        return False
+    current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+    return getattr(current, "_nsa_cp_original", None) is not None
 
 
 def decline_contract(state: "IntegrationState", engine: str, version: Optional[str], verdict, own: str) -> None:

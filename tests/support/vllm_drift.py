@@ -28,11 +28,18 @@ def combine_with_another_parameter(self, shared_output, hidden_states, finalize=
     return ORIGINAL["_maybe_combine"](self, shared_output, hidden_states)
 
 
+def forward_with_its_moves_inlined(self, hidden_states, router_logits, shared_experts_input, input_ids=None):
+    """A forward that no longer calls its moves as methods (nsa_cp could not tell where a step ends)."""
+    return ORIGINAL["_forward_impl"](self, hidden_states, router_logits, shared_experts_input, input_ids)
+
+
 DRIFTS = {
     "arity": ("_maybe_dispatch", dispatch_returning_four, "_maybe_dispatch returns 4 values; nsa_cp knows 2 and 3"),
     "helper": ("_maybe_dispatch", dispatch_through_a_renamed_helper, "no longer refers to get_pcp_group"),
     "signature": ("_maybe_combine", combine_with_another_parameter,
                   "_maybe_combine takes (self, shared_output, hidden_states, finalize)"),
+    "forward": ("_forward_impl", forward_with_its_moves_inlined,
+                "_forward_impl no longer refers to _maybe_dispatch, _maybe_combine"),
 }
 
 

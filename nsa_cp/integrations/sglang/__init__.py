@@ -25,7 +25,7 @@ gets in and what the adapter changes: docs/sglang.md.
 from .adapter import CpMovesAdapter
 from .metadata import layout_from_cp_metadata
 from .moves import configure, gather, mask_padding_topk_ids_for_batch, reduce_scatter, reduce_scatter_group, take_back
-from .plugin import BOUNDARY_MODULES, HOOK_TARGET, HOOKS, Installed, install, sglang_plugin, status
+from .plugin import BOUNDARY_MODULES, HOOK_TARGET, HOOKS, TABLE, Installed, install, sglang_plugin, status
 from .contract import KNOWN
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "BOUNDARY_MODULES",
     "HOOK_TARGET",
     "HOOKS",
+    "TABLE",
     "sglang_plugin",
     "status",
     "KNOWN",

@@ -4,7 +4,8 @@ Contract:
 
 * :func:`sglang_plugin` is the entry point ``nsa_cp`` of the group ``sglang.srt.plugins``
   (``nsa_cp.integrations.sglang:sglang_plugin``). It registers three ``AROUND`` hooks with SGLang's
-  ``HookRegistry`` (:data:`HOOKS`), which SGLang's ``load_plugins()`` then applies (in every module that
+  ``HookRegistry`` (the target table :data:`TABLE`: a contract role and its hook; :data:`HOOKS`, the same
+  by path), which SGLang's ``load_plugins()`` then applies (in every module that
   imported a target by name): ``_cp_moves`` (nsa_cp's moves), ``construction._bind_stage`` (which stage the
   moves are bound for: compact only for FFN stages) and ``ModelRunner.initialize`` (the transport, once
   per scheduler, before the KV cache is sized: ``scheduler``). ``NSA_CP_SGLANG=0``: nothing registered.
@@ -46,10 +47,7 @@ from .runtime import sglang_version
 logger = logging.getLogger("nsa_cp")
 OWN_MOVES = "SGLang's own CP moves"
 
-# the hook target, and every module of SGLang 0.5.23 that binds ``_cp_moves`` by name
-HOOK_TARGET = "sglang.srt.layers.layer_boundary.boundary._cp_moves"
-BIND_STAGE_TARGET = "sglang.srt.layers.layer_boundary.construction._bind_stage"
-INITIALIZE_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
+# every module of SGLang 0.5.23 that binds ``_cp_moves`` by name
 BOUNDARY_MODULES = (
     "sglang.srt.layers.layer_boundary.boundary",
     "sglang.srt.layers.layer_boundary.construction",
@@ -170,8 +168,15 @@ def _initialize_hook(original_fn: Callable, runner, *args, **kwargs):
     return core.then_setup(original_fn, scheduler.setup_transport, runner, *args, **kwargs)
 
 
-# target -> the AROUND hook the plugin registers on it
-HOOKS = {HOOK_TARGET: _cp_moves_hook, BIND_STAGE_TARGET: _bind_stage_hook, INITIALIZE_TARGET: _initialize_hook}
+# the target table: each contract role nsa_cp hooks -> its AROUND hook (core.Target)
+TABLE = (
+    core.Target("cp_moves", _cp_moves_hook),
+    core.Target("bind_stage", _bind_stage_hook),
+    core.Target("initialize", _initialize_hook),
+)
+# "module.function" -> the AROUND hook the plugin registers on it, the paths from the known contracts
+HOOKS = core.targets(TABLE, contract.KNOWN)
+HOOK_TARGET = next(path for path, hook in HOOKS.items() if hook is _cp_moves_hook)
 
 
 def _binds_nsa_cp(fn: Any) -> bool:

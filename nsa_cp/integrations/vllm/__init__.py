@@ -8,6 +8,7 @@ Nothing here imports ``vllm`` at load; vLLM is touched when the plugin registers
   (``moe``), with the per-step counts kept from vLLM's own ``PCPManager`` (``step``), and the PCP
   group's P2P transport created after the model loads (``worker``). The shared, engine-independent part
   is ``nsa_cp.integrations.core``.
+* :data:`TABLE` / :data:`TARGETS`: what the plugin wraps (a contract role and the body run around it).
 * :func:`status`: what is wrapped, which contract was verified (or why none) and what ran in this process.
 * :data:`KNOWN`: the vLLM contracts served (0.33's and 0.34's PCP MoE boundary: ``contract``); vLLM's code
   is checked against them before anything is wrapped.
@@ -18,8 +19,8 @@ What vLLM does at this boundary and what the plugin changes: docs/vllm.md.
 
 from .moe import admit, combine, dispatch
 from .contract import KNOWN
-from .plugin import TARGETS, install, status, uninstall, vllm_plugin
+from .plugin import TABLE, TARGETS, install, status, uninstall, vllm_plugin
 from .step import StepLayout
 
-__all__ = ["vllm_plugin", "install", "uninstall", "status", "TARGETS", "KNOWN", "StepLayout", "admit",
+__all__ = ["vllm_plugin", "install", "uninstall", "status", "TABLE", "TARGETS", "KNOWN", "StepLayout", "admit",
            "dispatch", "combine"]

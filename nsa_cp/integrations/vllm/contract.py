@@ -4,6 +4,7 @@ one that changes any of these is served by adding a :class:`Contract` here and r
 against it (docs/development.md, "A new engine version").
 
 Roles: ``dispatch`` / ``combine`` (``MoERunner._maybe_dispatch`` / ``_maybe_combine``: the moves),
+``forward`` (``MoERunner._forward_impl``, which calls both: what a step changed is put back when it ends),
 ``layout`` / ``partition`` (``PCPManager._build_batch_layout`` / ``partition_batch``: the step's counts),
 ``load_model`` (``Worker.load_model``: the transport), ``padding_mask`` (the routers' read of
 ``forward_context.is_padding``, which the compact layout swaps), and in 0.34 the quantizer chain the
@@ -19,7 +20,7 @@ from __future__ import annotations
 from .. import contracts
 from ..contracts import Contract, Spec
 
-__all__ = ["KNOWN", "WRAPPED", "PCP_MANAGER", "MOE_RUNNER", "WORKER", "verify"]
+__all__ = ["KNOWN", "PCP_MANAGER", "MOE_RUNNER", "WORKER", "verify"]
 
 PCP_MANAGER = "vllm.v1.worker.gpu.pcp_manager.PCPManager"
 MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"
@@ -29,6 +30,9 @@ FUSED_MOE = "vllm.model_executor.layers.fused_moe"
 # what the moves mirror of vLLM's own dispatch: when it gathers over PCP, and with what
 _DISPATCH_READS = ("do_naive_dispatch_combine", "pcp_size", "use_all2all_kernels", "get_pcp_group", "all_gather")
 _COMMON = {
+    "forward": Spec((f"{MOE_RUNNER}._forward_impl",),
+                    ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids"),
+                    reads=("_maybe_dispatch", "_maybe_combine")),
     "combine": Spec((f"{MOE_RUNNER}._maybe_combine",), ("self", "shared_output", "hidden_states"),
                     frozenset({1, 2}), ("pcp_size", "use_all2all_kernels", "reduce_scatter", "shared_experts")),
     "layout": Spec((f"{PCP_MANAGER}._build_batch_layout",),
@@ -65,10 +69,6 @@ V0_34 = Contract("vLLM 0.34 PCP MoE (quantizes before the gather)", {
 }, {"dispatch_scale": True})
 
 KNOWN = (V0_33, V0_34)
-
-# the roles the plugin wraps (the rest it only reads)
-WRAPPED = ("layout", "partition", "dispatch", "combine", "load_model")
-
 
 def verify() -> contracts.Verdict:
     """The known contract vLLM's code in this process meets, or why none (``contracts.verify``)."""

@@ -32,8 +32,8 @@ Contract (per rank; ``M`` = the step's padded rows per rank, ``n`` = this rank's
   sees the same shapes). Logged once per reason, counted in ``status()["declined"]``; never a raise.
   PCP size 1 and the all2all (EP) kernels are not this boundary: vLLM's functions run, nothing is counted.
 * What a served dispatch hands its combine is kept by nsa_cp (``PENDING``, by runner), not on vLLM's
-  objects; a dispatch finding its runner's previous step unfinished (a MoE that raised) restores that
-  step's mask first.
+  objects. :func:`forward` (around ``MoERunner._forward_impl``, which calls both) drops it and puts the
+  compact mask back when the forward ends, returned or raised: nothing of a step outlives it.
 """
 
 from __future__ import annotations
@@ -141,9 +141,6 @@ def _declined(reason: str, original: Callable, runner, hidden_states, router_log
 
 def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor):
     """Around ``MoERunner._maybe_dispatch`` (module docstring)."""
-    stale = PENDING.pop(id(runner), None)
-    if stale is not None:  # a MoE that raised between dispatch and combine: its mask back first
-        stale.restore()
     if not _this_boundary(runner):
         return original(runner, hidden_states, router_logits)
     reason, current, context = admit(runner, hidden_states)
@@ -173,6 +170,17 @@ def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, route
     core.count(STATE.gathers, kind)
     PENDING[id(runner)] = _Pending(current, compact, context, saved)
     return (hidden, logits, scale) if _returns_scale() else (hidden, logits)
+
+
+def forward(original: Callable, runner: Any, *args, **kwargs):
+    """Around ``MoERunner._forward_impl``: vLLM's forward; whatever its dispatch left for a combine that did
+    not run (the MoE raised) is dropped and the forward context's mask put back, in ``finally``."""
+    try:
+        return original(runner, *args, **kwargs)
+    finally:
+        pending = PENDING.pop(id(runner), None)
+        if pending is not None:
+            pending.restore()
 
 
 def combine(original: Callable, runner: Any, shared_output, hidden_states):

@@ -7,11 +7,13 @@ Contract:
   included, before distributed init and model load (``VLLM_PLUGINS``, where set, must name ``nsa_cp``).
 * Before anything is patched, vLLM's code is checked against the contracts nsa_cp knows
   (``contract.KNOWN``: the signature, the number of values returned and the helpers read of every function
-  it wraps or reads). A known contract is served: the methods of :data:`TARGETS` are wrapped in place
-  (no file of vLLM's is changed): ``PCPManager._build_batch_layout`` / ``partition_batch`` (the step's
+  it wraps or reads). A known contract is served: the methods of the target table (:data:`TABLE`, a
+  contract role and the body run around it; :data:`TARGETS`, the same by path) are wrapped in place (no
+  file of vLLM's is changed): ``PCPManager._build_batch_layout`` / ``partition_batch`` (the step's
   counts: ``step``), ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` (the moves, with the dispatch's
-  return values as that contract defines them: ``moe``) and ``Worker.load_model`` (the transport, once
-  per worker, before vLLM profiles the KV cache's memory: ``worker``). Anything else: nothing is wrapped,
+  return values as that contract defines them: ``moe``), ``MoERunner._forward_impl`` (what a step left
+  is put back when it ends: ``moe``) and ``Worker.load_model`` (the transport, once per worker, before
+  vLLM profiles the KV cache's memory: ``worker``). Anything else: nothing is wrapped,
   one warning names what differs, ``status()["contract"]`` says why, and vLLM's own moves run.
   ``NSA_CP_VLLM=0``: nothing is checked or wrapped. Loading twice is a no-op.
 * The log says what happened: "registered" only when every target was wrapped; otherwise what differs
@@ -21,7 +23,6 @@ Contract:
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Callable, Dict
 
@@ -37,31 +38,19 @@ def _after_load_model(original: Callable, self, *args, **kwargs):
     return core.then_setup(original, worker.setup_transport, self, *args, **kwargs)
 
 
-# the contract's wrapped roles -> the wrapper body, called as body(original, self, *args, **kwargs)
-BODIES: Dict[str, Callable] = {"layout": step.build_batch_layout, "partition": step.partition_batch,
-                               "dispatch": moe.dispatch, "combine": moe.combine, "load_model": _after_load_model}
-# "module.Class.method" -> its body (every known contract keeps the wrapped methods where they are)
-TARGETS: Dict[str, Callable] = {contract.KNOWN[-1].specs[role].paths[0]: body for role, body in BODIES.items()}
+# the target table: each contract role nsa_cp wraps -> the body run around it (core.Target)
+TABLE = (
+    core.Target("layout", step.build_batch_layout),
+    core.Target("partition", step.partition_batch),
+    core.Target("forward", moe.forward),
+    core.Target("dispatch", moe.dispatch),
+    core.Target("combine", moe.combine),
+    core.Target("load_model", _after_load_model),
+)
+# "module.Class.method" -> its body, the paths from the known contracts (which agree on them)
+TARGETS: Dict[str, Callable] = core.targets(TABLE, contract.KNOWN)
 
 _PATCHES = core.Patches()  # what install() wrapped, for uninstall()
-
-
-def _owner(target: str):
-    """``"module.Class.method"`` -> ``(Class, "method")``; ImportError naming ``target`` where it does not import."""
-    path, name = target.rsplit(".", 1)
-    try:
-        return contracts.resolve(path), name
-    except Exception as e:  # noqa: BLE001  said with the target it concerns
-        raise ImportError(f"{target}: {type(e).__name__}: {e}") from e
-
-
-def _wrap(body: Callable, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def wrapper(self, *args, **kwargs):
-        return body(original, self, *args, **kwargs)
-
-    wrapper._nsa_cp_original = original  # the marker status() and a second load read
-    return wrapper
 
 
 def install() -> contracts.Verdict:
@@ -72,12 +61,7 @@ def install() -> contracts.Verdict:
     verdict = contract.verify()
     if verdict.contract is None:
         raise contracts.ContractMismatch(verdict)
-    resolved = [(_owner(target), body) for target, body in TARGETS.items()]
-    for (cls, name), body in resolved:
-        current = cls.__dict__.get(name) or getattr(cls, name)
-        if getattr(current, "_nsa_cp_original", None) is not None:
-            continue
-        _PATCHES.set(cls, name, _wrap(body, current))
+    core.wrap(_PATCHES, TARGETS)
     moe.CONTRACT[0] = verdict.contract
     moe.STATE.contract = verdict.as_status()
     moe.STATE.handed = moe.STATE.registered = True
@@ -119,14 +103,6 @@ def vllm_plugin() -> None:
                 "on" if envs.NSA_CP_VLLM_COMPACT else "off", "on" if envs.NSA_CP_VLLM_P2P else "off")
 
 
-def _is_wrapped(target: str) -> bool:
-    try:
-        cls, name = _owner(target)
-    except Exception:  # noqa: BLE001  not importable here
-        return False
-    return getattr(cls.__dict__.get(name), "_nsa_cp_original", None) is not None
-
-
 def status() -> dict:
     """Where nsa_cp stands in this process (call it in a worker, e.g. through ``collective_rpc``, or a test).
     The keys every engine plugin reports (``core.status_fields``):
@@ -142,7 +118,7 @@ def status() -> dict:
     that ran, by layout (and wire format); ``fusions``: none inside vLLM (docs/vllm.md says what blocks them);
     ``vllm``: the version.
     """
-    patched = {target: _is_wrapped(target) for target in TARGETS}
+    patched = {target: core.is_wrapped(target) for target in TARGETS}
     s = moe.STATE
     version = runtime.vllm_version()
     return {

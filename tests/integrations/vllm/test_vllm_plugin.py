@@ -82,7 +82,7 @@ def test_entry_point_loads_in_a_spawned_process_and_wraps_every_target():
     assert len(registered) == 1, out["logs"]  # loaded twice, registered once
 
 
-@pytest.mark.parametrize("drift", ["arity", "helper", "signature"])
+@pytest.mark.parametrize("drift", ["arity", "helper", "signature", "forward"])
 def test_a_drifted_contract_patches_nothing_logs_one_line_and_says_why(drift):
     """vLLM's MoERunner drifts (another return arity, a renamed helper, a changed signature) before
     load_general_plugins(): the plugin verifies before it patches, so it wraps nothing, logs one line naming

@@ -57,7 +57,7 @@ def test_counts_are_kept_where_vllm_computes_them_and_tied_to_the_batch_mask():
 def test_worker_hook_sets_up_the_transport_after_vllm_loads_the_model(monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(worker, "setup_transport", lambda w: calls.append(("setup", w)))
-    hook = plugin.BODIES["load_model"]
+    hook = {t.role: t.around for t in plugin.TABLE}["load_model"]
     assert hook(lambda w, **kw: calls.append(("load", w, kw)) or "loaded", "w", load_dummy_weights=True) == "loaded"
     assert calls == [("load", "w", {"load_dummy_weights": True}), ("setup", "w")]
 
@@ -79,3 +79,45 @@ def test_transport_decision_without_vllms_sizes_says_which_is_missing():
 
     decision = core.create_sized(4608, 7168, torch.bfloat16, raises, "vLLM")
     assert decision["reason"] == "creating it failed (RuntimeError: cudaMalloc failed)"
+
+
+def _pending_compact(runner, context, saved):
+    from nsa_cp.integrations.vllm import moe
+
+    moe.PENDING[id(runner)] = moe._Pending(None, True, context, saved)
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_forward_puts_the_compact_mask_back_when_it_ends(raises):
+    """A compact dispatch swaps the forward context's mask; a MoE that raises before its combine must not
+    leave the swapped mask, or nsa_cp's pending step, behind."""
+    from nsa_cp.integrations.vllm import moe
+
+    runner = types.SimpleNamespace()
+    saved, swapped = torch.ones(6, dtype=torch.bool), torch.zeros(4, dtype=torch.bool)
+    context = types.SimpleNamespace(is_padding=saved)
+
+    def impl(runner, hidden_states, router_logits, shared_experts_input, input_ids=None):
+        context.is_padding = swapped
+        _pending_compact(runner, context, saved)
+        if raises:
+            raise RuntimeError("expert kernel failed")
+        return "out"
+
+    if raises:
+        with pytest.raises(RuntimeError, match="expert kernel failed"):
+            moe.forward(impl, runner, "h", "l", None)
+    else:
+        assert moe.forward(impl, runner, "h", "l", None) == "out"
+    assert context.is_padding is saved and id(runner) not in moe.PENDING
+    assert vars(runner) == {}, "nsa_cp left state on vLLM's runner"
+
+
+def test_the_target_table_wraps_contract_roles_at_one_path_each():
+    from nsa_cp.integrations.vllm import contract
+
+    roles = [t.role for t in plugin.TABLE]
+    assert len(set(roles)) == len(roles) == len(plugin.TARGETS)
+    for known in contract.KNOWN:
+        assert set(roles) <= set(known.specs), f"{known.name} lacks a wrapped role"
+        assert {known.specs[r].paths[0] for r in roles} == set(plugin.TARGETS)
