@@ -1,5 +1,8 @@
 """The plugin skeleton both engine plugins share (nsa_cp.integrations.core): a target table resolved
-through the contracts, all-or-nothing wrapping with one undo handle, and the live-binding check."""
+through the contracts, all-or-nothing wrapping with one undo handle, and the live-binding check.
+
+(It lives one folder down: a test file directly in tests/integrations/ puts that folder on sys.path, where
+its sglang/ and vllm/ folders would import as namespace packages named like the engines.)"""
 
 from __future__ import annotations
 
