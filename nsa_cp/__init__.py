@@ -60,6 +60,7 @@ from .api.collectives import (
     fused_add_rmsnorm_all_gather,
     reduce_scatter_fused_add_rmsnorm,
 )
+from .api.boundary import cp_overlapped_boundary
 from .api.communicator import NSACPLayerCommunicator
 from .geometry.layout import ShardLayout
 from .api.moe import mask_padding_topk_ids
@@ -77,6 +78,7 @@ __all__ = [
     "cp_all_gather",
     "cp_reduce_scatter",
     "cp_reduce_scatter_buffer",
+    "cp_overlapped_boundary",
     "fused_add_rmsnorm_all_gather",
     "reduce_scatter_fused_add_rmsnorm",
     "quant_fp8_g128",

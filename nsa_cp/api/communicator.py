@@ -30,13 +30,16 @@ to ``next_comm``: when the decoder loop passes exactly those two tensors to ``ne
 it returns them as they are instead of norming again. The loop itself does not change; any other pair
 (a different tensor, a skipped layer) is normed as usual.
 
+Overlapped (``overlapped_mlp``): the MLP as a per-row consumer, run on each rank's rows as they land while
+the partials of finished rows travel back (``cp_overlapped_boundary``); one call in place of ``prepare_mlp``,
+the MLP and ``postprocess_layer``.
+
 FP8 wire: ``quant="fp8_e4m3_g128"`` makes ``prepare_mlp`` return ``((q, scale), residual)``: the rows are
 quantized before they move (half the bytes), for an FP8 block-scale MoE (nsa_cp.quant_fp8_g128).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -49,6 +52,8 @@ from .collectives import (cp_all_gather, cp_reduce_scatter, cp_reduce_scatter_bu
 from ..geometry.layout import ShardLayout
 from ..rows.norm import fused_add_rmsnorm_into
 from ..transport.policy import ensure_transport
+from .boundary import Chunk, cp_overlapped_boundary
+from .norms import check_norm, norm_parameters, weight_or_ones
 from ..geometry.wire import format_of
 
 __all__ = ["NSACPLayerCommunicator", "norm_parameters"]
@@ -56,71 +61,6 @@ __all__ = ["NSACPLayerCommunicator", "norm_parameters"]
 logger = logging.getLogger("nsa_cp")
 
 _MLP_MODES = ("full", "scattered")
-_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
-
-
-def norm_parameters(norm) -> Optional[Tuple[Optional[torch.Tensor], float]]:
-    """``(weight, eps)`` of an RMSNorm the fused kernels can apply in its place, or None.
-
-    Accepted: classes named ``RMSNorm`` or deriving from one (nsa_cp's, SGLang's, vLLM's, ``torch.nn.RMSNorm``:
-    ``y = x * rsqrt(mean(x^2) + eps) * weight``) normalising over one dim, with a ``[H]`` tensor ``weight``
-    (None for ``torch.nn.RMSNorm(elementwise_affine=False)``: a weight of ones) and a float epsilon named
-    ``variance_epsilon``, ``eps`` or ``epsilon``, without a bias or partial variance
-    (``variance_size_override``). ``torch.nn.RMSNorm``'s ``eps=None`` is the epsilon torch then uses:
-    ``torch.finfo`` of its computation type, float32 for bf16 / fp16 / fp32 inputs. Other classes (e.g.
-    Gemma's ``1 + weight``, LayerNorm) are not fused.
-    """
-    if not any(cls.__name__ == "RMSNorm" for cls in type(norm).__mro__):
-        return None
-    if getattr(norm, "variance_size_override", None) is not None or getattr(norm, "bias", None) is not None:
-        return None
-    weight = getattr(norm, "weight", None)
-    is_torch_norm = isinstance(norm, getattr(torch.nn, "RMSNorm", ()))
-    if is_torch_norm and len(norm.normalized_shape) != 1:
-        return None  # normalises over several dims: not a row norm
-    if weight is None and not is_torch_norm:
-        return None
-    if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
-        return None
-    eps = next((getattr(norm, n) for n in _EPS_NAMES if hasattr(norm, n)), None)
-    if eps is None and is_torch_norm:
-        eps = torch.finfo(torch.float32).eps  # what torch.rms_norm adds for eps=None (its fp32 opmath)
-    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
-        return None
-    return weight, float(eps)
-
-
-def _takes_residual(norm) -> bool:
-    """Whether ``norm(x, residual)`` binds (the SGLang convention); True when the signature cannot be read."""
-    fn = norm.forward if isinstance(norm, torch.nn.Module) else norm
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return True
-    try:
-        signature.bind(None, None)
-    except TypeError:
-        return False
-    return True
-
-
-def _check_norm(name: str, norm) -> Tuple[Optional[Tuple[Optional[torch.Tensor], float]], bool]:
-    """``(norm_parameters(norm), takes_residual)``; a norm the communicator can neither fuse nor call with
-    a residual is refused here, at construction, instead of failing at the first layer."""
-    params = norm_parameters(norm)
-    takes_residual = callable(norm) and _takes_residual(norm)
-    if params is None and not takes_residual:
-        why = "not callable" if not callable(norm) else "its call takes no residual"
-        raise ValueError(
-            f"{name}: expected an RMSNorm exposing `weight` and an epsilon (`eps` or `variance_epsilon`: "
-            "nsa_cp.RMSNorm, torch.nn.RMSNorm, SGLang's or vLLM's RMSNorm), or a callable with the convention "
-            f"norm(x) -> y, norm(x, residual) -> (y, residual); got {type(norm).__name__} ({why})")
-    return params, takes_residual
-
-
-def _weight(weight: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """The norm's weight, or ones ``[H]`` (fp32, on like's device) for a norm without one."""
-    return weight if weight is not None else torch.ones(like.shape[-1], dtype=torch.float32, device=like.device)
 
 
 class NSACPLayerCommunicator:
@@ -165,8 +105,8 @@ class NSACPLayerCommunicator:
         dtype: Optional[torch.dtype] = None,
         workspace_bytes: Optional[int] = None,
     ):
-        input_spec = _check_norm("input_layernorm", input_layernorm)
-        mlp_spec = _check_norm("post_attention_layernorm", post_attention_layernorm)
+        input_spec = check_norm("input_layernorm", input_layernorm)
+        mlp_spec = check_norm("post_attention_layernorm", post_attention_layernorm)
         if mlp_mode not in _MLP_MODES:
             raise ValueError(f"mlp_mode: expected one of {_MLP_MODES}, got {mlp_mode!r}")
         check_flag("compact", compact), check_flag("fuse", fuse)
@@ -229,7 +169,7 @@ class NSACPLayerCommunicator:
             return norm(hidden_states, residual)
         if self.fuse:
             weight, eps = params
-            return fused_add_rmsnorm_into(hidden_states, residual, _weight(weight, hidden_states), eps,
+            return fused_add_rmsnorm_into(hidden_states, residual, weight_or_ones(weight, hidden_states), eps,
                                           out=torch.empty_like(hidden_states))
         with torch.no_grad():
             residual.copy_(residual.float() + hidden_states.float())
@@ -270,11 +210,30 @@ class NSACPLayerCommunicator:
                   device_counts=device_counts)
         if self._mlp_norm is not None:
             weight, eps = self._mlp_norm
-            weight = _weight(weight, hidden_states)
+            weight = weight_or_ones(weight, hidden_states)
             return fused_add_rmsnorm_all_gather(hidden_states, residual, weight, eps, layout, self.group,
                                                 quant=self.quant, **kw)
         hidden_states, residual = self._norm("mlp", hidden_states, residual)
         return cp_all_gather(hidden_states, layout, self.group, quant=self.quant, **kw), residual
+
+    def overlapped_mlp(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
+                       layout: Optional[ShardLayout], consumer: Callable, out_dtype: Optional[torch.dtype] = None
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``prepare_mlp``, the MLP and ``postprocess_layer`` in one call, the MLP as a per-row
+        ``consumer(rows, chunk)`` run on each rank's rows as they land (``cp_overlapped_boundary``).
+
+        Residual add + post_attention_layernorm on this rank's rows, then in full mode with a layout the
+        overlapped boundary (the communicator's group and FP8 wire); otherwise, as ``prepare_mlp`` hands
+        them on, the consumer on this rank's normed rows (not quantized), as one chunk. Returns ``(out [n_r, H'], residual [n_r, H])``; ``out`` is not normed for the next
+        layer (``set_next`` does not apply). ``out_dtype``: as for ``cp_overlapped_boundary``.
+        """
+        check_layer_args("overlapped_mlp", hidden_states, residual, layout)
+        normed, residual = self._norm("mlp", hidden_states, residual)
+        if self.mlp_mode == "full" and layout is not None:
+            return cp_overlapped_boundary(normed, layout, consumer, self.group, quant=self.quant,
+                                          out_dtype=out_dtype), residual
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        return consumer(normed, Chunk(rank, normed.shape[0], 0, 0, 0)), residual
 
     def mlp_output_buffer(self, layout: Optional[ShardLayout], like, dtype: Optional[torch.dtype] = None
                           ) -> torch.Tensor:
@@ -334,7 +293,7 @@ class NSACPLayerCommunicator:
         if self._next_norm is None:
             return cp_reduce_scatter(hidden_states, layout, self.group, **kw), residual
         weight, eps = self._next_norm
-        weight = _weight(weight, hidden_states)
+        weight = weight_or_ones(weight, hidden_states)
         normed, residual = reduce_scatter_fused_add_rmsnorm(hidden_states, residual, weight, eps, layout, self.group,
                                                             **kw)
         self._next._prenormed = (normed, residual)

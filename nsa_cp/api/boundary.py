@@ -1,0 +1,113 @@
+"""``cp_overlapped_boundary``: a FULL-mode MoE boundary (gather, per-row consumer, reduce-scatter) with the
+consumer running on each rank's rows as they land and each finished slot's partials travelling back while
+the next slot computes.
+
+It computes what the serialized boundary computes::
+
+    full = cp_all_gather(x, layout, group, quant=quant)      # every rank's rows
+    out = cp_reduce_scatter(consumer(full), layout, group)   # this rank's rows, summed over ranks
+
+for a consumer that is a per-row function (row i's output depends on row i only), without the padding
+rows and without waiting for the whole gather. The mechanism and its order: nsa_cp/transport/overlap.py
+and docs/design.md, "The overlapped boundary".
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..geometry.layout import ShardLayout
+from ..geometry.wire import QUANTS
+from ..planning.checks import shape_str
+from ..rows.quant import check_fp8_g128_input
+from ..transport import overlap
+from ..transport.overlap import Chunk
+
+__all__ = ["cp_overlapped_boundary", "Chunk"]
+
+
+def cp_overlapped_boundary(
+    x: torch.Tensor,
+    layout: ShardLayout,
+    consumer: Callable,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    quant: Optional[str] = None,
+    out_row_shape: Optional[Sequence[int]] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    timeout_ms: Optional[int] = None,
+) -> torch.Tensor:
+    """Gather every rank's rows slot by slot, run ``consumer`` on each slot as it lands, and return the sum
+    over ranks of the consumer's outputs for this rank's rows.
+
+    Args:
+        x: this rank's rows ``[n_r, ...]``, or ``[max_rank_len, ...]`` with padding rows last (ignored).
+        layout: the group's ShardLayout (the same on every rank).
+        consumer: ``consumer(rows, chunk) -> [chunk.rows, *out_row_shape]``, a per-row function. ``rows``
+            is ``[chunk.rows, ...]`` of rank ``chunk.source`` (``(q, scale)``, float8_e4m3fn ``[k, H]`` and
+            fp32 ``[k, H / group]``, with ``quant``); ``chunk`` (:class:`Chunk`) says whose rows and where
+            they sit in the padded (``padded_offset``) and compact (``compact_offset``) gathers, for a
+            consumer that reads side inputs by row. Called once per rank with rows, this rank's own
+            first, then ``(rank - 1) % P``, ``(rank - 2) % P``, ...: each rank takes a different peer first.
+        group: the CP group (None: the default group); its size must be ``layout.cp_size``.
+        quant: None or a wire format (``"fp8_e4m3_g128"``, ``"fp8_e4m3_g128_ue8m0"``): the rows move
+            quantized, as ``cp_all_gather(..., quant=quant)`` moves them (the same bytes and scales).
+        out_row_shape: the consumer's output row shape (default ``x.shape[1:]``).
+        out_dtype: the consumer's output dtype and the result's (default x's; bf16 with ``quant``).
+        timeout_ms: how long a wait for a peer lasts on CPU / gloo before ``P2PTimeoutError``
+            (None: NSA_CP_P2P_TIMEOUT_MS). On NCCL the process group's own timeout governs.
+
+    Returns:
+        ``[n_r, *out_row_shape]`` in ``out_dtype``: every rank's partials of this rank's rows summed in fp32
+        in rank order (the P2P reduce-scatter's order), rounded once.
+
+    Streams (CUDA): the transfers run on the process group's stream, all posted at the start; the consumer
+    runs on the current stream, each call after a wait for its slot only. Not capturable in a CUDA graph
+    (its schedule waits per slot): RuntimeError inside a capture. On NCCL, a group whose communicator is
+    created lazily needs one collective on every rank before (NCCL's first point-to-point batch must
+    include every rank; a rank with nothing to move at a step posts nothing).
+
+    Raises:
+        ValueError naming the argument, the expected and the actual value before anything moves. A
+        consumer output of the wrong shape, dtype or device raises ValueError on that rank after the
+        pipeline began; its peers then stop at a timeout (P2PTimeoutError on CPU), never hang.
+    """
+    if not isinstance(layout, ShardLayout):
+        raise ValueError(f"layout: expected an nsa_cp.ShardLayout, got {type(layout).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"x: expected a tensor [rows, ...], got {type(x).__name__}")
+    if not callable(consumer):
+        raise ValueError(f"consumer: expected a callable consumer(rows, chunk), got {type(consumer).__name__}")
+    size = dist.get_world_size(group)
+    if size != layout.cp_size:
+        raise ValueError(f"group: expected {layout.cp_size} ranks (layout.cp_size), got {size}")
+    rank = dist.get_rank(group)
+    n, m = layout.per_rank_actual_token[rank], layout.max_rank_len
+    if x.shape[0] not in (n, m):
+        raise ValueError(f"x: expected [{n}, ...] (rank {rank}'s rows) or [{m}, ...] (max_rank_len), "
+                         f"got {shape_str(x.shape)}")
+    if quant not in QUANTS:
+        raise ValueError(f"quant: expected one of {list(QUANTS)}, got {quant!r}")
+    if quant is not None:
+        check_fp8_g128_input(x, quant=quant)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("cp_overlapped_boundary cannot be captured in a CUDA graph (it waits per slot); "
+                           "capture the serialized boundary (cp_all_gather, the MoE, cp_reduce_scatter)")
+    row_shape = tuple(int(s) for s in (x.shape[1:] if out_row_shape is None else out_row_shape))
+    dtype = out_dtype or (torch.bfloat16 if quant else x.dtype)
+
+    def check(y, chunk: Chunk) -> None:
+        want = (chunk.rows, *row_shape)
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != dtype or y.device != x.device:
+            got = (f"{shape_str(y.shape)} {y.dtype} on {y.device}" if isinstance(y, torch.Tensor)
+                   else type(y).__name__)
+            raise ValueError(f"consumer output for rank {chunk.source}'s rows: expected {shape_str(want)} {dtype} "
+                             f"on {x.device}, got {got}")
+
+    timeout = envs.NSA_CP_P2P_TIMEOUT_MS if timeout_ms is None else int(timeout_ms)
+    return overlap.run(x.detach(), layout, rank, group, consumer, check, quant=quant, out_row_shape=row_shape,
+                       out_dtype=dtype, timeout_ms=timeout)

@@ -1,0 +1,26 @@
+"""cp_overlapped_boundary on gloo (CPU tensors) at 2, 3, 4 and 8 ranks: the rows the consumer is handed are
+the serialized gather's bit for bit (FP8 bytes and scales included), in the rotation order, and the result
+is the fp64 oracle's sum (the serialized boundary checked against the same oracle in the same case);
+zero-token ranks, empty and even layouts, the engine's physical [M, H] rows, a late peer; bad input refused
+before anything moves; a peer failing mid-pipeline gives P2PTimeoutError on the others, never a hang."""
+
+import pytest
+
+import overlap_cases
+from dist_harness import gloo_case_test, run_world
+
+test_case = gloo_case_test(overlap_cases, world_sizes=(2, 3, 4, 8))
+
+
+@pytest.mark.parametrize("kind", ["wrong_shape", "dies"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_peer_failing_mid_pipeline_gives_every_other_rank_a_timeout(world, kind):
+    bad = world - 1
+    results = run_world(world, "gloo", overlap_cases.run_fault, {"kind": kind, "timeout_ms": 3000}, timeout_s=120,
+                        may_exit=(bad,) if kind == "dies" else ())
+    for rank, result in enumerate(results):
+        if rank == bad:
+            want = {"__exited__": 3} if kind == "dies" else {"fault": "value"}
+            assert result == want, (rank, result)
+        else:
+            assert result == {"fault": "timeout"}, (rank, result)

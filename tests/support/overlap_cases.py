@@ -1,0 +1,218 @@
+"""Checks of cp_overlapped_boundary inside a process group (gloo on CPU tensors), against independent oracles
+and the serialized boundary run in the same case.
+
+Every rank derives every rank's rows from the case seed (oracles.gen). The consumer is per-row and
+differs by the rank that runs it (each rank holds other experts): ``f_q(x) = x * (q + 1) + sin(x)``
+computed in fp32 and rounded once, so rank r's expected result is ``sum_q f_q(rows of r)`` in fp64
+(oracles.check_sum). The consumer also records what it was handed, so the data movement is checked
+bitwise (the rows, or the FP8 bytes and scales, equal the serialized ``cp_all_gather``'s) and the order
+(this rank's rows first, then ``rank - 1``, ``rank - 2``, ... without the empty ranks).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+
+from boundary_cases import _expect_value_error
+from oracles import check_sum, gen
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+QUANT = "fp8_e4m3_g128"
+
+
+def make_cases(world: int, seed: int = 0) -> List[dict]:
+    rng = random.Random(seed * 1000 + world)
+    layouts = [
+        ([0] * world, 1),  # all empty
+        ([5] * world, 1),  # even
+        ([6] * world, 8),  # even counts, padded by align
+        ([7] + [0] * (world - 1), 1),  # only rank 0 holds rows
+        ([0] * (world - 1) + [3], 2),  # only the last rank
+        ([i + 1 for i in range(world)], 1),
+        ([rng.choice([0, rng.randint(1, 11)]) for _ in range(world)], rng.choice([1, 4])),  # zero-token ranks
+        ([rng.randint(1, 13) for _ in range(world)], 1),
+    ]
+    cases = []
+    for li, (counts, align) in enumerate(layouts):
+        for variant in ("plain", "quant", "padded_rows", "late"):
+            dtype = "bf16" if variant in ("quant", "late") else rng.choice(["bf16", "fp32"])
+            cases.append({"id": f"l{li}-{variant}-{dtype}", "counts": counts, "align": align, "dtype": dtype,
+                          "quant": QUANT if variant == "quant" else None, "padded_rows": variant == "padded_rows",
+                          "late": variant == "late", "rest": (128,) if variant == "quant" else (rng.choice([8, 24]),),
+                          "seed": 1000 * world + 10 * li + len(cases)})
+    for li, counts in enumerate(([4] * world, [0] + [i + 2 for i in range(world - 1)], None)):
+        for mode, quant in (("full", None), ("full", QUANT), ("scattered", None)):
+            cases.append({"id": f"comm{li}-{mode}-{'fp8' if quant else 'bf16'}", "counts": counts, "mode": mode,
+                          "quant": quant, "communicator": True, "seed": 77 * world + li})
+    cases.append({"id": "errors", "counts": [3] * world, "align": 1, "dtype": "fp32", "errors": True})
+    return cases
+
+
+def _f(q: int, rows: torch.Tensor, dtype) -> torch.Tensor:
+    """Rank q's per-row consumer: ``x * (q + 1) + sin(x)`` in fp32, rounded once to ``dtype``."""
+    x = rows.float()
+    return (x * (q + 1) + torch.sin(x)).to(dtype)
+
+
+def _dequant(pair) -> torch.Tensor:
+    q, scale = pair
+    return q.float() * scale.repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
+
+
+def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
+    layout = nsa_cp.ShardLayout(case["counts"], align=case["align"])
+    dtype, quant, rest = DTYPES[case["dtype"]], case["quant"], tuple(case["rest"])
+    counts, m = layout.per_rank_actual_token, layout.max_rank_len
+    shards = [gen(case["seed"], q, counts[q], rest, dtype, "cpu") for q in range(world)]
+    x = shards[rank]
+    if case["padded_rows"]:  # the engine's physical [M, ...] rows, padding last holding garbage
+        x = torch.cat([x, torch.full((m - counts[rank], *rest), float("nan"), dtype=dtype)])
+    out_dtype = torch.bfloat16 if quant else dtype
+    seen = []
+
+    def consumer(rows, chunk):
+        seen.append((chunk, tuple(t.clone() for t in rows) if quant else rows.clone()))
+        return _f(rank, _dequant(rows) if quant else rows, out_dtype)
+
+    if case["late"] and rank == world - 1:
+        time.sleep(0.3)  # a late peer: the others wait for its rows, nothing else changes
+    got = nsa_cp.cp_overlapped_boundary(x, layout, consumer, group, quant=quant)
+
+    # the serialized boundary in the same group (every collective before any check, so that a failing
+    # check on one rank leaves no other waiting): its gather is what the consumer must have been handed
+    gathered = nsa_cp.cp_all_gather(shards[rank], layout, group, compact=True, quant=quant)
+    full = gathered if not quant else _dequant(gathered)
+    serial = nsa_cp.cp_reduce_scatter(_f(rank, full, out_dtype), layout, group, compact=True)
+    order = [c.source for c, _ in seen]
+    want_order = [(rank - k) % world for k in range(world) if counts[(rank - k) % world]]
+    if order != want_order:
+        return f"consumer order {order}, expected {want_order} (own rows first, then rank - k)"
+    for chunk, rows in seen:
+        lo, hi = chunk.compact_offset, chunk.compact_offset + chunk.rows
+        if (chunk.rows, chunk.padded_offset, chunk.compact_offset) != (counts[chunk.source], chunk.source * m,
+                                                                        layout.offsets[chunk.source]):
+            return f"chunk {chunk} does not describe rank {chunk.source}'s slot"
+        if quant:
+            if not (torch.equal(rows[0].view(torch.uint8), gathered[0][lo:hi].view(torch.uint8))
+                    and torch.equal(rows[1], gathered[1][lo:hi])):
+                return f"FP8 rows or scales of rank {chunk.source} differ from the serialized gather's"
+        elif not torch.equal(rows, shards[chunk.source]) or not torch.equal(rows, gathered[lo:hi]):
+            return f"rows of rank {chunk.source} differ from its shard / the serialized gather"
+    if got.shape != (counts[rank], *rest) or got.dtype != out_dtype:
+        return f"result {tuple(got.shape)} {got.dtype}, expected {(counts[rank], *rest)} {out_dtype}"
+    mine = gathered[0][layout.offsets[rank]:layout.offsets[rank] + counts[rank]] if quant else None
+    base = _dequant((mine, gathered[1][layout.offsets[rank]:layout.offsets[rank] + counts[rank]])) if quant else x[:counts[rank]]
+    partials = [_f(q, base, out_dtype) for q in range(world)]
+    problem = check_sum(got, partials, out_dtype)
+    if problem:
+        return problem
+    # the serialized boundary against the same oracle (its reduce-scatter sums in its backend's order)
+    return check_sum(serial, partials, out_dtype)
+
+
+def _run_communicator(case, rank, world, group, nsa_cp) -> Optional[str]:
+    """``overlapped_mlp`` against ``prepare_mlp`` -> the MLP on the gathered rows -> ``postprocess_layer`` of a
+    twin communicator: the same residual bit for bit, the same sum within the fp64 oracle's bound."""
+    hidden, dtype, quant = 128, torch.bfloat16, case["quant"]
+    g = torch.Generator().manual_seed(case["seed"])
+    weight = torch.rand(hidden, generator=g) + 0.5
+    comms = []
+    for _ in range(2):
+        norm = nsa_cp.RMSNorm(hidden, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        comms.append(nsa_cp.NSACPLayerCommunicator(group, nsa_cp.RMSNorm(hidden), norm, mlp_mode=case["mode"],
+                                                   quant=quant, compact=True))
+    layout = nsa_cp.ShardLayout(case["counts"]) if case["counts"] is not None else None
+    n = layout.per_rank_actual_token[rank] if layout is not None else 3
+    h, res = (gen(case["seed"] + i, rank, n, (hidden,), dtype, "cpu") for i in (0, 1))
+
+    def mlp(rows, chunk=None):
+        return _f(rank, _dequant(rows) if isinstance(rows, tuple) else rows, dtype)
+
+    full = case["mode"] == "full" and layout is not None
+    res_a = res.clone()
+    out_a, res_a = comms[0].overlapped_mlp(h.clone(), res_a, layout, mlp)
+    hs, res_b = comms[1].prepare_mlp(h.clone(), res.clone(), layout)
+    out_b, res_b = comms[1].postprocess_layer(mlp(hs), res_b, layout)
+    if not torch.equal(res_a, res_b):
+        return "overlapped_mlp's residual differs from prepare_mlp's"
+    normed = hs if not full else None
+    if full:  # this rank's normed rows, as the gather carried them
+        lo = layout.offsets[rank]
+        normed = (hs[0][lo:lo + n], hs[1][lo:lo + n]) if quant else hs[lo:lo + n]
+    partials = [_f(q, _dequant(normed) if quant and full else normed, dtype) for q in (range(world) if full else [rank])]
+    return check_sum(out_a, partials, dtype) or check_sum(out_b, partials, dtype)
+
+
+def _run_errors(case, rank, world, group, nsa_cp) -> Optional[str]:
+    layout = nsa_cp.ShardLayout(case["counts"])
+    x = torch.randn(3, 8)
+    never = _never
+    for fn, words in (
+        (lambda: nsa_cp.cp_overlapped_boundary(torch.randn(2, 8), layout, never, group), ["x", "[3, ...]", "[2, 8]"]),
+        (lambda: nsa_cp.cp_overlapped_boundary(x, [3] * world, never, group), ["layout", "ShardLayout"]),
+        (lambda: nsa_cp.cp_overlapped_boundary(x, layout, None, group), ["consumer", "callable"]),
+        (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, quant="fp4"), ["quant", "'fp4'"]),
+        (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, quant=QUANT), ["x", "128"]),
+        (lambda: nsa_cp.cp_overlapped_boundary(x, nsa_cp.ShardLayout([3] * (world + 1)), never, group),
+         ["group", f"{world + 1} ranks", f"got {world}"]),
+    ):
+        problem = _expect_value_error(fn, words)
+        if problem:
+            return problem
+    return None
+
+
+def _never(rows, chunk):
+    raise AssertionError("the consumer ran on input that should have been refused")
+
+
+def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
+    import torch.distributed as dist
+
+    import nsa_cp
+
+    group = dist.group.WORLD
+    results: Dict[str, Optional[str]] = {}
+    for case in payload["cases"]:
+        try:
+            run = _run_errors if case.get("errors") else _run_communicator if case.get("communicator") else _run_case
+            results[case["id"]] = run(case, rank, world, group, nsa_cp)
+        except Exception:
+            results[case["id"]] = traceback.format_exc()
+        dist.barrier()
+    return results
+
+
+def run_fault(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
+    """A peer that fails mid-pipeline (its consumer returns the wrong shape, or its process dies): it raises
+    ValueError naming the consumer output (or exits); every other rank gets P2PTimeoutError, never a hang."""
+    import os
+
+    import nsa_cp
+
+    layout = nsa_cp.ShardLayout([4, 0, 3, 5][:world])
+    bad = world - 1
+
+    def consumer(rows, chunk):
+        if rank == bad:
+            if payload["kind"] == "dies" and chunk.step == 1:
+                os._exit(3)
+            if payload["kind"] == "wrong_shape":
+                return rows[:, :1].clone()
+        return rows.clone()
+
+    x = torch.randn(layout.per_rank_actual_token[rank], 8)
+    try:
+        nsa_cp.cp_overlapped_boundary(x, layout, consumer, timeout_ms=payload["timeout_ms"])
+    except nsa_cp.P2PTimeoutError as e:
+        return {"fault": "timeout" if rank != bad else f"the failing rank timed out: {e}"}
+    except ValueError as e:
+        return {"fault": "value" if rank == bad and "consumer output" in str(e) else f"ValueError: {e}"}
+    return {"fault": "returned"}
