@@ -224,8 +224,9 @@ class NSACPLayerCommunicator:
 
         Residual add + post_attention_layernorm on this rank's rows, then in full mode with a layout the
         overlapped boundary (the communicator's group and FP8 wire); otherwise, as ``prepare_mlp`` hands
-        them on, the consumer on this rank's normed rows (not quantized), as one chunk. Returns ``(out [n_r, H'], residual [n_r, H])``; ``out`` is not normed for the next
-        layer (``set_next`` does not apply). ``out_dtype``: as for ``cp_overlapped_boundary``.
+        them on, the consumer on this rank's normed rows (not quantized), as one chunk, its output as is.
+        Returns ``(out [n_r, H'], residual [n_r, H])``; ``out`` is not normed for the next layer
+        (``set_next`` does not apply). ``out_dtype``: as for ``cp_overlapped_boundary``.
         """
         check_layer_args("overlapped_mlp", hidden_states, residual, layout)
         normed, residual = self._norm("mlp", hidden_states, residual)
