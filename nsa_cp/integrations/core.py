@@ -90,7 +90,7 @@ class Patches:
 
     def set(self, owner: Any, name: str, value: Any) -> Any:
         """``owner.name = value``; returns the engine's value (a class's own attribute, not an inherited one)."""
-        original = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
+        original = _current(owner, name)
         setattr(owner, name, value)
         self._done.append((owner, name, original))
         return original
@@ -129,6 +129,14 @@ def targets(table: Iterable[Target], known: Iterable[contracts.Contract]) -> Dic
     return out
 
 
+def _current(owner: Any, name: str) -> Any:
+    """``owner.name`` as bound now: a class's own attribute (not a staticmethod's function, nor one it
+    inherits), else ``getattr`` (AttributeError naming it)."""
+    if isinstance(owner, type) and name in owner.__dict__:
+        return owner.__dict__[name]
+    return getattr(owner, name)
+
+
 def _owner(path: str) -> Tuple[Any, str]:
     """``"module.Class.method"`` -> ``(Class, "method")``; ImportError naming ``path`` where it does not import."""
     where, name = path.rsplit(".", 1)
@@ -154,10 +162,7 @@ def wrap(patches: Patches, items: Mapping[str, Callable]) -> int:
     resolved = []
     for path, around in items.items():
         owner, name = _owner(path)
-        current = owner.__dict__.get(name) if isinstance(owner, type) else None
-        if current is None:
-            current = getattr(owner, name)  # AttributeError naming the attribute
-        resolved.append((owner, name, current, around))
+        resolved.append((owner, name, _current(owner, name), around))
     done = 0
     for owner, name, current, around in resolved:
         if getattr(current, "_nsa_cp_original", None) is None:
@@ -169,10 +174,9 @@ def wrap(patches: Patches, items: Mapping[str, Callable]) -> int:
 def is_wrapped(path: str) -> bool:
     """Whether ``path`` is bound to an nsa_cp wrapper now (False where it does not import)."""
     try:
-        owner, name = _owner(path)
-    except ImportError:
+        current = _current(*_owner(path))
+    except (ImportError, AttributeError):
         return False
-    current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
     return getattr(current, "_nsa_cp_original", None) is not None
 
 
