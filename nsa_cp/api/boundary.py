@@ -40,6 +40,7 @@ def cp_overlapped_boundary(
     out_row_shape: Optional[Sequence[int]] = None,
     out_dtype: Optional[torch.dtype] = None,
     timeout_ms: Optional[int] = None,
+    chunk_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Gather every rank's rows slot by slot, run ``consumer`` on each slot as it lands, and return the sum
     over ranks of the consumer's outputs for this rank's rows.
@@ -51,8 +52,9 @@ def cp_overlapped_boundary(
             is ``[chunk.rows, ...]`` of rank ``chunk.source`` (``(q, scale)``, float8_e4m3fn ``[k, H]`` and
             fp32 ``[k, H / group]``, with ``quant``); ``chunk`` (:class:`Chunk`) says whose rows and where
             they sit in the padded (``padded_offset``) and compact (``compact_offset``) gathers, for a
-            consumer that reads side inputs by row. Called once per rank with rows, this rank's own
-            first, then ``(rank - 1) % P``, ``(rank - 2) % P``, ...: each rank takes a different peer first.
+            consumer that reads side inputs by row. Called per chunk, this rank's own rows first, then
+            ``(rank - 1) % P``'s, ``(rank - 2) % P``'s, ...: each rank takes a different peer first; a
+            rank's rows are one chunk, or with ``chunk_rows`` several, in row order.
         group: the CP group (None: the default group); its size must be ``layout.cp_size``.
         quant: None or a wire format (``"fp8_e4m3_g128"``, ``"fp8_e4m3_g128_ue8m0"``): the rows move
             quantized, as ``cp_all_gather(..., quant=quant)`` moves them (the same bytes and scales).
@@ -60,6 +62,9 @@ def cp_overlapped_boundary(
         out_dtype: the consumer's output dtype and the result's (default x's; bf16 with ``quant``).
         timeout_ms: how long a wait for a peer lasts on CPU / gloo before ``P2PTimeoutError``
             (None: NSA_CP_P2P_TIMEOUT_MS). On NCCL the process group's own timeout governs.
+        chunk_rows: None (each rank's rows one chunk) or a positive int: a rank's rows move, compute and
+            go back in chunks of at most ``chunk_rows`` rows, so a large slot's first rows compute while
+            the rest are on the link (more, smaller transfers: each costs a launch). The same on every rank.
 
     Returns:
         ``[n_r, *out_row_shape]`` in ``out_dtype``: every rank's partials of this rank's rows summed in fp32
@@ -94,6 +99,8 @@ def cp_overlapped_boundary(
         raise ValueError(f"quant: expected one of {list(QUANTS)}, got {quant!r}")
     if quant is not None:
         check_fp8_g128_input(x, quant=quant)
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"chunk_rows: expected None or a positive int, got {chunk_rows!r}")
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("cp_overlapped_boundary cannot be captured in a CUDA graph (it waits per slot); "
                            "capture the serialized boundary (cp_all_gather, the MoE, cp_reduce_scatter)")
@@ -110,4 +117,4 @@ def cp_overlapped_boundary(
 
     timeout = envs.NSA_CP_P2P_TIMEOUT_MS if timeout_ms is None else int(timeout_ms)
     return overlap.run(x.detach(), layout, rank, group, consumer, check, quant=quant, out_row_shape=row_shape,
-                       out_dtype=dtype, timeout_ms=timeout)
+                       out_dtype=dtype, timeout_ms=timeout, chunk_rows=chunk_rows)

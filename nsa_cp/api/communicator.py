@@ -217,8 +217,8 @@ class NSACPLayerCommunicator:
         return cp_all_gather(hidden_states, layout, self.group, quant=self.quant, **kw), residual
 
     def overlapped_mlp(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
-                       layout: Optional[ShardLayout], consumer: Callable, out_dtype: Optional[torch.dtype] = None
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+                       layout: Optional[ShardLayout], consumer: Callable, out_dtype: Optional[torch.dtype] = None,
+                       chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """``prepare_mlp``, the MLP and ``postprocess_layer`` in one call, the MLP as a per-row
         ``consumer(rows, chunk)`` run on each rank's rows as they land (``cp_overlapped_boundary``).
 
@@ -226,13 +226,13 @@ class NSACPLayerCommunicator:
         overlapped boundary (the communicator's group and FP8 wire); otherwise, as ``prepare_mlp`` hands
         them on, the consumer on this rank's normed rows (not quantized), as one chunk, its output as is.
         Returns ``(out [n_r, H'], residual [n_r, H])``; ``out`` is not normed for the next layer
-        (``set_next`` does not apply). ``out_dtype``: as for ``cp_overlapped_boundary``.
+        (``set_next`` does not apply). ``out_dtype``, ``chunk_rows``: as for ``cp_overlapped_boundary``.
         """
         check_layer_args("overlapped_mlp", hidden_states, residual, layout)
         normed, residual = self._norm("mlp", hidden_states, residual)
         if self.mlp_mode == "full" and layout is not None:
             return cp_overlapped_boundary(normed, layout, consumer, self.group, quant=self.quant,
-                                          out_dtype=out_dtype), residual
+                                          out_dtype=out_dtype, chunk_rows=chunk_rows), residual
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         return consumer(normed, Chunk(rank, normed.shape[0], 0, 0, 0)), residual
 

@@ -1,22 +1,27 @@
 """The overlapped boundary over torch.distributed point-to-point: the consumer runs on each rank's rows as
-they land, and each finished slot's partials travel back to their owner while the next slot computes.
+they land, and each finished chunk's partials travel back to their owner while the next chunk computes.
 
 Schedule on rank ``r`` of ``P`` (``n_q``: rank q's real rows; every rank derives the same from the layout):
 
 * step 0: the consumer on this rank's own rows, with no wait;
 * step ``k = 1 .. P-1``: rank r's rows go to ``(r + k) % P`` and rank ``(r - k) % P``'s rows arrive
-  (a ring shift per step, so each rank takes a different peer first). Every step's transfer is posted
-  at the start; step k's consumer waits for step k's rows only, then its partials go back to their owner
-  ``(r - k) % P`` while step ``k + 1`` computes (and partials of this rank's rows arrive from ``(r + k) % P``);
+  (a ring shift per step, so each rank takes a different peer first). Every step's transfers are posted
+  at the start; a consumer call waits for its own chunk's rows only, then its partials go back to their
+  owner ``(r - k) % P`` while the next chunk computes (and partials of this rank's rows arrive from
+  ``(r + k) % P``, which computed them at its step k);
 * the end: this rank's partials from every rank summed in fp32 in rank order (0 .. P-1), as the P2P
   reduce-scatter sums them, rounded once to the output dtype.
 
+Chunks: a step's slot (rank q's ``n_q`` rows) moves and computes as one chunk, or with ``chunk_rows`` as
+``ceil(n_q / chunk_rows)`` chunks of at most ``chunk_rows`` rows each, in row order, each moved, computed
+and sent back on its own (the first consumer call on a peer's rows waits for its first chunk only).
+
 A rank with no rows sends nothing and gets no consumer call for its slot; nobody waits for it. Each
-step's sends and receives are one ``batch_isend_irecv`` (NCCL: one group, matched on every rank in the
-same step order; gloo: separate messages told apart by tags).
+chunk's sends and receives are one ``batch_isend_irecv`` (NCCL: every pair of ranks posts its transfers
+in the same order; gloo: separate messages told apart by tags).
 
 Device semantics: on CUDA the transfers run on the process group's stream; a wait makes the current
-stream wait for that step's rows, and the consumer runs on the current stream. On CPU (gloo) the waits
+stream wait for that chunk's rows, and the consumer runs on the current stream. On CPU (gloo) the waits
 block with a deadline: a peer that has not delivered within ``timeout_ms`` raises ``P2PTimeoutError``
 naming it (on NCCL the process group's own timeout governs).
 """
@@ -37,28 +42,43 @@ from .p2p.errors import P2PTimeoutError
 
 __all__ = ["Chunk", "schedule", "run"]
 
-_GATHER_TAG, _SCATTER_TAG = 1 << 20, 2 << 20
-
 
 @dataclass(frozen=True)
 class Chunk:
-    """The rows a consumer call gets: rank ``source``'s ``rows`` real rows, which sit at
-    ``padded_offset = source * M`` in the padded gather and ``compact_offset = offsets[source]`` in the
-    compact one; ``step``: 0 for the local rows, k for the rows of ``(rank - k) % P``."""
+    """The rows a consumer call gets: ``rows`` real rows of rank ``source`` from its row ``first`` on,
+    which sit at ``padded_offset = source * M + first`` in the padded gather and ``compact_offset =
+    offsets[source] + first`` in the compact one; ``step``: 0 for the local rows, k for the rows of
+    ``(rank - k) % P``."""
 
     source: int
     rows: int
     padded_offset: int
     compact_offset: int
     step: int
+    first: int = 0
 
 
-def schedule(layout: ShardLayout, rank: int) -> List[Chunk]:
-    """``rank``'s steps in order: its own rows (step 0), then ``(rank - k) % P``'s for k = 1 .. P-1, a rank
-    with no rows included (``rows == 0``: no consumer call, but the step still returns partials)."""
-    size = layout.cp_size
-    return [Chunk(q, layout.per_rank_actual_token[q], q * layout.max_rank_len, layout.offsets[q], k)
-            for k, q in ((k, (rank - k) % size) for k in range(size))]
+def pieces(rows: int, chunk_rows: Optional[int]) -> List[Tuple[int, int]]:
+    """``[(start, stop), ...]``: ``rows`` rows in chunks of at most ``chunk_rows`` (None: one chunk; no
+    rows: none)."""
+    if rows == 0:
+        return []
+    step = rows if not chunk_rows else chunk_rows
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def schedule(layout: ShardLayout, rank: int, chunk_rows: Optional[int] = None) -> List[Chunk]:
+    """``rank``'s consumer calls in order: its own rows (step 0), then ``(rank - k) % P``'s for
+    k = 1 .. P-1, each slot as its chunks (:func:`pieces`); a rank with no rows has none."""
+    size, m = layout.cp_size, layout.max_rank_len
+    return [Chunk(q, b - a, q * m + a, layout.offsets[q] + a, k, a)
+            for k, q in ((k, (rank - k) % size) for k in range(size))
+            for a, b in pieces(layout.per_rank_actual_token[q], chunk_rows)]
+
+
+def _tag(step: int, piece: int, stride: int, scatter: bool) -> int:
+    """gloo's tag of one chunk's messages (a wire part adds 0 or 1): distinct per step, chunk and direction."""
+    return ((step * stride + piece) * 2 + scatter) * 2
 
 
 def _wire(x: torch.Tensor, n: int, quant: Optional[str]) -> Tuple[torch.Tensor, ...]:
@@ -75,6 +95,11 @@ def _empty(x: torch.Tensor, rows: int, quant: Optional[str]) -> Tuple[torch.Tens
     groups = x.shape[1] // format_of(quant).group
     return (torch.empty((rows, x.shape[1]), dtype=torch.float8_e4m3fn, device=x.device),
             torch.empty((rows, groups), dtype=torch.float32, device=x.device))
+
+
+def _rows(parts: Sequence[torch.Tensor], a: int, b: int) -> Tuple[torch.Tensor, ...]:
+    """Rows ``a:b`` of every wire part (views: a contiguous tensor's row range is contiguous)."""
+    return tuple(p[a:b] for p in parts)
 
 
 def _bytes(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
@@ -113,46 +138,63 @@ def _wait(works: list, timeout_ms: int, cpu: bool, what: str) -> None:
 
 
 def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callable, check: Callable, *,
-        quant: Optional[str], out_row_shape: Tuple[int, ...], out_dtype: torch.dtype, timeout_ms: int) -> torch.Tensor:
+        quant: Optional[str], out_row_shape: Tuple[int, ...], out_dtype: torch.dtype, timeout_ms: int,
+        chunk_rows: Optional[int] = None) -> torch.Tensor:
     """The schedule of the module docstring on checked arguments; returns ``[n_rank, *out_row_shape]``.
     ``consumer(rows, chunk)`` gets ``[k, H]`` (or ``(q, scale)`` with ``quant``) and a :class:`Chunk`;
-    ``check(y, chunk)`` raises on a consumer output of the wrong shape, dtype or device."""
+    ``check(y, chunk)`` raises on a consumer output of the wrong shape, dtype or device.
+
+    Transfers are batches ``(step k, chunk j)``, a rank's send and receive of the same ``(k, j)`` in one
+    batch, posted in the same ``(k, j)`` order on every rank: the gathers' first, then the partials'. A
+    batch's transfers thus wait for nothing but each other, so no ring of sends can stall (an NCCL send
+    blocks its stream until the peer's receive is posted)."""
     size, counts = layout.cp_size, layout.per_rank_actual_token
     n, cpu = counts[rank], x.device.type == "cpu"
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    mine = _wire(x, n, quant)
+    most = max(len(pieces(c, chunk_rows)) for c in counts)
+    mine, own = _wire(x, n, quant), pieces(n, chunk_rows)
 
-    # every step's rows posted at once (the links run ahead of the consumer); rank r's rows go to every
+    # every chunk's rows posted at once (the links run ahead of the consumer); rank r's rows go to every
     # peer whatever its count (every rank computes on every row), a peer's arrive where it has any
     arrived, gathers = {}, {}
     for k in range(1, size):
         dst, src = (rank + k) % size, (rank - k) % size
-        arrived[src] = _empty(x, counts[src], quant) if counts[src] else ()
-        gathers[k] = _exchange(group, _bytes(mine) if n else (), ranks[dst] if n else None, _bytes(arrived[src]),
-                               ranks[src] if counts[src] else None, _GATHER_TAG + 8 * k, cpu, timeout_ms)
+        arrived[src], theirs = _empty(x, counts[src], quant), pieces(counts[src], chunk_rows)
+        for j in range(most):
+            send = _bytes(_rows(mine, *own[j])) if j < len(own) else ()
+            recv = _bytes(_rows(arrived[src], *theirs[j])) if j < len(theirs) else ()
+            gathers[k, j] = _exchange(group, send, ranks[dst] if send else None, recv, ranks[src] if recv else None,
+                                      _tag(k, j, most, False), cpu, timeout_ms)
 
-    partials: List[Optional[torch.Tensor]] = [None] * size  # of this rank's rows, by the rank that computed them
+    # partials[q]: this rank's rows as rank q computed them
+    partials: List[Optional[torch.Tensor]] = [None] * size
+    partials[rank] = torch.empty((n, *out_row_shape), dtype=out_dtype, device=x.device) if len(own) > 1 else None
     scatters = []
-    for chunk in schedule(layout, rank):
-        k, src = chunk.step, chunk.source
-        if k:
-            _wait(gathers[k], timeout_ms, cpu, f"rank {ranks[src]}'s rows (step {k})")
-        y = None
-        if chunk.rows:
-            rows = mine if k == 0 else arrived.pop(src)
-            y = consumer(rows if quant else rows[0], chunk)
-            check(y, chunk)
-        if k == 0:
-            partials[rank] = y
-            continue
-        # step k's partials go back to their owner while step k + 1 computes; this rank's own arrive from
-        # (rank + k), which computed them at its step k
-        owner = (rank + k) % size
-        if n:
+    for k in range(size):
+        src, owner = (rank - k) % size, (rank + k) % size  # owner: computed this rank's rows at its step k
+        if k and n:
             partials[owner] = torch.empty((n, *out_row_shape), dtype=out_dtype, device=x.device)
-        scatters += _exchange(group, (y.contiguous(),) if y is not None else (), ranks[src] if y is not None else None,
-                              (partials[owner],) if n else (), ranks[owner] if n else None, _SCATTER_TAG + 8 * k,
-                              cpu, timeout_ms)
+        theirs = own if k == 0 else pieces(counts[src], chunk_rows)
+        for j in range(len(theirs) if k == 0 else most):
+            y = None
+            if j < len(theirs):
+                a, b = theirs[j]
+                chunk = Chunk(src, b - a, src * layout.max_rank_len + a, layout.offsets[src] + a, k, a)
+                if k:
+                    _wait(gathers[k, j], timeout_ms, cpu, f"rank {ranks[src]}'s rows {a}..{b} (step {k})")
+                rows = _rows(mine if k == 0 else arrived[src], a, b)
+                y = consumer(rows if quant else rows[0], chunk)
+                check(y, chunk)
+                if k == 0:  # this rank's own partials: kept as they are (one chunk), or put in place
+                    if len(own) == 1:
+                        partials[rank] = y
+                    else:
+                        partials[rank][a:b] = y
+                    continue
+            # this chunk's partials go back to their owner while the next chunk computes
+            recv = (partials[owner][own[j][0]:own[j][1]],) if j < len(own) else ()
+            scatters += _exchange(group, (y.contiguous(),) if y is not None else (), ranks[src] if y is not None else None,
+                                  recv, ranks[owner] if recv else None, _tag(k, j, most, True), cpu, timeout_ms)
     _wait(scatters, timeout_ms, cpu, "the partials of this rank's rows")
     acc = torch.zeros((n, *out_row_shape), dtype=torch.float32, device=x.device)
     for q in range(size) if n else ():  # rank order in fp32, as the P2P reduce-scatter sums

@@ -39,16 +39,19 @@ def make_cases(world: int, seed: int = 0) -> List[dict]:
     ]
     cases = []
     for li, (counts, align) in enumerate(layouts):
-        for variant in ("plain", "quant", "padded_rows", "late"):
-            dtype = "bf16" if variant in ("quant", "late") else rng.choice(["bf16", "fp32"])
+        for variant in ("plain", "quant", "padded_rows", "late", "chunked", "chunked_quant"):
+            dtype = "bf16" if variant in ("quant", "late", "chunked_quant") else rng.choice(["bf16", "fp32"])
+            quant = "quant" in variant
             cases.append({"id": f"l{li}-{variant}-{dtype}", "counts": counts, "align": align, "dtype": dtype,
-                          "quant": QUANT if variant == "quant" else None, "padded_rows": variant == "padded_rows",
-                          "late": variant == "late", "rest": (128,) if variant == "quant" else (rng.choice([8, 24]),),
+                          "quant": QUANT if quant else None, "padded_rows": variant == "padded_rows",
+                          "late": variant == "late", "rest": (128,) if quant else (rng.choice([8, 24]),),
+                          "chunk_rows": rng.choice([1, 2, 3, 5]) if "chunked" in variant else None,
                           "seed": 1000 * world + 10 * li + len(cases)})
     for li, counts in enumerate(([4] * world, [0] + [i + 2 for i in range(world - 1)], None)):
         for mode, quant in (("full", None), ("full", QUANT), ("scattered", None)):
             cases.append({"id": f"comm{li}-{mode}-{'fp8' if quant else 'bf16'}", "counts": counts, "mode": mode,
-                          "quant": quant, "communicator": True, "seed": 77 * world + li})
+                          "quant": quant, "communicator": True, "seed": 77 * world + li,
+                          "chunk_rows": 3 if li == 1 else None})
     cases.append({"id": "errors", "counts": [3] * world, "align": 1, "dtype": "fp32", "errors": True})
     return cases
 
@@ -81,27 +84,31 @@ def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
 
     if case["late"] and rank == world - 1:
         time.sleep(0.3)  # a late peer: the others wait for its rows, nothing else changes
-    got = nsa_cp.cp_overlapped_boundary(x, layout, consumer, group, quant=quant)
+    chunk_rows = case["chunk_rows"]
+    got = nsa_cp.cp_overlapped_boundary(x, layout, consumer, group, quant=quant, chunk_rows=chunk_rows)
 
     # the serialized boundary in the same group (every collective before any check, so that a failing
     # check on one rank leaves no other waiting): its gather is what the consumer must have been handed
     gathered = nsa_cp.cp_all_gather(shards[rank], layout, group, compact=True, quant=quant)
     full = gathered if not quant else _dequant(gathered)
     serial = nsa_cp.cp_reduce_scatter(_f(rank, full, out_dtype), layout, group, compact=True)
-    order = [c.source for c, _ in seen]
-    want_order = [(rank - k) % world for k in range(world) if counts[(rank - k) % world]]
+    order = [(c.source, c.first, c.rows, c.step) for c, _ in seen]
+    size = chunk_rows or max(*counts, 1)
+    want_order = [((rank - k) % world, a, min(size, counts[(rank - k) % world] - a), k)
+                  for k in range(world) for a in range(0, counts[(rank - k) % world], size)]
     if order != want_order:
-        return f"consumer order {order}, expected {want_order} (own rows first, then rank - k)"
+        return (f"consumer calls (source, first, rows, step) {order}, expected {want_order} (own rows first, "
+                f"then rank - k, each slot in chunks of at most {chunk_rows} rows in row order)")
     for chunk, rows in seen:
         lo, hi = chunk.compact_offset, chunk.compact_offset + chunk.rows
-        if (chunk.rows, chunk.padded_offset, chunk.compact_offset) != (counts[chunk.source], chunk.source * m,
-                                                                        layout.offsets[chunk.source]):
-            return f"chunk {chunk} does not describe rank {chunk.source}'s slot"
+        src, a = chunk.source, chunk.first
+        if (chunk.padded_offset, chunk.compact_offset) != (src * m + a, layout.offsets[src] + a):
+            return f"chunk {chunk} does not describe rows {a}.. of rank {src}'s slot"
         if quant:
             if not (torch.equal(rows[0].view(torch.uint8), gathered[0][lo:hi].view(torch.uint8))
                     and torch.equal(rows[1], gathered[1][lo:hi])):
                 return f"FP8 rows or scales of rank {chunk.source} differ from the serialized gather's"
-        elif not torch.equal(rows, shards[chunk.source]) or not torch.equal(rows, gathered[lo:hi]):
+        elif not torch.equal(rows, shards[src][a:a + chunk.rows]) or not torch.equal(rows, gathered[lo:hi]):
             return f"rows of rank {chunk.source} differ from its shard / the serialized gather"
     if got.shape != (counts[rank], *rest) or got.dtype != out_dtype:
         return f"result {tuple(got.shape)} {got.dtype}, expected {(counts[rank], *rest)} {out_dtype}"
@@ -137,7 +144,7 @@ def _run_communicator(case, rank, world, group, nsa_cp) -> Optional[str]:
 
     full = case["mode"] == "full" and layout is not None
     res_a = res.clone()
-    out_a, res_a = comms[0].overlapped_mlp(h.clone(), res_a, layout, mlp)
+    out_a, res_a = comms[0].overlapped_mlp(h.clone(), res_a, layout, mlp, chunk_rows=case["chunk_rows"])
     hs, res_b = comms[1].prepare_mlp(h.clone(), res.clone(), layout)
     out_b, res_b = comms[1].postprocess_layer(mlp(hs), res_b, layout)
     if not torch.equal(res_a, res_b):
@@ -160,6 +167,8 @@ def _run_errors(case, rank, world, group, nsa_cp) -> Optional[str]:
         (lambda: nsa_cp.cp_overlapped_boundary(x, layout, None, group), ["consumer", "callable"]),
         (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, quant="fp4"), ["quant", "'fp4'"]),
         (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, quant=QUANT), ["x", "128"]),
+        (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, chunk_rows=0), ["chunk_rows", "positive", "0"]),
+        (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, chunk_rows=2.0), ["chunk_rows", "2.0"]),
         (lambda: nsa_cp.cp_overlapped_boundary(x, nsa_cp.ShardLayout([3] * (world + 1)), never, group),
          ["group", f"{world + 1} ranks", f"got {world}"]),
     ):
