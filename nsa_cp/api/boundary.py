@@ -14,7 +14,7 @@ and docs/design.md, "The overlapped boundary".
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,10 +24,22 @@ from ..geometry.layout import ShardLayout
 from ..geometry.wire import QUANTS
 from ..planning.checks import shape_str
 from ..rows.quant import check_fp8_g128_input
+from ..rows.topk import topk_reduce
 from ..transport import overlap
 from ..transport.overlap import Chunk
 
-__all__ = ["cp_overlapped_boundary", "Chunk"]
+__all__ = ["cp_overlapped_boundary", "Chunk", "TopK"]
+
+
+class TopK(NamedTuple):
+    """A consumer output nsa_cp reduces before it travels: the routed experts' outputs ``out [rows, k,
+    *out_row_shape]`` (any float dtype) and their top-k ``weights [rows, k]`` (None: already applied), the
+    partial being ``scale * sum_j weights[:, j] * out[:, j]`` in fp32, rounded once to the output dtype
+    (one pass over ``out`` on CUDA; ``scale``: e.g. DeepSeek's routed_scaling_factor)."""
+
+    out: torch.Tensor
+    weights: Optional[torch.Tensor] = None
+    scale: float = 1.0
 
 
 def cp_overlapped_boundary(
@@ -41,6 +53,7 @@ def cp_overlapped_boundary(
     out_dtype: Optional[torch.dtype] = None,
     timeout_ms: Optional[int] = None,
     chunk_rows: Optional[int] = None,
+    shared: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Gather every rank's rows slot by slot, run ``consumer`` on each slot as it lands, and return the sum
     over ranks of the consumer's outputs for this rank's rows.
@@ -48,7 +61,8 @@ def cp_overlapped_boundary(
     Args:
         x: this rank's rows ``[n_r, ...]``, or ``[max_rank_len, ...]`` with padding rows last (ignored).
         layout: the group's ShardLayout (the same on every rank).
-        consumer: ``consumer(rows, chunk) -> [chunk.rows, *out_row_shape]``, a per-row function. ``rows``
+        consumer: ``consumer(rows, chunk) -> [chunk.rows, *out_row_shape]`` (or a :class:`TopK` of the
+            routed experts' outputs and weights, which nsa_cp reduces before they travel), a per-row function. ``rows``
             is ``[chunk.rows, ...]`` of rank ``chunk.source`` (``(q, scale)``, float8_e4m3fn ``[k, H]`` and
             fp32 ``[k, H / group]``, with ``quant``); ``chunk`` (:class:`Chunk`) says whose rows and where
             they sit in the padded (``padded_offset``) and compact (``compact_offset``) gathers, for a
@@ -65,10 +79,12 @@ def cp_overlapped_boundary(
         chunk_rows: None (each rank's rows one chunk) or a positive int: a rank's rows move, compute and
             go back in chunks of at most ``chunk_rows`` rows, so a large slot's first rows compute while
             the rest are on the link (more, smaller transfers: each costs a launch). The same on every rank.
+        shared: None or this rank's shared-expert output ``[n_r, *out_row_shape]`` (any float dtype), added in
+            fp32 to the sum before its one rounding (the serialized path rounds the reduce-scatter, then adds).
 
     Returns:
         ``[n_r, *out_row_shape]`` in ``out_dtype``: every rank's partials of this rank's rows summed in fp32
-        in rank order (the P2P reduce-scatter's order), rounded once.
+        in rank order (the P2P reduce-scatter's order), plus ``shared``, rounded once.
 
     Streams (CUDA): the transfers run on the process group's stream, all posted at the start; the consumer
     runs on the current stream, each call after a wait for its slot only. Not capturable in a CUDA graph
@@ -107,14 +123,44 @@ def cp_overlapped_boundary(
     row_shape = tuple(int(s) for s in (x.shape[1:] if out_row_shape is None else out_row_shape))
     dtype = out_dtype or (torch.bfloat16 if quant else x.dtype)
 
-    def check(y, chunk: Chunk) -> None:
+    if shared is not None:
+        want = (n, *row_shape)
+        if not isinstance(shared, torch.Tensor) or tuple(shared.shape) != want or shared.device != x.device \
+                or not shared.is_floating_point():
+            got = (f"{shape_str(shared.shape)} {shared.dtype} on {shared.device}" if isinstance(shared, torch.Tensor)
+                   else type(shared).__name__)
+            raise ValueError(f"shared: expected a float tensor {shape_str(want)} on {x.device} (rank {rank}'s rows), "
+                             f"got {got}")
+
+    def finish(y, chunk: Chunk) -> torch.Tensor:
+        """The consumer's output as the partial that travels: checked, a TopK reduced."""
+        if isinstance(y, TopK):
+            return _reduced(y, chunk, row_shape, dtype, x.device)
         want = (chunk.rows, *row_shape)
         if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != dtype or y.device != x.device:
             got = (f"{shape_str(y.shape)} {y.dtype} on {y.device}" if isinstance(y, torch.Tensor)
                    else type(y).__name__)
             raise ValueError(f"consumer output for rank {chunk.source}'s rows: expected {shape_str(want)} {dtype} "
                              f"on {x.device}, got {got}")
+        return y
 
     timeout = envs.NSA_CP_P2P_TIMEOUT_MS if timeout_ms is None else int(timeout_ms)
-    return overlap.run(x.detach(), layout, rank, group, consumer, check, quant=quant, out_row_shape=row_shape,
-                       out_dtype=dtype, timeout_ms=timeout, chunk_rows=chunk_rows)
+    return overlap.run(x.detach(), layout, rank, group, consumer, finish, quant=quant, out_row_shape=row_shape,
+                       out_dtype=dtype, timeout_ms=timeout, chunk_rows=chunk_rows, shared=shared)
+
+
+def _reduced(y: TopK, chunk: Chunk, row_shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A consumer's TopK, checked, as ``[chunk.rows, *row_shape]`` in ``dtype``."""
+    out, w = y.out, y.weights
+    where = f"consumer output for rank {chunk.source}'s rows"
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 + len(row_shape) or out.shape[0] != chunk.rows \
+            or tuple(out.shape[2:]) != row_shape or out.device != device or not out.is_floating_point():
+        got = f"{shape_str(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{where}: TopK.out expected a float tensor [{', '.join(map(str, (chunk.rows, 'k', *row_shape)))}] "
+                         f"on {device}, got {got}")
+    if w is not None and (not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(out.shape[:2])
+                          or w.device != device or not w.is_floating_point()):
+        got = f"{shape_str(w.shape)} {w.dtype} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"{where}: TopK.weights expected a float tensor {shape_str(out.shape[:2])} on {device}, "
+                         f"got {got}")
+    return topk_reduce(out, w, float(y.scale), dtype)

@@ -40,6 +40,7 @@ __all__ = [
     "FP8_MAX",
     "FP8_AMAX_FLOOR",
     "FP8_PAD_SCALE",
+    "topk_reduce",
 ]
 
 
@@ -170,3 +171,15 @@ def fused_add_rmsnorm_quant_into_slot(
         quant_into_slot(y, q_slot, scale_slot, n, fmt)
     else:
         quant_into_slot(x[:0], q_slot, scale_slot, 0, fmt)
+
+
+def topk_reduce(out: torch.Tensor, weights: Optional[torch.Tensor], scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * sum_j weights[:, j] * out[:, j]`` for ``out [rows, k, ...]`` and ``weights [rows, k]`` (None:
+    the terms as they are): the sum over ``j = 0 .. k-1`` in fp32 in that order, rounded once to ``dtype``
+    (``[rows, ...]``). The Triton twin (``kernels.topk_reduce``) may contract each step into one FMA, so the
+    two agree within fp32 rounding, not bit for bit."""
+    acc = torch.zeros((out.shape[0], *out.shape[2:]), dtype=torch.float32, device=out.device)
+    for j in range(out.shape[1]):
+        term = out[:, j].float()
+        acc += term * weights[:, j].float().view(-1, *([1] * (term.dim() - 1))) if weights is not None else term
+    return (acc * scale).to(dtype)

@@ -137,12 +137,13 @@ def _wait(works: list, timeout_ms: int, cpu: bool, what: str) -> None:
             raise _peer_failed(e, what, cpu, timeout_ms)
 
 
-def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callable, check: Callable, *,
+def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callable, finish: Callable, *,
         quant: Optional[str], out_row_shape: Tuple[int, ...], out_dtype: torch.dtype, timeout_ms: int,
-        chunk_rows: Optional[int] = None) -> torch.Tensor:
+        chunk_rows: Optional[int] = None, shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The schedule of the module docstring on checked arguments; returns ``[n_rank, *out_row_shape]``.
     ``consumer(rows, chunk)`` gets ``[k, H]`` (or ``(q, scale)`` with ``quant``) and a :class:`Chunk`;
-    ``check(y, chunk)`` raises on a consumer output of the wrong shape, dtype or device.
+    ``finish(y, chunk)`` makes its output the ``[k, *out_row_shape]`` partial that travels, or raises on one
+    of the wrong shape, dtype or device. ``shared [n_rank, *out_row_shape]`` joins the final fp32 sum.
 
     Transfers are batches ``(step k, chunk j)``, a rank's send and receive of the same ``(k, j)`` in one
     batch, posted in the same ``(k, j)`` order on every rank: the gathers' first, then the partials'. A
@@ -183,8 +184,7 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
                 if k:
                     _wait(gathers[k, j], timeout_ms, cpu, f"rank {ranks[src]}'s rows {a}..{b} (step {k})")
                 rows = _rows(mine if k == 0 else arrived[src], a, b)
-                y = consumer(rows if quant else rows[0], chunk)
-                check(y, chunk)
+                y = finish(consumer(rows if quant else rows[0], chunk), chunk)
                 if k == 0:  # this rank's own partials: kept as they are (one chunk), or put in place
                     if len(own) == 1:
                         partials[rank] = y
@@ -199,4 +199,6 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
     acc = torch.zeros((n, *out_row_shape), dtype=torch.float32, device=x.device)
     for q in range(size) if n else ():  # rank order in fp32, as the P2P reduce-scatter sums
         acc += partials[q].float()
+    if shared is not None:
+        acc += shared.float()
     return acc.to(out_dtype)

@@ -12,7 +12,7 @@ from dist_harness import gloo_case_test, run_world
 test_case = gloo_case_test(overlap_cases, world_sizes=(2, 3, 4, 8))
 
 
-@pytest.mark.parametrize("kind", ["wrong_shape", "dies"])
+@pytest.mark.parametrize("kind", ["wrong_shape", "wrong_topk", "dies"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_peer_failing_mid_pipeline_gives_every_other_rank_a_timeout(world, kind):
     bad = world - 1

@@ -39,13 +39,14 @@ def make_cases(world: int, seed: int = 0) -> List[dict]:
     ]
     cases = []
     for li, (counts, align) in enumerate(layouts):
-        for variant in ("plain", "quant", "padded_rows", "late", "chunked", "chunked_quant"):
+        for variant in ("plain", "quant", "padded_rows", "late", "chunked", "chunked_quant", "topk"):
             dtype = "bf16" if variant in ("quant", "late", "chunked_quant") else rng.choice(["bf16", "fp32"])
             quant = "quant" in variant
             cases.append({"id": f"l{li}-{variant}-{dtype}", "counts": counts, "align": align, "dtype": dtype,
                           "quant": QUANT if quant else None, "padded_rows": variant == "padded_rows",
                           "late": variant == "late", "rest": (128,) if quant else (rng.choice([8, 24]),),
                           "chunk_rows": rng.choice([1, 2, 3, 5]) if "chunked" in variant else None,
+                          "topk": variant == "topk",
                           "seed": 1000 * world + 10 * li + len(cases)})
     for li, counts in enumerate(([4] * world, [0] + [i + 2 for i in range(world - 1)], None)):
         for mode, quant in (("full", None), ("full", QUANT), ("scattered", None)):
@@ -60,6 +61,24 @@ def _f(q: int, rows: torch.Tensor, dtype) -> torch.Tensor:
     """Rank q's per-row consumer: ``x * (q + 1) + sin(x)`` in fp32, rounded once to ``dtype``."""
     x = rows.float()
     return (x * (q + 1) + torch.sin(x)).to(dtype)
+
+
+TOPK, SCALE = 3, 2.5
+
+
+def _experts(q: int, rows: torch.Tensor):
+    """Rank q's routed experts as a TopK consumer output: ``out [k, TOPK, ...]`` (fp32, ``rows * (q + j + 1)
+    + cos(rows)``) and weights from the rows' first column; returns ``(out, weights)``."""
+    x = rows.float()
+    out = torch.stack([x * (q + j + 1) + torch.cos(x) for j in range(TOPK)], dim=1)
+    w = torch.sigmoid(x.reshape(x.shape[0], -1)[:, :1] + torch.arange(TOPK)) if x.shape[0] else torch.zeros(0, TOPK)
+    return out, w
+
+
+def _topk_partial(q: int, rows: torch.Tensor, dtype) -> torch.Tensor:
+    """What rank q's TopK output becomes, computed here in fp64 and rounded once (the partial that travels)."""
+    out, w = _experts(q, rows)
+    return ((out.double() * w.double().view(*w.shape, *([1] * (out.dim() - 2)))).sum(1) * SCALE).to(dtype)
 
 
 def _dequant(pair) -> torch.Tensor:
@@ -80,18 +99,27 @@ def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
 
     def consumer(rows, chunk):
         seen.append((chunk, tuple(t.clone() for t in rows) if quant else rows.clone()))
+        if case["topk"]:
+            return nsa_cp.TopK(*_experts(rank, rows), scale=SCALE)
         return _f(rank, _dequant(rows) if quant else rows, out_dtype)
+
+    f = _f
+    shared = None
+    if case["topk"]:  # the routed experts' top-k reduce in nsa_cp, this rank's shared expert added at the end
+        f = _topk_partial
+        shared = gen(case["seed"] + 5, rank, counts[rank], rest, torch.float32, "cpu")
 
     if case["late"] and rank == world - 1:
         time.sleep(0.3)  # a late peer: the others wait for its rows, nothing else changes
     chunk_rows = case["chunk_rows"]
-    got = nsa_cp.cp_overlapped_boundary(x, layout, consumer, group, quant=quant, chunk_rows=chunk_rows)
+    got = nsa_cp.cp_overlapped_boundary(x, layout, consumer, group, quant=quant, chunk_rows=chunk_rows,
+                                        shared=shared)
 
     # the serialized boundary in the same group (every collective before any check, so that a failing
     # check on one rank leaves no other waiting): its gather is what the consumer must have been handed
     gathered = nsa_cp.cp_all_gather(shards[rank], layout, group, compact=True, quant=quant)
     full = gathered if not quant else _dequant(gathered)
-    serial = nsa_cp.cp_reduce_scatter(_f(rank, full, out_dtype), layout, group, compact=True)
+    serial = nsa_cp.cp_reduce_scatter(f(rank, full, out_dtype), layout, group, compact=True)
     order = [(c.source, c.first, c.rows, c.step) for c, _ in seen]
     size = chunk_rows or max(*counts, 1)
     want_order = [((rank - k) % world, a, min(size, counts[(rank - k) % world] - a), k)
@@ -114,8 +142,8 @@ def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
         return f"result {tuple(got.shape)} {got.dtype}, expected {(counts[rank], *rest)} {out_dtype}"
     mine = gathered[0][layout.offsets[rank]:layout.offsets[rank] + counts[rank]] if quant else None
     base = _dequant((mine, gathered[1][layout.offsets[rank]:layout.offsets[rank] + counts[rank]])) if quant else x[:counts[rank]]
-    partials = [_f(q, base, out_dtype) for q in range(world)]
-    problem = check_sum(got, partials, out_dtype)
+    partials = [f(q, base, out_dtype) for q in range(world)]
+    problem = check_sum(got, partials + ([shared] if shared is not None else []), out_dtype)
     if problem:
         return problem
     # the serialized boundary against the same oracle (its reduce-scatter sums in its backend's order)
@@ -169,6 +197,8 @@ def _run_errors(case, rank, world, group, nsa_cp) -> Optional[str]:
         (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, quant=QUANT), ["x", "128"]),
         (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, chunk_rows=0), ["chunk_rows", "positive", "0"]),
         (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, chunk_rows=2.0), ["chunk_rows", "2.0"]),
+        (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, shared=torch.randn(2, 8)),
+         ["shared", "[3, 8]", "[2, 8]"]),
         (lambda: nsa_cp.cp_overlapped_boundary(x, nsa_cp.ShardLayout([3] * (world + 1)), never, group),
          ["group", f"{world + 1} ranks", f"got {world}"]),
     ):
@@ -215,6 +245,8 @@ def run_fault(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
                 os._exit(3)
             if payload["kind"] == "wrong_shape":
                 return rows[:, :1].clone()
+            if payload["kind"] == "wrong_topk":  # expert outputs of the wrong row shape
+                return nsa_cp.TopK(rows[:, None, :1].clone())
         return rows.clone()
 
     x = torch.randn(layout.per_rank_actual_token[rank], 8)
