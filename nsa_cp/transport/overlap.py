@@ -170,17 +170,17 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
     # partials[q]: this rank's rows as rank q computed them
     partials: List[Optional[torch.Tensor]] = [None] * size
     partials[rank] = torch.empty((n, *out_row_shape), dtype=out_dtype, device=x.device) if len(own) > 1 else None
-    scatters = []
+    scatters, calls = [], schedule(layout, rank, chunk_rows)
     for k in range(size):
         src, owner = (rank - k) % size, (rank + k) % size  # owner: computed this rank's rows at its step k
         if k and n:
             partials[owner] = torch.empty((n, *out_row_shape), dtype=out_dtype, device=x.device)
-        theirs = own if k == 0 else pieces(counts[src], chunk_rows)
+        theirs = [c for c in calls if c.step == k]
         for j in range(len(theirs) if k == 0 else most):
             y = None
             if j < len(theirs):
-                a, b = theirs[j]
-                chunk = Chunk(src, b - a, src * layout.max_rank_len + a, layout.offsets[src] + a, k, a)
+                chunk = theirs[j]
+                a, b = chunk.first, chunk.first + chunk.rows
                 if k:
                     _wait(gathers[k, j], timeout_ms, cpu, f"rank {ranks[src]}'s rows {a}..{b} (step {k})")
                 rows = _rows(mine if k == 0 else arrived[src], a, b)
