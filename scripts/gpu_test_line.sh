@@ -9,7 +9,7 @@
 #   bash scripts/gpu_test_line.sh            # after: python3 -m pip install --no-deps --no-build-isolation -e .
 #                                            # (and SGLang's wheels, for tests/integrations/sglang/: scripts/gpu_sglang.sh)
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
-#   SHARDS="p2p boundary rest sglang faults" bash scripts/gpu_test_line.sh   # without SGLang carried (its CPU
+#   SHARDS="p2p boundary overlap rest sglang faults" bash scripts/gpu_test_line.sh   # without SGLang carried (its CPU
 #       tests skip: CI runs them), then `source scripts/gpu_sglang.sh && SHARDS="example sglang_gpu seams" bash
 #       scripts/gpu_test_line.sh`, then `... SHARDS="runs engines" ...`: the line over three calls of under 10 minutes,
 #       every shard in one of them
@@ -40,14 +40,16 @@ SHARD_sglang="tests/integrations/sglang/test_sglang.py tests/integrations/sglang
 SHARD_boundary="tests/communicator/test_boundary_gloo.py tests/communicator/test_boundary_gpu.py tests/collectives/test_collectives_gloo.py tests/collectives/test_collectives_gpu.py tests/collectives/test_compile.py"
 # the transport seam and the P2P host layers on CPU / gloo (worlds in processes; "rest" outran its cap with them)
 SHARD_seams="tests/package/test_tree_shape.py tests/transports/test_nccl_native.py tests/transports/test_p2p_cpu.py tests/transports/test_p2p_host_layers.py tests/transports/test_plan_p2p_adapter.py tests/transports/test_transport_seam.py"
+# the overlapped boundary on CUDA, ranks sharing the GPU at 2, 3, 4 and 8 (each world spawns its processes)
+SHARD_overlap="tests/collectives/test_overlap_gpu.py"
 FAULTS="tests/transports/test_p2p_faults.py"
-named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_engines $SHARD_sglang_gpu $SHARD_sglang $SHARD_boundary $SHARD_seams $FAULTS "
+named=" $SHARD_p2p $SHARD_example $SHARD_runs $SHARD_engines $SHARD_sglang_gpu $SHARD_sglang $SHARD_boundary $SHARD_seams $SHARD_overlap $FAULTS "
 SHARD_rest=""
 for f in $(find tests -name "test_*.py" | sort); do
   [[ "$named" == *" $f "* ]] || SHARD_rest+="$f "
 done
 
-ALL="p2p example runs engines sglang_gpu sglang boundary seams rest faults"
+ALL="p2p example runs engines sglang_gpu sglang boundary seams overlap rest faults"
 SHARDS=${SHARDS:-$ALL}
 for shard in $SHARDS; do
   [[ " $ALL " == *" $shard "* ]] || { echo "unknown shard '$shard' (shards: $ALL)" >&2; exit 2; }
@@ -55,7 +57,7 @@ done
 want() { [[ " $SHARDS " == *" $1 "* ]]; }
 
 pids=()
-for shard in p2p example runs engines sglang_gpu sglang boundary seams rest; do
+for shard in p2p example runs engines sglang_gpu sglang boundary seams overlap rest; do
   want "$shard" || continue
   var="SHARD_$shard"
   # shellcheck disable=SC2086

@@ -74,8 +74,9 @@ def cp_overlapped_boundary(
             quantized, as ``cp_all_gather(..., quant=quant)`` moves them (the same bytes and scales).
         out_row_shape: the consumer's output row shape (default ``x.shape[1:]``).
         out_dtype: the consumer's output dtype and the result's (default x's; bf16 with ``quant``).
-        timeout_ms: how long a wait for a peer lasts on CPU / gloo before ``P2PTimeoutError``
-            (None: NSA_CP_P2P_TIMEOUT_MS). On NCCL the process group's own timeout governs.
+        timeout_ms: how long a wait for a peer lasts on gloo before ``P2PTimeoutError`` (None:
+            NSA_CP_P2P_TIMEOUT_MS). On NCCL the process group's own timeout governs. (gloo moves host memory:
+            CUDA tensors there are staged through it, a fallback and the test path of ranks sharing a GPU.)
         chunk_rows: None (each rank's rows one chunk) or a positive int: a rank's rows move, compute and
             go back in chunks of at most ``chunk_rows`` rows, so a large slot's first rows compute while
             the rest are on the link (more, smaller transfers: each costs a launch). The same on every rank.
@@ -95,7 +96,7 @@ def cp_overlapped_boundary(
     Raises:
         ValueError naming the argument, the expected and the actual value before anything moves. A
         consumer output of the wrong shape, dtype or device raises ValueError on that rank after the
-        pipeline began; its peers then stop at a timeout (P2PTimeoutError on CPU), never hang.
+        pipeline began; its peers then stop at a timeout (P2PTimeoutError on gloo), never hang.
     """
     if not isinstance(layout, ShardLayout):
         raise ValueError(f"layout: expected an nsa_cp.ShardLayout, got {type(layout).__name__}")

@@ -20,10 +20,10 @@ A rank with no rows sends nothing and gets no consumer call for its slot; nobody
 chunk's sends and receives are one ``batch_isend_irecv`` (NCCL: every pair of ranks posts its transfers
 in the same order; gloo: separate messages told apart by tags).
 
-Device semantics: on CUDA the transfers run on the process group's stream; a wait makes the current
-stream wait for that chunk's rows, and the consumer runs on the current stream. On CPU (gloo) the waits
-block with a deadline: a peer that has not delivered within ``timeout_ms`` raises ``P2PTimeoutError``
-naming it (on NCCL the process group's own timeout governs).
+Device semantics: on CUDA (NCCL) the transfers run on the process group's stream; a wait makes the current
+stream wait for that chunk's rows, and the consumer runs on the current stream. On gloo the waits block
+with a deadline: a peer that has not delivered within ``timeout_ms`` raises ``P2PTimeoutError`` naming it
+(on NCCL the process group's own timeout governs); CUDA tensors on gloo are staged through host memory.
 """
 
 from __future__ import annotations
@@ -107,21 +107,38 @@ def _bytes(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     return tuple(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p for p in parts)
 
 
+@dataclass
+class _Batch:
+    """One ``(step, chunk)`` batch in flight: its works, and on gloo with CUDA tensors the host buffers the
+    sends left (kept alive until done) and the ``(host, device)`` copies that land the receives."""
+
+    works: list
+    keep: tuple = ()
+    landing: tuple = ()
+
+
 def _exchange(group, send: Sequence[torch.Tensor], to: Optional[int], recv: Sequence[torch.Tensor],
-              frm: Optional[int], tag: int, cpu: bool, timeout_ms: int) -> list:
-    """One step's sends (to global rank ``to``) and receives (from ``frm``) as one batch; its works."""
+              frm: Optional[int], tag: int, gloo: bool, timeout_ms: int) -> _Batch:
+    """One batch: the sends (to global rank ``to``) and receives (from ``frm``). gloo moves host memory
+    only, so there CUDA tensors are staged through it (a fallback and a test path: ranks sharing one GPU
+    run over gloo; NCCL and the P2P transport move device memory)."""
+    landing = ()
+    if gloo and any(t.is_cuda for t in (*send, *recv)):
+        send = tuple(t.cpu() for t in send)  # after the current stream's work (the consumer's output)
+        landing = tuple((torch.empty(t.shape, dtype=t.dtype), t) for t in recv)
+        recv = tuple(host for host, _ in landing)
     ops = [dist.P2POp(dist.isend, t, to, group, tag + i) for i, t in enumerate(send)] if to is not None else []
     ops += [dist.P2POp(dist.irecv, t, frm, group, tag + i) for i, t in enumerate(recv)] if frm is not None else []
     try:
-        return dist.batch_isend_irecv(ops) if ops else []
+        return _Batch(dist.batch_isend_irecv(ops) if ops else [], tuple(send), landing)
     except RuntimeError as e:
-        raise _peer_failed(e, f"a transfer with rank {to if to is not None else frm}", cpu, timeout_ms)
+        raise _peer_failed(e, f"a transfer with rank {to if to is not None else frm}", gloo, timeout_ms)
 
 
-def _peer_failed(e: RuntimeError, what: str, cpu: bool, timeout_ms: int) -> Exception:
+def _peer_failed(e: RuntimeError, what: str, gloo: bool, timeout_ms: int) -> Exception:
     """gloo's error for a peer past the deadline or gone (its connection closed) -> P2PTimeoutError, as
     the P2P transport says it; any other backend's error as it is."""
-    if not cpu:
+    if not gloo:
         return e
     err = P2PTimeoutError(f"overlapped boundary: {what} did not complete within {timeout_ms} ms "
                           f"(NSA_CP_P2P_TIMEOUT_MS), or the peer is gone: {e}")
@@ -129,12 +146,15 @@ def _peer_failed(e: RuntimeError, what: str, cpu: bool, timeout_ms: int) -> Exce
     return err
 
 
-def _wait(works: list, timeout_ms: int, cpu: bool, what: str) -> None:
-    for work in works:
-        try:
-            work.wait(timedelta(milliseconds=timeout_ms)) if cpu else work.wait()
-        except RuntimeError as e:
-            raise _peer_failed(e, what, cpu, timeout_ms)
+def _wait(batches: Sequence[_Batch], timeout_ms: int, gloo: bool, what: str) -> None:
+    for batch in batches:
+        for work in batch.works:
+            try:
+                work.wait(timedelta(milliseconds=timeout_ms)) if gloo else work.wait()
+            except RuntimeError as e:
+                raise _peer_failed(e, what, gloo, timeout_ms)
+        for host, device in batch.landing:
+            device.copy_(host)
 
 
 def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callable, finish: Callable, *,
@@ -150,10 +170,11 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
     batch's transfers thus wait for nothing but each other, so no ring of sends can stall (an NCCL send
     blocks its stream until the peer's receive is posted)."""
     size, counts = layout.cp_size, layout.per_rank_actual_token
-    n, cpu = counts[rank], x.device.type == "cpu"
+    n, gloo = counts[rank], dist.get_backend(group) == "gloo"
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
     most = max(len(pieces(c, chunk_rows)) for c in counts)
     mine, own = _wire(x, n, quant), pieces(n, chunk_rows)
+    sent = tuple(t.cpu() for t in mine) if gloo else mine  # gloo sends host memory: stage this rank's rows once
 
     # every chunk's rows posted at once (the links run ahead of the consumer); rank r's rows go to every
     # peer whatever its count (every rank computes on every row), a peer's arrive where it has any
@@ -162,10 +183,10 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
         dst, src = (rank + k) % size, (rank - k) % size
         arrived[src], theirs = _empty(x, counts[src], quant), pieces(counts[src], chunk_rows)
         for j in range(most):
-            send = _bytes(_rows(mine, *own[j])) if j < len(own) else ()
+            send = _bytes(_rows(sent, *own[j])) if j < len(own) else ()
             recv = _bytes(_rows(arrived[src], *theirs[j])) if j < len(theirs) else ()
             gathers[k, j] = _exchange(group, send, ranks[dst] if send else None, recv, ranks[src] if recv else None,
-                                      _tag(k, j, most, False), cpu, timeout_ms)
+                                      _tag(k, j, most, False), gloo, timeout_ms)
 
     # partials[q]: this rank's rows as rank q computed them
     partials: List[Optional[torch.Tensor]] = [None] * size
@@ -182,7 +203,7 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
                 chunk = theirs[j]
                 a, b = chunk.first, chunk.first + chunk.rows
                 if k:
-                    _wait(gathers[k, j], timeout_ms, cpu, f"rank {ranks[src]}'s rows {a}..{b} (step {k})")
+                    _wait([gathers[k, j]], timeout_ms, gloo, f"rank {ranks[src]}'s rows {a}..{b} (step {k})")
                 rows = _rows(mine if k == 0 else arrived[src], a, b)
                 y = finish(consumer(rows if quant else rows[0], chunk), chunk)
                 if k == 0:  # this rank's own partials: kept as they are (one chunk), or put in place
@@ -193,9 +214,10 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
                     continue
             # this chunk's partials go back to their owner while the next chunk computes
             recv = (partials[owner][own[j][0]:own[j][1]],) if j < len(own) else ()
-            scatters += _exchange(group, (y.contiguous(),) if y is not None else (), ranks[src] if y is not None else None,
-                                  recv, ranks[owner] if recv else None, _tag(k, j, most, True), cpu, timeout_ms)
-    _wait(scatters, timeout_ms, cpu, "the partials of this rank's rows")
+            scatters.append(_exchange(group, (y.contiguous(),) if y is not None else (), ranks[src] if y is not None
+                                      else None, recv, ranks[owner] if recv else None, _tag(k, j, most, True), gloo,
+                                      timeout_ms))
+    _wait(scatters, timeout_ms, gloo, "the partials of this rank's rows")
     acc = torch.zeros((n, *out_row_shape), dtype=torch.float32, device=x.device)
     for q in range(size) if n else ():  # rank order in fp32, as the P2P reduce-scatter sums
         acc += partials[q].float()

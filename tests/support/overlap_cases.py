@@ -7,6 +7,10 @@ computed in fp32 and rounded once, so rank r's expected result is ``sum_q f_q(ro
 (oracles.check_sum). The consumer also records what it was handed, so the data movement is checked
 bitwise (the rows, or the FP8 bytes and scales, equal the serialized ``cp_all_gather``'s) and the order
 (this rank's rows first, then ``rank - 1``, ``rank - 2``, ... without the empty ranks).
+
+On a GPU (``gpu_cases``, ranks sharing one GPU over gloo, CUDA tensors): the serialized boundary runs on
+nsa_cp's P2P transport, whose reduce-scatter sums in fp32 in rank order as the overlapped one does, so the
+two results must be equal bit for bit for this row-independent consumer (besides the fp64 oracle).
 """
 
 from __future__ import annotations
@@ -57,6 +61,22 @@ def make_cases(world: int, seed: int = 0) -> List[dict]:
     return cases
 
 
+GPU_HIDDEN = 256  # one P2P transport row for every GPU case (a multiple of 128 for the FP8 wire)
+
+
+def gpu_cases(world: int, seed: int = 0, layouts: Optional[int] = None) -> List[dict]:
+    """The layouts of make_cases on CUDA tensors: bf16 rows of GPU_HIDDEN, the variants that move data
+    differently (plain, FP8, chunked, chunked FP8, TopK + shared, late); ``layouts``: the first that many."""
+    cases = []
+    for case in make_cases(world, seed):
+        variant = case["id"].split("-")[1] if not case.get("communicator") and not case.get("errors") else None
+        if variant in ("plain", "quant", "chunked", "chunked_quant", "topk", "late"):
+            if layouts is None or int(case["id"].split("-")[0][1:]) < layouts:
+                cases.append(dict(case, dtype="bf16", rest=(GPU_HIDDEN,), gpu=True,
+                                  id=f"{case['id'].rsplit('-', 1)[0]}-bf16"))
+    return cases
+
+
 def _f(q: int, rows: torch.Tensor, dtype) -> torch.Tensor:
     """Rank q's per-row consumer: ``x * (q + 1) + sin(x)`` in fp32, rounded once to ``dtype``."""
     x = rows.float()
@@ -71,7 +91,7 @@ def _experts(q: int, rows: torch.Tensor):
     + cos(rows)``) and weights from the rows' first column; returns ``(out, weights)``."""
     x = rows.float()
     out = torch.stack([x * (q + j + 1) + torch.cos(x) for j in range(TOPK)], dim=1)
-    w = torch.sigmoid(x.reshape(x.shape[0], -1)[:, :1] + torch.arange(TOPK)) if x.shape[0] else torch.zeros(0, TOPK)
+    w = torch.sigmoid(x.flatten(1)[:, :1] + torch.arange(TOPK, device=x.device))
     return out, w
 
 
@@ -90,10 +110,12 @@ def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
     layout = nsa_cp.ShardLayout(case["counts"], align=case["align"])
     dtype, quant, rest = DTYPES[case["dtype"]], case["quant"], tuple(case["rest"])
     counts, m = layout.per_rank_actual_token, layout.max_rank_len
-    shards = [gen(case["seed"], q, counts[q], rest, dtype, "cpu") for q in range(world)]
+    device = torch.device("cuda", torch.cuda.current_device()) if case.get("gpu") else torch.device("cpu")
+    serial_backend = "p2p" if case.get("gpu") else "auto"
+    shards = [gen(case["seed"], q, counts[q], rest, dtype, device) for q in range(world)]
     x = shards[rank]
     if case["padded_rows"]:  # the engine's physical [M, ...] rows, padding last holding garbage
-        x = torch.cat([x, torch.full((m - counts[rank], *rest), float("nan"), dtype=dtype)])
+        x = torch.cat([x, torch.full((m - counts[rank], *rest), float("nan"), dtype=dtype, device=device)])
     out_dtype = torch.bfloat16 if quant else dtype
     seen = []
 
@@ -107,7 +129,7 @@ def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
     shared = None
     if case["topk"]:  # the routed experts' top-k reduce in nsa_cp, this rank's shared expert added at the end
         f = _topk_partial
-        shared = gen(case["seed"] + 5, rank, counts[rank], rest, torch.float32, "cpu")
+        shared = gen(case["seed"] + 5, rank, counts[rank], rest, torch.float32, device)
 
     if case["late"] and rank == world - 1:
         time.sleep(0.3)  # a late peer: the others wait for its rows, nothing else changes
@@ -117,9 +139,9 @@ def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
 
     # the serialized boundary in the same group (every collective before any check, so that a failing
     # check on one rank leaves no other waiting): its gather is what the consumer must have been handed
-    gathered = nsa_cp.cp_all_gather(shards[rank], layout, group, compact=True, quant=quant)
+    gathered = nsa_cp.cp_all_gather(shards[rank], layout, group, compact=True, quant=quant, backend=serial_backend)
     full = gathered if not quant else _dequant(gathered)
-    serial = nsa_cp.cp_reduce_scatter(f(rank, full, out_dtype), layout, group, compact=True)
+    serial = nsa_cp.cp_reduce_scatter(f(rank, full, out_dtype), layout, group, compact=True, backend=serial_backend)
     order = [(c.source, c.first, c.rows, c.step) for c, _ in seen]
     size = chunk_rows or max(*counts, 1)
     want_order = [((rank - k) % world, a, min(size, counts[(rank - k) % world] - a), k)
@@ -142,12 +164,15 @@ def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
         return f"result {tuple(got.shape)} {got.dtype}, expected {(counts[rank], *rest)} {out_dtype}"
     mine = gathered[0][layout.offsets[rank]:layout.offsets[rank] + counts[rank]] if quant else None
     base = _dequant((mine, gathered[1][layout.offsets[rank]:layout.offsets[rank] + counts[rank]])) if quant else x[:counts[rank]]
-    partials = [f(q, base, out_dtype) for q in range(world)]
-    problem = check_sum(got, partials + ([shared] if shared is not None else []), out_dtype)
+    partials = [f(q, base, out_dtype).cpu() for q in range(world)]
+    problem = check_sum(got.cpu(), partials + ([shared.cpu()] if shared is not None else []), out_dtype)
     if problem:
         return problem
+    if case.get("gpu") and shared is None and not torch.equal(got, serial):
+        return (f"overlapped result differs from the P2P serialized boundary's (both fp32 in rank order): "
+                f"{(got.float() - serial.float()).abs().max().item()} max")
     # the serialized boundary against the same oracle (its reduce-scatter sums in its backend's order)
-    return check_sum(serial, partials, out_dtype)
+    return check_sum(serial.cpu(), partials, out_dtype)
 
 
 def _run_communicator(case, rank, world, group, nsa_cp) -> Optional[str]:
@@ -219,12 +244,17 @@ def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
 
     group = dist.group.WORLD
     results: Dict[str, Optional[str]] = {}
+    if payload.get("gpu"):  # the serialized boundary's P2P transport (CUDA IPC between ranks sharing the GPU)
+        nsa_cp.init_p2p(None, payload["max_tokens"], GPU_HIDDEN, torch.bfloat16, torch.device("cuda", 0),
+                        timeout_ms=20_000)
     for case in payload["cases"]:
         try:
             run = _run_errors if case.get("errors") else _run_communicator if case.get("communicator") else _run_case
             results[case["id"]] = run(case, rank, world, group, nsa_cp)
         except Exception:
             results[case["id"]] = traceback.format_exc()
+        if payload.get("gpu"):
+            torch.cuda.synchronize()
         dist.barrier()
     return results
 

@@ -1,0 +1,44 @@
+"""cp_overlapped_boundary on CUDA tensors, ranks sharing one GPU (2, 3, 4 and 8) over gloo: the rows a
+consumer is handed equal nsa_cp's P2P gather's bit for bit (FP8 bytes and scales included), and the result
+equals the P2P serialized boundary's bit for bit (both sum in fp32 in rank order; the consumer is
+row-independent), besides the fp64 oracle; chunked slots, TopK + shared, zero-token ranks and a late peer.
+gloo moves host memory, so the overlapped boundary stages CUDA rows through it here (what this checks is
+the schedule, the consumer's chunks and the sums on the GPU, not the link's speed). Needs a CUDA GPU and
+nsa_cp._C (the serialized boundary's P2P transport); skips cleanly, saying why, without them."""
+
+import functools
+
+import pytest
+import torch
+
+import overlap_cases
+from dist_harness import case_failures, run_world
+from nsa_cp.rows import _native
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+WORLDS = (2, 3, 4, 8)
+LAYOUTS = {8: 4}  # the 8-rank world (8 processes time-slicing one GPU) runs the first 4 layouts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS < 1, reason=f"needs a CUDA GPU, found {GPUS}"),
+    pytest.mark.skipif(GPUS >= 1 and not _native.available(),
+                       reason=f"nsa_cp._C unavailable (the P2P transport): {_native.unavailable_reason()}"),
+]
+
+
+def _cases(world):
+    return overlap_cases.gpu_cases(world, seed=3, layouts=LAYOUTS.get(world))
+
+
+@functools.lru_cache(maxsize=None)
+def _world_results(world):
+    payload = {"gpu": True, "max_tokens": 64, "cases": _cases(world)}
+    return run_world(world, "gloo-shared-gpu", overlap_cases.run_cases, payload, timeout_s=600)
+
+
+@pytest.mark.parametrize("world,case_id", [pytest.param(w, c["id"], id=f"w{w}-{c['id']}")
+                                           for w in WORLDS for c in _cases(w)])
+def test_case(world, case_id):
+    failures = case_failures(_world_results(world), case_id)
+    assert not failures, "\n".join(failures)
