@@ -87,8 +87,9 @@ def cp_overlapped_boundary(
         ``[n_r, *out_row_shape]`` in ``out_dtype``: every rank's partials of this rank's rows summed in fp32
         in rank order (the P2P reduce-scatter's order), plus ``shared``, rounded once.
 
-    Streams (CUDA): the transfers run on the process group's stream, all posted at the start; the consumer
-    runs on the current stream, each call after a wait for its slot only. Not capturable in a CUDA graph
+    Streams (CUDA, NCCL): the transfers run on the process group's stream, every chunk's rows posted at the
+    start and each chunk's partials right after its consumer call; the consumer runs on the current
+    stream, each call after a wait for its own chunk only. Not capturable in a CUDA graph
     (its schedule waits per slot): RuntimeError inside a capture. On NCCL, a group whose communicator is
     created lazily needs one collective on every rank before (NCCL's first point-to-point batch must
     include every rank; a rank with nothing to move at a step posts nothing).
