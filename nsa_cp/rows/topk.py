@@ -6,6 +6,7 @@ copy of them); others through ``reference.topk_reduce``. Both sum in fp32 over `
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -24,7 +25,7 @@ def topk_reduce(out: torch.Tensor, weights: Optional[torch.Tensor], scale: float
         if triton_available():
             from .kernels.topk_reduce import topk_reduce as kernel
 
-            flat = out.reshape(out.shape[0], out.shape[1], -1)
+            flat = out.reshape(out.shape[0], out.shape[1], math.prod(out.shape[2:]))
             if flat.shape[2] > 1 and flat.stride(2) != 1:
                 flat = flat.contiguous()
             y = torch.empty((out.shape[0], *out.shape[2:]), dtype=dtype, device=out.device)
