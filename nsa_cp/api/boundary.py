@@ -126,29 +126,37 @@ def cp_overlapped_boundary(
     dtype = out_dtype or (torch.bfloat16 if quant else x.dtype)
 
     if shared is not None:
-        want = (n, *row_shape)
-        if not isinstance(shared, torch.Tensor) or tuple(shared.shape) != want or shared.device != x.device \
-                or not shared.is_floating_point():
-            got = (f"{shape_str(shared.shape)} {shared.dtype} on {shared.device}" if isinstance(shared, torch.Tensor)
-                   else type(shared).__name__)
-            raise ValueError(f"shared: expected a float tensor {shape_str(want)} on {x.device} (rank {rank}'s rows), "
-                             f"got {got}")
+        check_shared(shared, (n, *row_shape), x.device, rank)
 
     def finish(y, chunk: Chunk) -> torch.Tensor:
-        """The consumer's output as the partial that travels: checked, a TopK reduced."""
-        if isinstance(y, TopK):
-            return _reduced(y, chunk, row_shape, dtype, x.device)
-        want = (chunk.rows, *row_shape)
-        if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != dtype or y.device != x.device:
-            got = (f"{shape_str(y.shape)} {y.dtype} on {y.device}" if isinstance(y, torch.Tensor)
-                   else type(y).__name__)
-            raise ValueError(f"consumer output for rank {chunk.source}'s rows: expected {shape_str(want)} {dtype} "
-                             f"on {x.device}, got {got}")
-        return y
+        return as_partial(y, chunk, row_shape, dtype, x.device)
 
     timeout = envs.NSA_CP_P2P_TIMEOUT_MS if timeout_ms is None else int(timeout_ms)
     return overlap.run(x.detach(), layout, rank, group, consumer, finish, quant=quant, out_row_shape=row_shape,
                        out_dtype=dtype, timeout_ms=timeout, chunk_rows=chunk_rows, shared=shared)
+
+
+def check_shared(shared, want, device, rank: int) -> None:
+    """ValueError unless ``shared`` is a float tensor of shape ``want`` on ``device`` (rank's rows)."""
+    if not isinstance(shared, torch.Tensor) or tuple(shared.shape) != tuple(want) or shared.device != device \
+            or not shared.is_floating_point():
+        got = (f"{shape_str(shared.shape)} {shared.dtype} on {shared.device}" if isinstance(shared, torch.Tensor)
+               else type(shared).__name__)
+        raise ValueError(f"shared: expected a float tensor {shape_str(want)} on {device} (rank {rank}'s rows), "
+                         f"got {got}")
+
+
+def as_partial(y, chunk: Chunk, row_shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A consumer's output as the partial that travels, ``[chunk.rows, *row_shape]`` in ``dtype`` on
+    ``device``: a tensor checked, a :class:`TopK` checked and reduced; ValueError naming what differs."""
+    if isinstance(y, TopK):
+        return _reduced(y, chunk, tuple(row_shape), dtype, device)
+    want = (chunk.rows, *row_shape)
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != dtype or y.device != device:
+        got = f"{shape_str(y.shape)} {y.dtype} on {y.device}" if isinstance(y, torch.Tensor) else type(y).__name__
+        raise ValueError(f"consumer output for rank {chunk.source}'s rows: expected {shape_str(want)} {dtype} "
+                         f"on {device}, got {got}")
+    return y
 
 
 def _reduced(y: TopK, chunk: Chunk, row_shape, dtype: torch.dtype, device) -> torch.Tensor:

@@ -52,7 +52,7 @@ from .collectives import (cp_all_gather, cp_reduce_scatter, cp_reduce_scatter_bu
 from ..geometry.layout import ShardLayout
 from ..rows.norm import fused_add_rmsnorm_into
 from ..transport.policy import ensure_transport
-from .boundary import Chunk, cp_overlapped_boundary
+from .boundary import Chunk, as_partial, check_shared, cp_overlapped_boundary
 from .norms import check_norm, norm_parameters, weight_or_ones
 from ..geometry.wire import format_of
 
@@ -218,23 +218,33 @@ class NSACPLayerCommunicator:
 
     def overlapped_mlp(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                        layout: Optional[ShardLayout], consumer: Callable, out_dtype: Optional[torch.dtype] = None,
-                       chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                       chunk_rows: Optional[int] = None, shared_mlp: Optional[Callable] = None
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``prepare_mlp``, the MLP and ``postprocess_layer`` in one call, the MLP as a per-row
         ``consumer(rows, chunk)`` run on each rank's rows as they land (``cp_overlapped_boundary``).
 
         Residual add + post_attention_layernorm on this rank's rows, then in full mode with a layout the
         overlapped boundary (the communicator's group and FP8 wire); otherwise, as ``prepare_mlp`` hands
-        them on, the consumer on this rank's normed rows (not quantized), as one chunk, its output as is.
-        Returns ``(out [n_r, H'], residual [n_r, H])``; ``out`` is not normed for the next layer
+        them on, the consumer on this rank's normed rows (not quantized), as one chunk. Either way the
+        consumer returns ``[rows, H]`` or a ``TopK`` (reduced by nsa_cp). ``shared_mlp(normed [n_r, H]) ->
+        [n_r, H]``: the shared expert on this rank's normed rows, added in fp32 before the one rounding.
+        Returns ``(out [n_r, H], residual [n_r, H])``; ``out`` is not normed for the next layer
         (``set_next`` does not apply). ``out_dtype``, ``chunk_rows``: as for ``cp_overlapped_boundary``.
         """
         check_layer_args("overlapped_mlp", hidden_states, residual, layout)
         normed, residual = self._norm("mlp", hidden_states, residual)
+        shared = shared_mlp(normed) if shared_mlp is not None else None
         if self.mlp_mode == "full" and layout is not None:
-            return cp_overlapped_boundary(normed, layout, consumer, self.group, quant=self.quant,
-                                          out_dtype=out_dtype, chunk_rows=chunk_rows), residual
+            return cp_overlapped_boundary(normed, layout, consumer, self.group, quant=self.quant, out_dtype=out_dtype,
+                                          chunk_rows=chunk_rows, shared=shared), residual
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        return consumer(normed, Chunk(rank, normed.shape[0], 0, 0, 0)), residual
+        n, dtype = normed.shape[0], out_dtype or normed.dtype
+        chunk = Chunk(rank, n, 0, 0, 0)
+        out = as_partial(consumer(normed, chunk), chunk, normed.shape[1:], dtype, normed.device)
+        if shared is not None:
+            check_shared(shared, normed.shape, normed.device, rank)
+            out = (out.float() + shared.float()).to(dtype)
+        return out, residual
 
     def mlp_output_buffer(self, layout: Optional[ShardLayout], like, dtype: Optional[torch.dtype] = None
                           ) -> torch.Tensor:

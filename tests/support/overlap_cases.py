@@ -57,6 +57,9 @@ def make_cases(world: int, seed: int = 0) -> List[dict]:
             cases.append({"id": f"comm{li}-{mode}-{'fp8' if quant else 'bf16'}", "counts": counts, "mode": mode,
                           "quant": quant, "communicator": True, "seed": 77 * world + li,
                           "chunk_rows": 3 if li == 1 else None})
+        for mode in ("full", "scattered"):  # TopK consumer + shared_mlp
+            cases.append({"id": f"comm{li}-{mode}-topk-shared", "counts": counts, "mode": mode, "quant": None,
+                          "communicator": True, "seed": 91 * world + li, "chunk_rows": None, "topk": True})
     cases.append({"id": "errors", "counts": [3] * world, "align": 1, "dtype": "fp32", "errors": True})
     return cases
 
@@ -196,6 +199,24 @@ def _run_communicator(case, rank, world, group, nsa_cp) -> Optional[str]:
         return _f(rank, _dequant(rows) if isinstance(rows, tuple) else rows, dtype)
 
     full = case["mode"] == "full" and layout is not None
+    if case.get("topk"):  # the routed experts as a TopK, the shared expert on the rank's normed rows
+        seen_normed = []
+
+        def shared_mlp(normed):
+            seen_normed.append(normed.clone())
+            return (normed.float() * 0.5 + 1).to(dtype)
+
+        out, res_a = comms[0].overlapped_mlp(h.clone(), res.clone(), layout,
+                                             lambda rows, chunk: nsa_cp.TopK(*_experts(rank, rows), scale=SCALE),
+                                             shared_mlp=shared_mlp)
+        hs, res_b = comms[1].prepare_mlp(h.clone(), res.clone(), layout)
+        if not torch.equal(res_a, res_b):
+            return "overlapped_mlp's residual differs from prepare_mlp's"
+        mine = hs[layout.offsets[rank]:layout.offsets[rank] + n] if full else hs
+        if not torch.equal(seen_normed[0], mine):
+            return "shared_mlp was not handed this rank's normed rows"
+        partials = [_topk_partial(q, mine, dtype) for q in (range(world) if full else [rank])]
+        return check_sum(out, partials + [shared_mlp(mine)], dtype)
     res_a = res.clone()
     out_a, res_a = comms[0].overlapped_mlp(h.clone(), res_a, layout, mlp, chunk_rows=case["chunk_rows"])
     hs, res_b = comms[1].prepare_mlp(h.clone(), res.clone(), layout)
@@ -224,6 +245,9 @@ def _run_errors(case, rank, world, group, nsa_cp) -> Optional[str]:
         (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, chunk_rows=2.0), ["chunk_rows", "2.0"]),
         (lambda: nsa_cp.cp_overlapped_boundary(x, layout, never, group, shared=torch.randn(2, 8)),
          ["shared", "[3, 8]", "[2, 8]"]),
+        (lambda: nsa_cp.NSACPLayerCommunicator(group, nsa_cp.RMSNorm(8), nsa_cp.RMSNorm(8), mlp_mode="scattered")
+         .overlapped_mlp(x, torch.randn(3, 8), None, lambda rows, chunk: rows[:, :2].clone()),
+         ["consumer output", "[3, 8]", "[3, 2]"]),
         (lambda: nsa_cp.cp_overlapped_boundary(x, nsa_cp.ShardLayout([3] * (world + 1)), never, group),
          ["group", f"{world + 1} ranks", f"got {world}"]),
     ):
