@@ -217,6 +217,8 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
             scatters.append(_exchange(group, (y.contiguous(),) if y is not None else (), ranks[src] if y is not None
                                       else None, recv, ranks[owner] if recv else None, _tag(k, j, most, True), gloo,
                                       timeout_ms))
+        if k:
+            del arrived[src]  # its rows all computed: free them before the next slot's
     _wait(scatters, timeout_ms, gloo, "the partials of this rank's rows")
     acc = torch.zeros((n, *out_row_shape), dtype=torch.float32, device=x.device)
     for q in range(size) if n else ():  # rank order in fp32, as the P2P reduce-scatter sums
