@@ -1,7 +1,8 @@
 """cp_overlapped_boundary on CUDA tensors, ranks sharing one GPU (2, 3, 4 and 8) over gloo: the rows a
 consumer is handed equal nsa_cp's P2P gather's bit for bit (FP8 bytes and scales included), and the result
 equals the P2P serialized boundary's bit for bit (both sum in fp32 in rank order; the consumer is
-row-independent), besides the fp64 oracle; chunked slots, TopK + shared, zero-token ranks and a late peer.
+row-independent), besides the fp64 oracle; chunked slots, TopK + shared, zero-token ranks and a late peer;
+a peer failing mid-pipeline (wrong output, or its process dies) gives P2PTimeoutError on the others.
 gloo moves host memory, so the overlapped boundary stages CUDA rows through it here (what this checks is
 the schedule, the consumer's chunks and the sums on the GPU, not the link's speed). Needs a CUDA GPU and
 nsa_cp._C (the serialized boundary's P2P transport); skips cleanly, saying why, without them."""
@@ -42,3 +43,14 @@ def _world_results(world):
 def test_case(world, case_id):
     failures = case_failures(_world_results(world), case_id)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("kind", overlap_cases.FAULTS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_peer_failing_mid_pipeline_gives_every_other_rank_a_timeout(world, kind):
+    results = run_world(world, "gloo-shared-gpu", overlap_cases.run_fault,
+                        {"kind": kind, "timeout_ms": 5000, "gpu": True}, timeout_s=180,
+                        may_exit=(world - 1,) if kind == "dies" else ())
+    failures = overlap_cases.fault_failures(results, kind)
+    assert not failures, "\n".join(failures)
+

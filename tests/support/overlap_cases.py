@@ -27,6 +27,7 @@ from oracles import check_sum, gen
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 QUANT = "fp8_e4m3_g128"
+FAULTS = ("wrong_shape", "wrong_topk", "dies")  # how run_fault's last rank fails
 
 
 def make_cases(world: int, seed: int = 0) -> List[dict]:
@@ -285,7 +286,8 @@ def run_cases(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
 
 def run_fault(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
     """A peer that fails mid-pipeline (its consumer returns the wrong shape, or its process dies): it raises
-    ValueError naming the consumer output (or exits); every other rank gets P2PTimeoutError, never a hang."""
+    ValueError naming the consumer output (or exits); every other rank gets P2PTimeoutError, never a hang.
+    ``payload["gpu"]``: the rows are CUDA tensors (ranks sharing one GPU)."""
     import os
 
     import nsa_cp
@@ -303,11 +305,26 @@ def run_fault(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
                 return nsa_cp.TopK(rows[:, None, :1].clone())
         return rows.clone()
 
-    x = torch.randn(layout.per_rank_actual_token[rank], 8)
+    x = torch.randn(layout.per_rank_actual_token[rank], 8, device="cuda" if payload.get("gpu") else "cpu")
     try:
         nsa_cp.cp_overlapped_boundary(x, layout, consumer, timeout_ms=payload["timeout_ms"])
+        if payload.get("gpu"):
+            torch.cuda.synchronize()
     except nsa_cp.P2PTimeoutError as e:
         return {"fault": "timeout" if rank != bad else f"the failing rank timed out: {e}"}
     except ValueError as e:
         return {"fault": "value" if rank == bad and "consumer output" in str(e) else f"ValueError: {e}"}
     return {"fault": "returned"}
+
+
+def fault_failures(results: List[dict], kind: str) -> List[str]:
+    """What :func:`run_fault`'s ranks got that they should not: the last rank ValueError (or exit 3 where it
+    dies), every other rank P2PTimeoutError."""
+    bad = len(results) - 1
+    failures = []
+    for rank, result in enumerate(results):
+        want = ({"__exited__": 3} if kind == "dies" else {"fault": "value"}) if rank == bad else {"fault": "timeout"}
+        if result != want:
+            failures.append(f"rank {rank}: got {result}, want {want}")
+    return failures
+
