@@ -140,10 +140,8 @@ def check_shared(shared, want, device, rank: int) -> None:
     """ValueError unless ``shared`` is a float tensor of shape ``want`` on ``device`` (rank's rows)."""
     if not isinstance(shared, torch.Tensor) or tuple(shared.shape) != tuple(want) or shared.device != device \
             or not shared.is_floating_point():
-        got = (f"{shape_str(shared.shape)} {shared.dtype} on {shared.device}" if isinstance(shared, torch.Tensor)
-               else type(shared).__name__)
         raise ValueError(f"shared: expected a float tensor {shape_str(want)} on {device} (rank {rank}'s rows), "
-                         f"got {got}")
+                         f"got {_described(shared)}")
 
 
 def as_partial(y, chunk: Chunk, row_shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -153,9 +151,8 @@ def as_partial(y, chunk: Chunk, row_shape, dtype: torch.dtype, device) -> torch.
         return _reduced(y, chunk, tuple(row_shape), dtype, device)
     want = (chunk.rows, *row_shape)
     if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != dtype or y.device != device:
-        got = f"{shape_str(y.shape)} {y.dtype} on {y.device}" if isinstance(y, torch.Tensor) else type(y).__name__
         raise ValueError(f"consumer output for rank {chunk.source}'s rows: expected {shape_str(want)} {dtype} "
-                         f"on {device}, got {got}")
+                         f"on {device}, got {_described(y)}")
     return y
 
 
@@ -165,12 +162,16 @@ def _reduced(y: TopK, chunk: Chunk, row_shape, dtype: torch.dtype, device) -> to
     where = f"consumer output for rank {chunk.source}'s rows"
     if not isinstance(out, torch.Tensor) or out.dim() != 2 + len(row_shape) or out.shape[0] != chunk.rows \
             or tuple(out.shape[2:]) != row_shape or out.device != device or not out.is_floating_point():
-        got = f"{shape_str(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"{where}: TopK.out expected a float tensor [{', '.join(map(str, (chunk.rows, 'k', *row_shape)))}] "
-                         f"on {device}, got {got}")
+                         f"on {device}, got {_described(out)}")
     if w is not None and (not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(out.shape[:2])
                           or w.device != device or not w.is_floating_point()):
-        got = f"{shape_str(w.shape)} {w.dtype} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
         raise ValueError(f"{where}: TopK.weights expected a float tensor {shape_str(out.shape[:2])} on {device}, "
-                         f"got {got}")
+                         f"got {_described(w)}")
     return topk_reduce(out, w, float(y.scale), dtype)
+
+
+def _described(t) -> str:
+    """What an argument is, for an error: ``[shape] dtype on device`` for a tensor, else its type's name."""
+    return f"{shape_str(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
