@@ -41,10 +41,17 @@ Flags that choose the path:
   collective is even and every layer computes on the padding rows (``nsa_cp`` then reduces to the plain
   NCCL collectives).
 * ``--comm``: a comma list of ``nsa_cp`` (padded MoE gather unless ``--compact``), ``nsa_cp_compact``,
-  ``baseline``, or ``both`` (nsa_cp,baseline) or ``all`` (all three). ``baseline`` is what a user writes
+  ``nsa_cp_overlap``, ``baseline``, or ``both`` (nsa_cp,baseline) or ``all`` (nsa_cp, nsa_cp_compact and
+  baseline). ``baseline`` is what a user writes
   by hand: ``F.pad`` to the longest shard + ``all_gather_into_tensor`` (+ ``index_select`` into token
   order for the KV) and ``reduce_scatter_tensor`` + a slice of the first ``n_r`` rows.
 * ``--compact``: nsa_cp's MoE runs on the compact ``[total_len, H]`` gather (no padding rows at all).
+* ``nsa_cp_overlap``: the MoE gather, the MoE and the reduce-scatter in one call,
+  ``NSACPLayerCommunicator.overlapped_mlp``: the routed experts run on each rank's rows as they land (this
+  rank's first), a finished slot's partials go back while the next computes, and the shared expert (on
+  the rank's own normed rows) joins the final fp32 sum. ``--overlap-chunk-rows N`` splits the slots
+  further. Its ``moe`` phase holds the gather and the reduce-scatter. On ranks sharing one GPU its group is
+  gloo, which stages the rows through host memory: checked, not timed.
 * ``--moe-padding masked|routed|both``: a padded gather's padding rows get routed ids -1 (a MoE that
   honours -1, triton fused_moe) or are routed like real rows (a MoE that routes inside its kernel,
   flashinfer's trtllm MoE); ``both`` runs each padded method both ways. Each method prints its MoE rows.
@@ -121,7 +128,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 # (--fault ref_without_quant, which the tests require to fail). In bf16 the runs flip many e4m3 roundings:
 # that check catches wrong rows, not a missing quantization; the fp32 run checks the wire's values.
 TOLERANCE_FP8 = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 1e-1}
-COMM_METHODS = ("nsa_cp", "nsa_cp_compact", "baseline")
+COMM_METHODS = ("nsa_cp", "nsa_cp_compact", "nsa_cp_overlap", "baseline")
 COMM_ALIASES = {"both": "nsa_cp,baseline", "all": "nsa_cp,nsa_cp_compact,baseline"}
 PHASES = ("attention", "kv_gather", "moe_gather", "moe", "reduce_scatter")
 
@@ -167,6 +174,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--compact", action="store_true",
                    help="nsa_cp: the MoE runs on the compact [total_len, H] gather (no padding rows to route); "
                         "the method nsa_cp_compact does so whatever this says")
+    p.add_argument("--overlap-chunk-rows", type=int, default=None,
+                   help="nsa_cp_overlap: at most this many rows per MoE call (default: one call per rank's slot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=None, help="max_rel_err above this exits 1 (default per dtype)")
     p.add_argument("--warmup", type=int, default=2)
@@ -463,6 +472,15 @@ class FaultyRow:
             gathered[own.start] = gathered[own.start + 1]
         return gathered, residual, normed
 
+    def overlapped_mlp(self, i, attn, residual, consumer, shared_mlp):
+        def faulty(rows, chunk):  # this rank's own first chunk: its first row replaced by its second
+            if self.active and chunk.step == 0 and chunk.first == 0 and not isinstance(rows, tuple) and rows.shape[0] >= 2:
+                rows = rows.clone()
+                rows[0] = rows[1]
+            return consumer(rows, chunk)
+
+        return self.inner.overlapped_mlp(i, attn, residual, faulty, shared_mlp)
+
 
 class NsaComm:
     """nsa_cp: one NSACPLayerCommunicator per layer (it owns the layer's norms) and the ordered KV gather."""
@@ -470,7 +488,7 @@ class NsaComm:
     name = "nsa_cp"
 
     def __init__(self, group, layers, layout, kv_layout, positions, rank, backend, p2p_args, compact=False,
-                 quant=None, route_padding=False, kv_group=None):
+                 quant=None, route_padding=False, kv_group=None, chain=True):
         self.layout, self.kv_layout, self.positions, self.group, self.backend = layout, kv_layout, positions, group, backend
         # a P2P transport moves rows of its own hidden_size: the KV's narrower rows take a group (and a
         # transport) of their own where there is no NCCL to fall back to
@@ -481,8 +499,8 @@ class NsaComm:
                                           compact=compact, backend=backend, quant=quant, **p2p_args)
             for layer in layers
         ]
-        # layer i's reduce-scatter also runs layer i+1's residual add + input norm (one fused pass)
-        nsa_cp.NSACPLayerCommunicator.chain(self.comms)
+        if chain:  # layer i's reduce-scatter also runs layer i+1's residual add + input norm (one fused pass)
+            nsa_cp.NSACPLayerCommunicator.chain(self.comms)
         self.own = slice(*layout.rows(rank, compact=compact))
         self.compact = compact
 
@@ -506,6 +524,26 @@ class NsaComm:
 
     def postprocess_layer(self, i, partials, residual):
         return self.comms[i].postprocess_layer(partials, residual, self.layout)
+
+
+class NsaOverlapComm(NsaComm):
+    """nsa_cp's overlapped boundary: ``overlapped_mlp`` runs the MoE gather, a per-row MoE and the
+    reduce-scatter in one call, the MoE on each rank's rows as they land. Its output is not normed for the
+    next layer, so the communicators are not chained (each ``prepare_attn`` runs its add + norm)."""
+
+    name = "nsa_cp_overlap"
+    overlapped = True
+
+    def __init__(self, *args, chunk_rows=None, **kwargs):
+        super().__init__(*args, compact=True, chain=False, **kwargs)
+        self.chunk_rows = chunk_rows
+
+    def overlapped_mlp(self, i, attn, residual, consumer, shared_mlp):
+        """-> (this rank's MoE output [rows, H], residual); ``consumer(rows, chunk)``: a rank's rows as
+        they land (``(q, scale)`` with the FP8 wire), ``chunk.compact_offset`` where they sit in the
+        compact gather."""
+        return self.comms[i].overlapped_mlp(attn, residual, self.layout, consumer, out_dtype=attn.dtype,
+                                            chunk_rows=self.chunk_rows, shared_mlp=shared_mlp)
 
 
 class BaselineComm:
@@ -618,6 +656,11 @@ def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch
             with timer.phase("kv_gather"):
                 kv = comm.kv_gather(kv_local[:real])                    # [T, kv_width], batch order
             attn = attention_core(s, layer, q, kv, batch, index_q, index_w, selections, i) @ layer.w_o
+        if getattr(comm, "overlapped", False):
+            with timer.phase("moe"):  # the gather, the MoE and the reduce-scatter: one overlapped call
+                h, residual = overlapped_moe(s, layer, i, comm, attn, residual, x.dtype, stats, selections, tokens,
+                                             sum(batch.seq_lens))
+            continue
         with timer.phase("moe_gather"):
             gathered, residual, normed = comm.prepare_mlp(i, attn, residual)   # [M * cp, H] (or compact [T, H])
         with timer.phase("moe"):
@@ -638,6 +681,37 @@ def forward_cp(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch
             # nsa_cp chains the communicators: this also runs the next layer's residual add + input norm
             h, residual = comm.postprocess_layer(i, partials, residual)  # [rows, H]
     return final_norm(h, residual)[0] if layers else final_norm(x)
+
+
+def overlapped_moe(s: Shape, layer: Layer, i: int, comm, attn, residual, dtype: torch.dtype, stats: Optional[dict],
+                   selections: Optional[Selections], tokens: Optional[torch.Tensor], total: int):
+    """Layer ``i``'s MoE through ``comm.overlapped_mlp``: route and run this rank's experts on each chunk of
+    landed rows (``tokens[chunk.compact_offset:]``: their batch positions, -1 for the token split's padding
+    rows, which route nowhere unless ``comm.route_padding``); the shared expert on this rank's own normed
+    rows, through the same FP8 quantization as the wire where there is one. -> (out [rows, H], residual)."""
+    seen = [0, 0]
+
+    def consumer(rows, chunk):
+        rows = moe_input(rows, dtype)
+        tok = tokens[chunk.compact_offset: chunk.compact_offset + chunk.rows] if tokens is not None else None
+        weights, ids = route(s, layer, rows, selections, tok, i, total)
+        if tok is not None and not comm.route_padding:
+            ids[tok < 0] = -1
+        if stats is not None:
+            seen[0] += rows.shape[0]
+            seen[1] += int((ids >= 0).any(-1).sum().item())
+        return routed_experts(layer, rows, weights, ids).to(dtype)
+
+    def shared_mlp(normed):
+        if comm.comms[i].quant is not None:
+            normed = moe_input(nsa_cp.quant_fp8_g128(normed), dtype)
+        return swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
+
+    out = comm.overlapped_mlp(i, attn, residual, consumer, shared_mlp)
+    if stats is not None:
+        stats.setdefault("moe_rows", []).append(seen[0])
+        stats.setdefault("routed_rows", []).append(seen[1])
+    return out
 
 
 def forward_reference(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor, batch: Batch,
@@ -683,6 +757,7 @@ class Method:
     kind: str
     compact: bool
     route_padding: bool
+    overlapped: bool = False  # nsa_cp_overlap: the MoE inside the overlapped boundary (compact)
 
 
 def parse_methods(args, has_padding) -> List[Method]:
@@ -698,12 +773,13 @@ def parse_methods(args, has_padding) -> List[Method]:
     modes = ("masked", "routed") if args.moe_padding == "both" else (args.moe_padding,)
     methods = []
     for name in names:
-        compact = name == "nsa_cp_compact" or (name == "nsa_cp" and args.compact)
+        compact = name in ("nsa_cp_compact", "nsa_cp_overlap") or (name == "nsa_cp" and args.compact)
         kind = "baseline" if name == "baseline" else "nsa_cp"
+        overlapped = name == "nsa_cp_overlap"
         if len(modes) == 1 or not has_padding(compact and kind == "nsa_cp"):
-            methods.append(Method(name, kind, compact, modes[0] == "routed"))
+            methods.append(Method(name, kind, compact, modes[0] == "routed", overlapped))
         else:
-            methods.extend(Method(f"{name}/{mode}", kind, compact, mode == "routed") for mode in modes)
+            methods.extend(Method(f"{name}/{mode}", kind, compact, mode == "routed", overlapped) for mode in modes)
     return methods
 
 
@@ -817,8 +893,13 @@ def _run(args, device) -> dict:
             p2p_args = {}
             if device.type == "cuda" and backend != "nccl":
                 p2p_args = dict(p2p_max_tokens_per_rank=max(layout.max_rank_len, 1), hidden_size=s.hidden, dtype=dtype)
-            comm = NsaComm(group, layers, layout, logical, positions, rank, backend, p2p_args, compact=m.compact,
-                           quant=quant, route_padding=m.route_padding, kv_group=kv_group)
+            if m.overlapped:
+                comm = NsaOverlapComm(group, layers, layout, logical, positions, rank, backend, p2p_args, quant=quant,
+                                      route_padding=m.route_padding, kv_group=kv_group,
+                                      chunk_rows=args.overlap_chunk_rows)
+            else:
+                comm = NsaComm(group, layers, layout, logical, positions, rank, backend, p2p_args, compact=m.compact,
+                               quant=quant, route_padding=m.route_padding, kv_group=kv_group)
         else:
             comm = BaselineComm(group, layers, layout, logical, positions, rank, host_staged=shared_gpu, quant=quant,
                                 route_padding=m.route_padding)
@@ -915,7 +996,9 @@ def _run(args, device) -> dict:
             report["tol"] = tol
 
         if device.type == "cuda" and args.iters > 0:
-            timed = {k: v for k, v in comms.items() if not (shared_gpu and isinstance(v, BaselineComm))}
+            # ranks sharing one GPU: the baseline and the overlapped boundary run over gloo on host copies
+            timed = {k: v for k, v in comms.items()
+                     if not (shared_gpu and (isinstance(v, BaselineComm) or getattr(v, "overlapped", False)))}
             if timed:
                 report["times"] = _bench(args, s, layers, final_norm, x_local, batch, timed, logical, rank, ctrl,
                                          shared_gpu)

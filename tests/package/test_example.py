@@ -51,23 +51,37 @@ CASES_2 = {
     "shared-kv-zero-token-rank-fp8": ([SHARED, "--seq-lens", "5,3", "--page-size", "8", "--comm", "all",
                                        "--quant", "fp8_e4m3_g128"], True),
     "fault-fp8-ref-without-quant": ([SHARED, "--quant", "fp8_e4m3_g128", "--fault", "ref_without_quant"], False),
+    # the overlapped boundary (overlapped_mlp): the MoE per landed slot, the shared expert in the final sum
+    "shared-kv-overlap-and-nsa_cp": ([SHARED, "--comm", "nsa_cp_overlap,nsa_cp", "--nsa-index-topk", "16"], True),
+    "shared-kv-overlap-bf16": ([SHARED, "--comm", "nsa_cp_overlap", "--dtype", "bfloat16"], True),
+    "even-split-overlap-moe-padding-both-chunked": (["--comm", "nsa_cp_overlap", "--moe-padding", "both",
+                                                     "--overlap-chunk-rows", "5"], True),
+    "shared-kv-zero-token-rank-overlap-fp8": ([SHARED, "--seq-lens", "5,3", "--page-size", "8", "--comm",
+                                               "nsa_cp_overlap", "--quant", "fp8_e4m3_g128"], True),
+    # one rank's own first row wrong inside the overlapped call: the check must see it
+    "fault-one-rank-row-overlap": ([SHARED, "--comm", "nsa_cp_overlap", "--fault", "one_rank_row",
+                                    "--nsa-index-topk", "16"], False),
 }
 CASES_3 = {
     "even-split-both": (["--comm", "both"], True),
     "shared-kv-both-nsa-topk": ([SHARED, "--comm", "both", "--nsa-index-topk", "16", "--seq-lens", "37,64,21"], True),
     "shared-kv-fp8-compact": ([SHARED, "--comm", "nsa_cp_compact,baseline", "--quant", "fp8_e4m3_g128",
                                "--seq-lens", "37,64,21"], True),
+    "shared-kv-overlap-fp8-chunked": ([SHARED, "--comm", "nsa_cp_overlap", "--quant", "fp8_e4m3_g128",
+                                       "--seq-lens", "37,64,21", "--overlap-chunk-rows", "9"], True),
 }
 # cp = 4 and 8: the worlds the one-GPU mode runs on CUDA; every method, both splits (cp = 8: 16 experts)
 CASES_4 = {
     "even-split-all": (["--comm", "all"], True),
     "shared-kv-all-moe-padding-both": ([SHARED, "--comm", "all", "--moe-padding", "both"], True),
     "shared-kv-fp8": ([SHARED, "--comm", "all", "--quant", "fp8_e4m3_g128"], True),
+    "shared-kv-overlap": ([SHARED, "--comm", "nsa_cp_overlap,baseline"], True),
 }
 CASES_8 = {
     "even-split-all": (["--comm", "all", "--experts", "16"], True),
     "shared-kv-all-moe-padding-both": ([SHARED, "--comm", "all", "--moe-padding", "both", "--experts", "16"], True),
     "shared-kv-fp8": ([SHARED, "--comm", "nsa_cp,nsa_cp_compact", "--quant", "fp8_e4m3_g128", "--experts", "16"], True),
+    "even-split-overlap": (["--comm", "nsa_cp_overlap", "--moe-padding", "both", "--experts", "16"], True),
 }
 _ERR = re.compile(r"^max_rel_err=(\S+) tol=(\S+) ok=(\w+)", re.M)
 
@@ -156,6 +170,13 @@ def test_methods_from_the_flags():
                                                          ("baseline", "baseline", False, False)]
     assert labels(["--comm", "nsa_cp_compact,nsa_cp", "--moe-padding", "routed"]) == [
         ("nsa_cp_compact", "nsa_cp", True, True), ("nsa_cp", "nsa_cp", False, True)]
+    # the overlapped boundary's MoE rows are compact: padding rows only where the token split adds them
+    assert labels(["--comm", "nsa_cp_overlap,nsa_cp", "--moe-padding", "both"]) == [
+        ("nsa_cp_overlap", "nsa_cp", True, False), ("nsa_cp/masked", "nsa_cp", False, False),
+        ("nsa_cp/routed", "nsa_cp", False, True)]
+    assert [m.overlapped for m in example.parse_methods(
+        example.parse_args(["--device", "cpu", "--comm", "nsa_cp_overlap,nsa_cp_compact"]), lambda c: True)] == [
+        True, False]
     with pytest.raises(SystemExit, match="--comm: expected a comma list"):
         labels(["--comm", "nsa_cp,nccl"])
 
@@ -199,7 +220,8 @@ def test_example_one_gpu(cp):
     common = ["--device", "cuda", "--comm", "all", "--hidden", "256", "--layers", "2", "--heads", "4",
               "--experts", "24", "--topk", "2", "--moe-intermediate", "256", "--shared-intermediate", "256",
               "--seq-lens", "300x4,900", "--page-size", "64", "--iters", "0"]
-    runs = [[], [SHARED, "--moe-padding", "both"], [SHARED, "--quant", "fp8_e4m3_g128", "--dtype", "float32"]]
+    runs = [[], [SHARED, "--moe-padding", "both"], [SHARED, "--quant", "fp8_e4m3_g128", "--dtype", "float32"],
+            [SHARED, "--comm", "nsa_cp_overlap,nsa_cp", "--overlap-chunk-rows", "200"]]
     argv = common + [t for run in runs for t in ["::", *run]]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp),
                            os.path.join(ROOT, "examples", "nsa_prefill_sweep.py"), *argv],
@@ -209,6 +231,7 @@ def test_example_one_gpu(cp):
     for i in range(len(runs)):
         assert f"sweep: run {i} rc=0" in proc.stdout, proc.stdout
     assert proc.stdout.count("baseline: max_rel_err=") + proc.stdout.count("baseline/masked: max_rel_err=") == 3
+    assert proc.stdout.count("nsa_cp_overlap: max_rel_err=") == 1, proc.stdout
 
 
 @pytest.mark.skipif(
