@@ -1,5 +1,5 @@
 """overlap.py's consumer: a DeepSeek-V3-shaped MoE stand-in that one emulated rank runs per chunk of gathered
-rows. A part of overlap.py (no other benchmark imports it).
+rows. A part of overlap.py; overlapped_boundary.py runs the same stand-in on every rank.
 
 DeepSeek-V3's config.json: hidden_size 7168, moe_intermediate_size 2048, n_routed_experts 256,
 num_experts_per_tok 8, n_shared_experts 1. Per chunk ``x [rows, H]`` -> partials ``out [rows, H]`` (bf16):

@@ -6,14 +6,16 @@
 #   bash scripts/gpu_run.sh --tests-only    # wheels, build, P2P suite, the other tests
 #   bash scripts/gpu_run.sh --bench-only    # wheels, build, collective benchmark, layer tail, example
 #   STAGES="build tail" bash scripts/gpu_run.sh   # any subset of: wheels build p2p tests faults fpcost sanitize
-#                                                 #   bench tail example (faults, fpcost, sanitize: opt-in)
+#                                                 #   bench tail overlap example (faults, fpcost, sanitize,
+#                                                 #   overlap: opt-in)
 #   bash scripts/gpu_run.sh [flags] [extra gather_scatter.py args...]
 #
 # Environment: OUT (default ./gpu_out), TOTAL_S, TESTS (paths for the second test stage; default every
 # test file but the P2P suite), BENCH_ARGS (default: --M 256 2048 8192 32768 --imbalance 0.2 --rounds 15;
 # the symmetric-buffer rows take the even layout of each M on their own),
 # TAIL_ARGS / BOUNDARY_ARGS (layer_tail.py, tail and boundary parts; default their sweep),
-# EXAMPLE_COMMS (default "nsa_cp baseline"),
+# OVERLAP_ARGS (benchmarks/overlapped_boundary.py: the overlapped boundary against the serialized one;
+# default its sweep, M 2048 4096 8192), EXAMPLE_COMMS (default "nsa_cp baseline"),
 # EXTRA_DIAG=1 (also host_overhead.py: host us per public call and cProfiles, outside the budget),
 # SANITIZE_TOOLS (default "memcheck racecheck synccheck"), SANITIZE_TESTS / SANITIZE_K (default: two
 # ranks sharing the GPU through every P2P kernel family, agreeing and disagreeing calls, and the Triton
@@ -24,7 +26,7 @@
 #
 # Files under $OUT (at most 8 come back from the device tool): logs.tar.gz (every log), bench.csv,
 # bench.json, bench.png (collective benchmark), layer_tail.csv, layer_tail.json, boundary.csv
-# (layer_tail.py --part boundary), summary.txt.
+# (layer_tail.py --part boundary), overlapped_boundary.csv (overlap), summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -238,6 +240,20 @@ if want tail; then
   fi
 fi
 
+if want overlap; then
+  t=$(date +%s)
+  if [ "$GPUS" -ge 2 ]; then
+    cap=$(budget 240 "$( want example && echo 60 || echo 0)")
+    # shellcheck disable=SC2086  # OVERLAP_ARGS is a list of arguments
+    timeout -k 10 "$cap" python3 benchmarks/overlapped_boundary.py ${OVERLAP_ARGS:-} \
+      --csv "$OUT/overlapped_boundary.csv" >"$LOGS/overlapped_boundary.log" 2>&1
+    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    note "overlap" "$rc" $(( $(date +%s) - t )) "overlapped_boundary.py (limit $cap s)"
+  else
+    note "overlap" skipped 0 "$GPUS GPU(s): the benchmark needs 2+, one per rank"
+  fi
+fi
+
 # ---------------------------------------------------------------- example
 if want example; then
   if [ ! -f examples/nsa_prefill.py ]; then
@@ -292,6 +308,10 @@ tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
     grep -h -B2 -A6 "^========= [A-Z]" "$LOGS/sanitize_$tool.log" 2>/dev/null | grep -v "ERROR SUMMARY" | head -12
   done
   [ -f "$LOGS/fpcost.log" ] && tail -12 "$LOGS/fpcost.log"
+  if [ -f "$LOGS/overlapped_boundary.log" ]; then
+    grep -E "CORRECTNESS FAILURE|Traceback" "$LOGS/overlapped_boundary.log" | head -3
+    sed -n '/^x serialized:/,/^wrote /p' "$LOGS/overlapped_boundary.log" | grep -v "^wrote "
+  fi
   echo
   echo "=================== summary ($(( $(date +%s) - T0 )) s of ${TOTAL_S}; files: $(cd "$OUT" && ls | tr '\n' ' ')) ==================="
   printf '%-16s %-9s %6s    %s\n' stage rc time result

@@ -60,6 +60,9 @@ SMOKE = {
     "vllm_padding.py": [("vllm-split", [], [])],
     "overlap.py": [("smoke", ["--smoke", "--rounds", "1", "--warmup", "0", "--csv", "{out}/overlap.csv"], ["overlap.csv"])],
     "cost_model.py": [("projection", ["--csv", "{out}/projection.csv"], ["projection.csv"])],
+    "overlapped_boundary.py": [("cpu", ["--cpu-ranks", "2", "--M", "16", "--chunk-rows", "0", "5", "--rounds", "1",
+                                        "--warmup", "0", "--csv", "{out}/ob.csv", "--json", "{out}/ob.json"],
+                                ["ob.csv", "ob.json"])],
 }
 # scripts that time nothing, so print no smoke-run label
 # cost_model.py prints a model's verdicts and times nothing
