@@ -19,3 +19,11 @@ def test_a_peer_failing_mid_pipeline_gives_every_other_rank_a_timeout(world, kin
                         may_exit=(world - 1,) if kind == "dies" else ())
     failures = overlap_cases.fault_failures(results, kind)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_inside_torch_compile_equals_eager(backend):
+    results = run_world(2, "gloo", overlap_cases.run_compiled, {"backend": backend}, timeout_s=300)
+    failures = [f"rank {r}: {res['compiled']}" for r, res in enumerate(results) if res["compiled"]]
+    assert not failures, "\n".join(failures)
+

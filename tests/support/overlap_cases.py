@@ -328,3 +328,23 @@ def fault_failures(results: List[dict], kind: str) -> List[str]:
             failures.append(f"rank {rank}: got {result}, want {want}")
     return failures
 
+
+def run_compiled(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
+    """cp_overlapped_boundary inside a function compiled with ``payload["backend"]`` (not a custom op: it
+    takes a callable, so Dynamo breaks the graph around it): the result equals the eager call's, twice
+    (the second call reuses the compiled graphs), on an uneven layout with a zero-token rank."""
+    import nsa_cp
+
+    counts = [5, 0, 3, 7][:world]
+    layout = nsa_cp.ShardLayout(counts)
+    x = gen(11, rank, counts[rank], (24,), torch.float32, "cpu")
+
+    def layer(x):
+        y = nsa_cp.cp_overlapped_boundary(x * 2, layout, lambda rows, chunk: torch.tanh(rows) * 3, chunk_rows=2)
+        return y + 1
+
+    eager = layer(x)
+    compiled = torch.compile(layer, backend=payload["backend"])
+    failures = [f"call {i}: differs from eager" for i in range(2) if not torch.equal(compiled(x), eager)]
+    return {"compiled": "; ".join(failures) or None}
+
