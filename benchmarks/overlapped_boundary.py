@@ -40,7 +40,6 @@ link: ``benchmarks/overlap.py`` measures the mechanism on one GPU with the link 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -208,10 +207,8 @@ def format_table(result: dict) -> str:
 
 # ============================================================================ command line
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Methods, what is derived and the modes: the module docstring of "
-                                       "benchmarks/overlapped_boundary.py.")
+    p = harness.arg_parser(__doc__, epilog="Usage, methods, what is derived and the modes: the module docstring "
+                                           "of benchmarks/overlapped_boundary.py.")
     p.add_argument("--M", type=int, nargs="+", help="longest real shard sweep (GPUs: 2048 4096 8192; CPU: 16 40)")
     p.add_argument("--imbalance", type=float, default=0.2, help="s: real counts [M, round(M*(1-s)), M, ...]")
     p.add_argument("--chunk-rows", type=int, nargs="+", default=[0], help="overlapped rows: chunk_rows values "
