@@ -174,4 +174,3 @@ def _reduced(y: TopK, chunk: Chunk, row_shape, dtype: torch.dtype, device) -> to
 def _described(t) -> str:
     """What an argument is, for an error: ``[shape] dtype on device`` for a tensor, else its type's name."""
     return f"{shape_str(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-

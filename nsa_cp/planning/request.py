@@ -87,4 +87,3 @@ class Request(NamedTuple):
         quant = f"|quant={self.quant}" if self.quant is not None or self.is_gather else ""
         return (f"{self.op}|compact={self.compact}|dtype={self.dtype}|row={tuple(self.row_shape)}|"
                 f"device_counts={self.has_device_counts}|ordered={self.ordered}{quant}")
-

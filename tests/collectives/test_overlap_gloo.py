@@ -32,4 +32,3 @@ def test_a_non_gloo_group_is_started_once_by_one_all_reduce():
     results = run_world(3, "gloo", overlap_cases.run_started, {}, timeout_s=120)
     failures = [f"rank {r}: {res['started']}" for r, res in enumerate(results) if res["started"]]
     assert not failures, "\n".join(failures)
-

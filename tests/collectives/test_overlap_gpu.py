@@ -53,4 +53,3 @@ def test_a_peer_failing_mid_pipeline_gives_every_other_rank_a_timeout(world, kin
                         may_exit=(world - 1,) if kind == "dies" else ())
     failures = overlap_cases.fault_failures(results, kind)
     assert not failures, "\n".join(failures)
-

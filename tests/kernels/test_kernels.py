@@ -290,4 +290,3 @@ def test_first_native_launch_inside_a_cuda_graph_capture():
 
     proc = subprocess.run([sys.executable, "-c", _FIRST_USE_IN_A_GRAPH], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
-

@@ -377,4 +377,3 @@ def run_started(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]
     finally:
         overlap.dist.all_reduce, overlap.dist.get_backend = real_all_reduce, real_backend
     return {"started": "; ".join(problems) or None}
-

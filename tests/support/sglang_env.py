@@ -143,5 +143,3 @@ def read_step():
     from sglang.srt.layers.layer_boundary.residual.add_norm import NORM_READOUT
 
     return partial(_update_read, pre_move=None, enters_stack=False, read=NORM_READOUT)
-
-

@@ -271,4 +271,3 @@ def test_vllm_shaped_moves_on_gloo(world, key):
 def test_vllm_shaped_moves_on_p2p_sharing_one_gpu(world, key):
     errors = case_failures(_world("gpu", world), key)
     assert not errors, "\n".join(errors)
-
