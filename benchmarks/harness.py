@@ -19,6 +19,8 @@ and the table helpers and CSV / JSON writers.
 * ``Ctx``, ``seed_of``, ``randn``, ``poison``: what a method sees; inputs from seeds every rank knows
   (so any rank can rebuild any rank's inputs); outputs filled with NaN before a check. ``p2p_needs`` /
   ``p2p_prepare`` / ``with_env``: hooks the P2P and NCCL rows of several scripts share.
+* ``MoeStandIn`` (``MoeShape``, ``MOE_DEEPSEEK_V3``, ``MOE_SMOKE``): a DeepSeek-V3-shaped MoE stand-in, the
+  consumer of overlap.py and overlapped_boundary.py.
 * ``time_methods`` (``time_round``, ``aligner``): the timing protocol of docs/performance.md's
   "Benchmark protocol": warm-up, rounds of interleaved methods in a per-round order, CUDA events after
   an untimed aligner, the host enqueuing ahead, median over rounds, MAX over ranks.
@@ -613,6 +615,93 @@ def p2p_needs(c: Ctx) -> Optional[str]:
     except (ImportError, AttributeError):  # the native module's API moved: init_p2p decides (and says why)
         pass
     return None
+
+
+# ============================================================================ a MoE stand-in (overlap.py, overlapped_boundary.py)
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+    hidden: int = 7168
+    inter: int = 2048
+    routed: int = 256
+    topk: int = 8
+
+
+MOE_DEEPSEEK_V3 = MoeShape()
+MOE_SMOKE = MoeShape(hidden=256, inter=64, routed=16, topk=4)  # CPU smoke runs: the same calls, tiny
+
+
+class MoeStandIn:
+    """A DeepSeek-V3-shaped MoE stand-in of one rank of ``cp`` (its weights random, scaled to keep
+    activations O(1)); overlap.py runs it per chunk of one emulated rank, overlapped_boundary.py on every
+    rank. DeepSeek-V3's config.json: hidden_size 7168, moe_intermediate_size 2048, n_routed_experts 256,
+    num_experts_per_tok 8, n_shared_experts 1. Per chunk ``x [rows, H]`` -> partials ``out [rows, H]``:
+
+    * the shared expert, whole: gate_up ``[rows, 7168] x [7168, 2*2048]``, SiLU(gate) * up, down
+      ``[rows, 2048] x [2048, 7168]`` written into ``out``;
+    * the routed experts this rank holds, EP-split over the cp ranks (256 / cp experts), with balanced
+      routing: each local expert gets ``ceil(rows * 8 / 256)`` of the chunk's rows (a fixed random choice
+      per chunk size, so not a per-row function), so the rank does ``rows * 8 / cp`` expert passes. The
+      grouped GEMM is two ``torch.bmm`` over the experts (gate_up, then down after SiLU * up), between the
+      permutation (``index_select``) and the weighted combine into ``out`` (``index_add_``). Every call
+      reads all the rank's expert weights, as a grouped GEMM does.
+
+    FLOPs per chunk: (rows + experts * rows_per_expert) * 6 * H * I. The routing is fixed, not learned: the
+    stand-in has a MoE's shapes, FLOPs and bytes, not its values."""
+
+    def __init__(self, shape: MoeShape, cp: int, device: torch.device, dtype=torch.bfloat16, seed: int = 0):
+        if shape.routed % cp:
+            raise SystemExit(f"{shape.routed} routed experts do not split over cp = {cp} ranks")
+        self.shape, self.cp, self.device, self.dtype = shape, cp, device, dtype
+        self.experts = shape.routed // cp
+        H, I = shape.hidden, shape.inter
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def weight(*size, fan_in):
+            w = torch.randn(size, generator=g, device=device, dtype=dtype)
+            return w.mul_(1.0 / math.sqrt(fan_in))
+
+        self.w_gate_up = weight(H, 2 * I, fan_in=H)
+        self.w_down = weight(I, H, fan_in=I)
+        self.w1 = weight(self.experts, H, 2 * I, fan_in=H)
+        self.w2 = weight(self.experts, I, H, fan_in=I)
+        self._routes: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in (self.w_gate_up, self.w_down, self.w1, self.w2))
+
+    def rows_per_expert(self, rows: int) -> int:
+        return math.ceil(rows * self.shape.topk / self.shape.routed)
+
+    def flops(self, rows: int) -> float:
+        expert_rows = self.experts * self.rows_per_expert(rows) if rows else 0
+        return (rows + expert_rows) * 6.0 * self.shape.hidden * self.shape.inter
+
+    def route(self, rows: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """(row index of every expert slot, its combine weight, rows per expert) for a chunk of ``rows``."""
+        if rows not in self._routes:
+            rpe = self.rows_per_expert(rows)
+            slots = self.experts * rpe
+            g = torch.Generator().manual_seed(rows)
+            perms = [torch.randperm(rows, generator=g) for _ in range(math.ceil(slots / rows))]
+            idx = torch.cat(perms)[:slots].to(self.device)
+            wts = torch.rand(slots, 1, generator=g).to(self.device, self.dtype)
+            self._routes[rows] = (idx, wts, rpe)
+        return self._routes[rows]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out [rows, H]`` = the shared expert of ``x [rows, H]`` + its routed experts' weighted sum."""
+        rows = x.shape[0]
+        if rows == 0:
+            return
+        I = self.shape.inter
+        gu = torch.mm(x, self.w_gate_up)
+        torch.mm(torch.nn.functional.silu(gu[:, :I]) * gu[:, I:], self.w_down, out=out)
+        idx, wts, rpe = self.route(rows)
+        xp = x.index_select(0, idx).view(self.experts, rpe, -1)
+        g = torch.bmm(xp, self.w1)
+        y = torch.bmm(torch.nn.functional.silu(g[..., :I]) * g[..., I:], self.w2).view(self.experts * rpe, -1)
+        out.index_add_(0, idx, y.mul_(wts))
 
 
 # ============================================================================ timing

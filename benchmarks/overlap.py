@@ -11,7 +11,7 @@ Usage::
 
 Shapes: counts [M, 0.8M, ...] over cp emulated ranks; this GPU plays rank 1 (0.8M rows, the rank that
 receives the most), H = 7168 bf16, gathered rows compact. Chunks: the local rows, then one chunk per peer
-slot (uneven). The consumer per chunk (overlap_consumer.py): DeepSeek-V3's shared expert whole (gate_up
+slot (uneven). The consumer per chunk (``harness.MoeStandIn``): DeepSeek-V3's shared expert whole (gate_up
 [rows, 7168] x [7168, 2*2048], SiLU * up, down) and its 256 / cp routed experts with balanced top-8 routing
 as a grouped GEMM (two torch.bmm between a permutation and a weighted combine).
 
@@ -56,7 +56,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 # this benchmark's parts
-from overlap_consumer import DEEPSEEK_V3, SMOKE, Consumer  # noqa: E402
 from overlap_methods import Carveout, Setup, Streams, carve_plan, check, make_methods  # noqa: E402
 
 EMULATED = ("link EMULATED: one GPU, one process; each peer's memory is a separate allocation on this GPU and the "
@@ -70,7 +69,8 @@ class Method:  # what harness.time_methods times: a name and fn(ctx, buffer set)
     fn: Callable
 
 
-def measure(S: Setup, consumer: Consumer, copy, streams: Streams, carve: Carveout, args, ctx, log) -> List[dict]:
+def measure(S: Setup, consumer: harness.MoeStandIn, copy, streams: Streams, carve: Carveout, args, ctx,
+            log) -> List[dict]:
     methods = make_methods(S, consumer, copy, streams, carve, set())
     fails = check(S, methods)
     if fails:
@@ -155,7 +155,7 @@ def main(argv=None):
     import overlap_copy  # noqa: E402  (imports Triton)
 
     dev = torch.device("cpu") if smoke else torch.device("cuda", torch.cuda.current_device())
-    shape = SMOKE if smoke else DEEPSEEK_V3
+    shape = harness.MOE_SMOKE if smoke else harness.MOE_DEEPSEEK_V3
     args.M = args.M or ([16] if smoke else [2048, 4096, 8192])
     args.cp = args.cp or ([2, 4] if smoke else [2, 4, 8])
     if smoke:
@@ -184,7 +184,7 @@ def main(argv=None):
         log("consumer GEMMs: no SM carveout (a persistent GEMM beside the copy may run in two waves)")
     carve, streams, rows = Carveout(setter, sms), Streams(dev), []
     for cp in args.cp:
-        consumer = Consumer(shape, cp, dev, seed=args.seed)
+        consumer = harness.MoeStandIn(shape, cp, dev, seed=args.seed)
         log(f"cp={cp}: consumer weights {consumer.weight_bytes / 1e9:.2f} GB ({consumer.experts} routed experts + "
             f"the shared one, H={shape.hidden}, I={shape.inter})")
         for M in args.M:

@@ -8,7 +8,7 @@ Usage::
     python benchmarks/overlapped_boundary.py --cpu-ranks 2      # CPU/gloo smoke run, tiny shapes
 
 Per rank: real counts ``[M, round(0.8 M), M, ...]`` (``--imbalance``), ``x [n_r, H]`` bf16 (H = 7168); the
-consumer is overlap.py's DeepSeek-V3-shaped MoE stand-in (``overlap_consumer.py``: the shared expert whole
+consumer is overlap.py's DeepSeek-V3-shaped MoE stand-in (``harness.MoeStandIn``: the shared expert whole
 and the rank's 256 / cp routed experts, top-8 balanced routing, a grouped GEMM as two ``bmm``), with weights
 of its own on every rank, so the reduce-scatter sums real partials. Methods, each one call of the whole
 boundary:
@@ -51,7 +51,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  spawn, seeds, the timing protocol, env tags, writers
-from overlap_consumer import DEEPSEEK_V3, SMOKE, Consumer  # noqa: E402
 
 TOLERANCE = 2e-2  # bf16 GEMMs block differently per row count: per row in value, not bitwise
 
@@ -64,7 +63,7 @@ class Method:
     prepare: Optional[Callable] = None
 
 
-def shared_expert(moe: Consumer) -> Callable:
+def shared_expert(moe: harness.MoeStandIn) -> Callable:
     """``fn(rows, out)``: the stand-in's shared expert alone, a per-row function (its routed experts route by
     chunk size, so they are not: the check uses this one)."""
     inter = moe.shape.inter
@@ -125,7 +124,7 @@ def check(c: harness.Ctx, checked: Dict[str, Callable], x: torch.Tensor) -> None
     harness.verdicts(c, list(checked), status, notes)
 
 
-def run_config(c: harness.Ctx, moe: Consumer, args, cfg: int, log) -> Tuple[List[dict], Dict[str, str]]:
+def run_config(c: harness.Ctx, moe: harness.MoeStandIn, args, cfg: int, log) -> Tuple[List[dict], Dict[str, str]]:
     L = c.layout
     log(f"[{cfg + 1}] counts {list(c.counts)}  T {L.total_len}  H {c.hidden}")
     methods, _ = make_methods(c, moe, args.chunk_rows)
@@ -165,10 +164,10 @@ def worker(rank, world, mode, port, args, configs, result_path):
     torch.set_grad_enabled(False)
     nsa = harness.import_nsa_cp()
     dtype = harness.DTYPES[args.dtype]
-    shape = DEEPSEEK_V3 if mode == "nccl" else SMOKE
+    shape = harness.MOE_DEEPSEEK_V3 if mode == "nccl" else harness.MOE_SMOKE
     shape = dataclasses.replace(shape, hidden=args.hidden or shape.hidden)
     # every rank's own experts (and shared-expert weights): the reduce-scatter sums distinct partials
-    moe = Consumer(shape, world, device, dtype, seed=harness.seed_of(args.seed, 7, rank))
+    moe = harness.MoeStandIn(shape, world, device, dtype, seed=harness.seed_of(args.seed, 7, rank))
     log = harness.rank_log(rank)
     log(f"MoE stand-in per rank: H {shape.hidden}, shared expert {shape.inter}, {shape.routed // world} of "
         f"{shape.routed} routed experts, top-{shape.topk}")
@@ -254,7 +253,7 @@ def main(argv=None):
     mode, world = choose_mode(args)
     if world < 2:
         raise SystemExit(f"need at least 2 ranks, have {world}")
-    routed = (DEEPSEEK_V3 if mode == "nccl" else SMOKE).routed
+    routed = (harness.MOE_DEEPSEEK_V3 if mode == "nccl" else harness.MOE_SMOKE).routed
     if routed % world:
         raise SystemExit(f"{world} ranks: the MoE stand-in's {routed} routed experts do not split over them")
     args.M = args.M or ([2048, 4096, 8192] if mode == "nccl" else [16, 40])

@@ -83,10 +83,10 @@ def test_overlap_methods_keep_the_local_chunk_first_and_last():
 
 
 def test_the_consumer_has_deepseek_v3s_shapes_and_flops():
-    oc = _load("overlap_consumer")
-    s = oc.DEEPSEEK_V3
+    h = _load("harness")
+    s = h.MOE_DEEPSEEK_V3
     assert (s.hidden, s.inter, s.routed, s.topk) == (7168, 2048, 256, 8)
-    small = oc.Consumer(oc.SMOKE, 4, torch.device("cpu"))
+    small = h.MoeStandIn(h.MOE_SMOKE, 4, torch.device("cpu"))
     assert small.w_gate_up.shape == (256, 128) and small.w1.shape == (4, 256, 128) and small.w2.shape == (4, 64, 256)
     rows = 32  # 4 local experts of 16, top-4: 32 * 4 / 16 = 8 rows each
     assert small.rows_per_expert(rows) == 8 and small.flops(rows) == (rows + 4 * 8) * 6 * 256 * 64
