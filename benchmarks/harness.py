@@ -26,8 +26,9 @@ and the table helpers and CSV / JSON writers.
   an untimed aligner, the host enqueuing ahead, median over rounds, MAX over ranks.
 * ``run_rank``: the per-rank loop over configurations (layout, context, rows, rank 0's result file);
   ``by_config`` / ``skipped_lines`` / ``config_sections`` / ``header_line`` / ``markdown_row`` /
-  ``markdown_head``: table helpers; ``write_rows``: CSV / JSON; ``release_memory``: a configuration's
-  caches and CUDA memory handed back once it is timed.
+  ``markdown_head`` / ``cell``: table helpers; ``imbalanced_counts``: the ``--imbalance`` sweep's counts;
+  ``write_rows``: CSV / JSON; ``release_memory``: a configuration's caches and CUDA memory handed back
+  once it is timed.
 * ``arg_parser``: a script's parser (its docstring's first paragraph); ``import_engine``: the serving
   engine a script reads, or a one-line refusal saying what to install.
 
@@ -849,6 +850,17 @@ def config_sections(result: dict, head: Callable[[dict], List[str]], line: Calla
         lines += [line(r) for r in rs]
         lines += skipped_lines(result, cfg, width)
     return lines
+
+
+def imbalanced_counts(Ms: Sequence[int], world: int, imbalance: float) -> List[Tuple[int, ...]]:
+    """One configuration per M: the real counts ``[M, round(M * (1 - imbalance)), M, ...]`` over ``world``
+    ranks (``--imbalance``)."""
+    return [tuple((M, int(round(M * (1 - imbalance))))[r % 2] for r in range(world)) for M in Ms]
+
+
+def cell(v: Optional[float], fmt: str) -> str:
+    """A table cell: ``v`` in ``fmt``, or "n/a" for None or NaN."""
+    return "n/a" if v is None or math.isnan(v) else format(v, fmt)
 
 
 def markdown_row(cells: Sequence[object]) -> str:

@@ -449,7 +449,7 @@ def main(argv=None):
             if len(cfg) != world:
                 raise SystemExit(f"--counts {cfg}: {len(cfg)} counts for {world} ranks")
     else:
-        configs = [tuple((M, int(round(M * (1 - args.imbalance))))[r % 2] for r in range(world)) for M in args.M]
+        configs = harness.imbalanced_counts(args.M, world, args.imbalance)
     result = harness.run_ranks(worker, world, "nccl" if use_cuda else "cpu", args, configs, prefix="layer_tail_",
                                what="layer_tail.py")
     print(format_table(result, cpu=not use_cuda), flush=True)  # tables first, files after

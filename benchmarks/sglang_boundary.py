@@ -81,10 +81,9 @@ count. ``--csv`` / ``--json``: one row per (configuration, method), tagged as ev
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -189,10 +188,6 @@ def worker(rank, world, mode, port, args, configs, result_path):
 
 
 # ============================================================================ report
-def _cell(v: Optional[float], fmt: str) -> str:
-    return "n/a" if v is None or math.isnan(v) else format(v, fmt)
-
-
 def format_table(result: dict, mode: str) -> str:
     tags, lines = result["tags"], []
     smoke = harness.smoke_note(tags)
@@ -210,8 +205,8 @@ def format_table(result: dict, mode: str) -> str:
                 f"({r0['rounds']} rounds, bytes of the {r0['hbm_rule']})", hdr]
 
     def line(r):
-        return (f"{r['side']:<8}{r['method']:<24}{r['device_ms']:>10.4f}{_cell(r['x_sglang'], '.2f'):>9}"
-                f"{r['host_ms']:>9.4f}{_cell(r['gpu_ops_per_call'], 'g'):>8}{r['hbm_bytes'] / 1e6:>9.2f}"
+        return (f"{r['side']:<8}{r['method']:<24}{r['device_ms']:>10.4f}{harness.cell(r['x_sglang'], '.2f'):>9}"
+                f"{r['host_ms']:>9.4f}{harness.cell(r['gpu_ops_per_call'], 'g'):>8}{r['hbm_bytes'] / 1e6:>9.2f}"
                 f"{r['floor_ms']:>10.3g}{r['x_floor']:>9.3g}")
 
     lines += harness.config_sections(result, head, line, 32)
@@ -279,7 +274,7 @@ def make_configs(args, world: int) -> List[Tuple[int, ...]]:
     else:
         if not 0.0 <= args.imbalance < 1.0:
             raise SystemExit(f"--imbalance {args.imbalance}: expected 0 <= s < 1")
-        configs = [tuple((M, int(round(M * (1 - args.imbalance))))[r % 2] for r in range(world)) for M in args.M]
+        configs = harness.imbalanced_counts(args.M, world, args.imbalance)
     for cfg in configs:
         if len(cfg) != world or min(cfg) < 0 or max(cfg) < 1:
             raise SystemExit(f"counts {list(cfg)}: expected {world} counts >= 0, one at least 1")
