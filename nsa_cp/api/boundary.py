@@ -90,9 +90,9 @@ def cp_overlapped_boundary(
     Streams (CUDA, NCCL): the transfers run on the process group's stream, every chunk's rows posted at the
     start and each chunk's partials right after its consumer call; the consumer runs on the current
     stream, each call after a wait for its own chunk only. Not capturable in a CUDA graph
-    (its schedule waits per slot): RuntimeError inside a capture. On NCCL, a group whose communicator is
-    created lazily needs one collective on every rank before (NCCL's first point-to-point batch must
-    include every rank; a rank with nothing to move at a step posts nothing).
+    (its schedule waits per slot): RuntimeError inside a capture. On a non-gloo group the first call runs
+    one all-reduce (NCCL creates a communicator lazily, and its first point-to-point batch must include
+    every rank, while a rank with nothing to move at a step posts nothing).
 
     Raises:
         ValueError naming the argument, the expected and the actual value before anything moves. A

@@ -28,6 +28,7 @@ with a deadline: a peer that has not delivered within ``timeout_ms`` raises ``P2
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -41,6 +42,8 @@ from ..rows.quant import quantize
 from .p2p.errors import P2PTimeoutError
 
 __all__ = ["Chunk", "schedule", "run"]
+
+_STARTED: "weakref.WeakSet" = weakref.WeakSet()  # non-gloo groups a collective has started (_started)
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,16 @@ def _wait(batches: Sequence[_Batch], timeout_ms: int, gloo: bool, what: str) -> 
             device.copy_(host)
 
 
+def _started(group, device: torch.device) -> None:
+    """One all-reduce on a non-gloo group the first time it carries an overlapped boundary: NCCL creates a
+    group's communicator lazily, and a first point-to-point batch that leaves out a rank (one with nothing
+    to move at a step) is undefined behaviour. Every rank enters the call, so every rank runs it."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg not in _STARTED:  # by object: a group destroyed and made again under its old name starts again
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        _STARTED.add(pg)
+
+
 def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callable, finish: Callable, *,
         quant: Optional[str], out_row_shape: Tuple[int, ...], out_dtype: torch.dtype, timeout_ms: int,
         chunk_rows: Optional[int] = None, shared: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -172,6 +185,8 @@ def run(x: torch.Tensor, layout: ShardLayout, rank: int, group, consumer: Callab
     size, counts = layout.cp_size, layout.per_rank_actual_token
     n, gloo = counts[rank], dist.get_backend(group) == "gloo"
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    if not gloo:
+        _started(group, x.device)
     most = max(len(pieces(c, chunk_rows)) for c in counts)
     mine, own = _wire(x, n, quant), pieces(n, chunk_rows)
     sent = tuple(t.cpu() for t in mine) if gloo else mine  # gloo sends host memory: stage this rank's rows once

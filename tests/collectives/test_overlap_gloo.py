@@ -26,3 +26,9 @@ def test_inside_torch_compile_equals_eager(backend):
     results = run_world(2, "gloo", overlap_cases.run_compiled, {"backend": backend}, timeout_s=300)
     failures = [f"rank {r}: {res['compiled']}" for r, res in enumerate(results) if res["compiled"]]
     assert not failures, "\n".join(failures)
+
+
+def test_a_non_gloo_group_is_started_once_by_one_all_reduce():
+    results = run_world(3, "gloo", overlap_cases.run_started, {}, timeout_s=120)
+    failures = [f"rank {r}: {res['started']}" for r, res in enumerate(results) if res["started"]]
+    assert not failures, "\n".join(failures)

@@ -347,3 +347,33 @@ def run_compiled(rank: int, world: int, payload: dict) -> Dict[str, Optional[str
     compiled = torch.compile(layer, backend=payload["backend"])
     failures = [f"call {i}: differs from eager" for i in range(2) if not torch.equal(compiled(x), eager)]
     return {"compiled": "; ".join(failures) or None}
+
+
+def run_started(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
+    """A non-gloo group gets one all-reduce on its first overlapped boundary (NCCL creates communicators
+    lazily), never again on that group, and again on a new group. The backend is reported as NCCL to the
+    overlapped boundary's transport module (the transfers still run on gloo, CPU tensors)."""
+    import torch.distributed as dist
+
+    import nsa_cp
+    from nsa_cp.transport import overlap
+
+    layout = nsa_cp.ShardLayout([3, 0, 2, 4][:world])
+    x = gen(5, rank, layout.per_rank_actual_token[rank], (8,), torch.float32, "cpu")
+    calls = []
+    real_all_reduce, real_backend = dist.all_reduce, dist.get_backend
+    overlap.dist.all_reduce = lambda t, *a, **kw: calls.append(kw.get("group")) or real_all_reduce(t, *a, **kw)
+    overlap.dist.get_backend = lambda group=None: "nccl"
+    problems = []
+    try:
+        second = dist.new_group(list(range(world)), backend="gloo")
+        for group, want in ((None, 1), (None, 1), (second, 2), (second, 2)):
+            y = nsa_cp.cp_overlapped_boundary(x, layout, lambda rows, chunk: rows * 2, group)
+            ref = nsa_cp.cp_reduce_scatter(nsa_cp.cp_all_gather(x, layout, group) * 2, layout, group)
+            if not torch.allclose(y, ref):
+                problems.append(f"group {group}: result differs from the serialized boundary's")
+            if len(calls) != want:
+                problems.append(f"after a call on group {group}: {len(calls)} all-reduces, expected {want}")
+    finally:
+        overlap.dist.all_reduce, overlap.dist.get_backend = real_all_reduce, real_backend
+    return {"started": "; ".join(problems) or None}
