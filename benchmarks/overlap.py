@@ -25,14 +25,17 @@ Methods, per shape, in each direction:
 * gather (``ag``): ``copy`` (the peers' slots alone), ``consumer`` (every chunk, no copy), ``serial`` (all
   copies, then the consumer), ``overlap`` (the local chunk at once; chunk i waits for its copy's event while
   later chunks copy), ``consumer+copy`` (the same copies and consumer with no waits: the slowdown alone),
-  ``consumer 1 call`` (all rows in one call: what cutting into chunks costs);
+  ``consumer 1 call`` (all rows in one call: what cutting into chunks costs), ``consumer carved`` (the
+  chunks that run beside a copy carved as in ``overlap``, no copy);
 * reduce-scatter (``rs``): the peers' chunks first, the local chunk last; ``copy`` (the partials out alone),
   ``consumer``, ``serial`` (consumer, then the copies), ``overlap`` (chunk j's partials copied out while
   chunk j + 1 computes).
 
 Reported: ``hidden`` = (serial - overlap) / copy, the share of the copy's time hidden; ``slowdown`` =
 consumer beside the copy / consumer alone - 1 (reduce-scatter: overlap / consumer - 1, an upper bound);
-``s/copy`` = the consumer time lost per unit of copy time, the ``--slowdown`` of cost_model.py. Goal: at
+``carve`` = the same chunks carved with no copy / consumer alone - 1, the carveout's own share of the
+slowdown (the rest is the copy's contention for memory); ``s/copy`` = the consumer time lost per unit of
+copy time, the ``--slowdown`` of cost_model.py. Goal: at
 least 80% hidden behind a consumer at least as long as the copy, with the consumer at most 10% slower.
 
 Protocol (docs/performance.md): every method that moves rows is checked once on NaN-poisoned
@@ -56,7 +59,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 # this benchmark's parts
-from overlap_methods import Carveout, Setup, Streams, carve_plan, check, make_methods  # noqa: E402
+from overlap_methods import CARVE_MARGIN, Carveout, Setup, Streams, carve_plan, check, make_methods  # noqa: E402
 
 EMULATED = ("link EMULATED: one GPU, one process; each peer's memory is a separate allocation on this GPU and the "
             "link a copy paced to {rate:.0f} GB/s; nothing crosses NVLink")
@@ -77,7 +80,7 @@ def measure(S: Setup, consumer: harness.MoeStandIn, copy, streams: Streams, carv
         for f in fails:
             print(f"CHECK FAILED cp={S.cp} M={S.M}: {f}", file=sys.stderr, flush=True)
         return [{"cp": S.cp, "M": S.M, "dir": d, "check": "; ".join(fails)} for d in ("ag", "rs")]
-    carve_ag = carve_plan(S, methods, consumer, carve)
+    carve_ag = carve_plan(S, methods, consumer, carve, args.carve_margin)
     methods = make_methods(S, consumer, copy, streams, carve, carve_ag)
     log(f"  check: rows bit for bit, partials match the serialized run; carveout of {carve.sms} SMs on gather chunks "
         f"{sorted(carve_ag)}, reduce-scatter chunks 1..{len(S.rs) - 1}")
@@ -96,10 +99,11 @@ def measure(S: Setup, consumer: harness.MoeStandIn, copy, streams: Streams, carv
                "copy_GBps": S.copy_bytes / cp_ms / 1e6,
                "consumer_ms": con, "serial_ms": ser, "overlap_ms": ovl, "beside_copy_ms": beside,
                "hidden": (ser - ovl) / cp_ms, "slowdown": beside / con - 1.0, "s_per_copy": (beside - con) / cp_ms,
+               "carved_ms": st[f"{d} consumer carved"], "carve_cost": st[f"{d} consumer carved"] / con - 1.0,
                "consumer_1call_ms": st["ag consumer 1 call"], "consumer_tflops": tflops,
                "rate_target_GBps": args.rate_gbs, "copy_grid": copy.grid, "copy_block": copy.block,
                "copy_warps": copy.warps,
-               "carveout_sms": carve.sms, "rounds": args.rounds, "check": "ok"}
+               "carveout_sms": carve.sms, "carve_margin": args.carve_margin, "rounds": args.rounds, "check": "ok"}
         row["goal"] = ("smoke run: none" if args.smoke else "n/a: consumer shorter than the copy" if con < cp_ms
                        else "ok" if row["hidden"] >= GOAL_HIDDEN and row["slowdown"] <= GOAL_SLOWDOWN else "MISS")
         rows.append(row)
@@ -112,7 +116,7 @@ def format_table(rows: List[dict], tags: dict, rate: float) -> str:
     lines += [f"{tags['gpu']} | torch {tags['torch']} | triton {tags['triton']} | nsa_cp {tags['nsa_cp']} "
               f"(git {tags['git_rev']}) | {tags['date']}", EMULATED.format(rate=rate),
               f"  {'cp':>3}{'M':>6} {'dir':<4}{'copy ms':>9}{'GB/s':>6}{'consumer':>10}{'serial':>9}{'overlap':>9}"
-              f"{'hidden':>8}{'slowdown':>10}{'s/copy':>8}  goal (>= {GOAL_HIDDEN:.0%} hidden, <= {GOAL_SLOWDOWN:.0%})"]
+              f"{'hidden':>8}{'slowdown':>10}{'carve':>7}{'s/copy':>8}  goal (>= {GOAL_HIDDEN:.0%} hidden, <= {GOAL_SLOWDOWN:.0%})"]
     for r in rows:
         if r["check"] != "ok":
             lines.append(f"  {r['cp']:>3}{r['M']:>6} {r['dir']:<4}CHECK FAILED: {r['check'][:150]}")
@@ -120,7 +124,7 @@ def format_table(rows: List[dict], tags: dict, rate: float) -> str:
         goal = "-" if smoke else r["goal"]
         lines.append(f"  {r['cp']:>3}{r['M']:>6} {r['dir']:<4}{r['copy_ms']:>9.3f}{r['copy_GBps']:>6.0f}"
                      f"{r['consumer_ms']:>10.3f}{r['serial_ms']:>9.3f}{r['overlap_ms']:>9.3f}{r['hidden']:>8.0%}"
-                     f"{r['slowdown']:>10.1%}{r['s_per_copy']:>8.2f}  {goal}")
+                     f"{r['slowdown']:>10.1%}{r['carve_cost']:>7.1%}{r['s_per_copy']:>8.2f}  {goal}")
     return "\n".join(lines)
 
 
@@ -133,12 +137,14 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--carveout", default="auto", help="SMs the consumer's GEMMs leave to the copy while it may run: "
                                                       "auto (the copy's grid), off, or a number")
+    p.add_argument("--carve-margin", type=float, default=CARVE_MARGIN,
+                   help="a gather chunk gets the carveout if it starts before this many times the copy's time alone")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU tensors (automatic without CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0 or args.rate_gbs <= 0:
-        p.error("--rounds >= 1, --warmup >= 0, --rate-gbs > 0")
+    if args.rounds < 1 or args.warmup < 0 or args.rate_gbs <= 0 or args.carve_margin <= 0:
+        p.error("--rounds >= 1, --warmup >= 0, --rate-gbs > 0, --carve-margin > 0")
     if args.cp and min(args.cp) < 2:
         p.error("--cp: at least 2 emulated ranks")
     if args.carveout not in ("auto", "off") and not args.carveout.isdigit():

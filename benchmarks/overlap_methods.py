@@ -22,7 +22,7 @@ import harness  # noqa: E402  (the benchmarks folder is the running script's: on
 
 harness.part_of("overlap.py", __name__)  # run as a script, it says which script to run
 
-CARVE_MARGIN = 1.25  # a gather chunk gets the carveout if it starts before 1.25x the copy's time alone
+CARVE_MARGIN = 1.25  # default: a gather chunk gets the carveout if it starts before 1.25x the copy's time alone
 
 
 @dataclasses.dataclass
@@ -191,6 +191,8 @@ def make_methods(S: Setup, consumer, copy, st: Streams, carve: Carveout, carve_a
         "ag consumer 1 call": lambda: consumer(S.gathered, S.partials), "ag serial": ag_serial,
         "ag overlap": ag_overlap, "ag consumer+copy": ag_beside_copy,
         "rs copy": rs_copy, "rs consumer": lambda: consume(S.rs), "rs serial": rs_serial, "rs overlap": rs_overlap,
+        # the carveout alone (the same chunks carved, no copy): what it costs the consumer apart from the copy
+        "ag consumer carved": lambda: consume(S.ag, carve_ag), "rs consumer carved": lambda: consume(S.rs, carve_rs),
     }
 
 
@@ -241,9 +243,10 @@ def check(S: Setup, m: Dict[str, Callable], tol: float = 2e-2) -> List[str]:
     return fails
 
 
-def carve_plan(S: Setup, m: Dict[str, Callable], consumer, carve: Carveout) -> Set[int]:
-    """The gather chunks that start while the copies run (consumer alone against copy alone, timed once):
-    they get the carveout; the later ones take every SM."""
+def carve_plan(S: Setup, m: Dict[str, Callable], consumer, carve: Carveout, margin: float = CARVE_MARGIN) -> Set[int]:
+    """The gather chunks that start while the copies run (consumer alone against copy alone, timed once;
+    a chunk starting before ``margin`` x the copy's time counts): they get the carveout; the later ones
+    take every SM."""
     if S.device.type != "cuda" or not carve.sms:
         return set()
     evs = [torch.cuda.Event(enable_timing=True) for _ in range(len(S.ag) + 1)]
@@ -258,4 +261,4 @@ def carve_plan(S: Setup, m: Dict[str, Callable], consumer, carve: Carveout) -> S
     b.record()
     torch.cuda.synchronize(S.device)
     copy_ms = a.elapsed_time(b)
-    return {0} | {i for i in range(len(S.ag)) if evs[0].elapsed_time(evs[i]) < CARVE_MARGIN * copy_ms}
+    return {0} | {i for i in range(len(S.ag)) if evs[0].elapsed_time(evs[i]) < margin * copy_ms}
