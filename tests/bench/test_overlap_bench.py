@@ -57,6 +57,9 @@ def test_overlap_smoke_run_says_smoke_and_emulated(tmp_path):
     rows = list(csv.DictReader(out.open(newline="")))
     assert {(r["cp"], r["dir"]) for r in rows} == {("2", "ag"), ("2", "rs"), ("4", "ag"), ("4", "rs")}
     assert all(r["check"] == "ok" and r["gpu"].startswith("CPU") for r in rows), rows[0]
+    # the carveout's own cost is a column (no carveout on the CPU: the carved run is the plain one, re-timed)
+    assert all(r["carve_margin"] == "1.0" and float(r["carved_ms"]) > 0 for r in rows), rows[0]
+    assert " carve " in next(line for line in table if "hidden" in line), "the table has no carve column"
     assert all(str(ROOT) not in v for r in rows for v in r.values()), "a row records the checkout's path"
 
 
@@ -68,6 +71,11 @@ def test_overlap_on_a_gpu_at_a_small_size():
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"rc {proc.returncode} after {took:.0f} s:\n{text[-4000:]}"
     assert "link EMULATED" in text and "paced copy: calibrated" in text and "CHECK FAILED" not in text
+
+
+def test_overlap_refuses_a_carve_margin_that_is_not_positive():
+    proc, _ = _run([str(BENCH / "overlap.py"), "--smoke", "--carve-margin", "0"], timeout=120)
+    assert proc.returncode == 2 and "--carve-margin > 0" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_overlap_methods_keep_the_local_chunk_first_and_last():
