@@ -35,8 +35,8 @@ Reported: ``hidden`` = (serial - overlap) / copy, the share of the copy's time h
 consumer beside the copy / consumer alone - 1 (reduce-scatter: overlap / consumer - 1, an upper bound);
 ``carve`` = the same chunks carved with no copy / consumer alone - 1, the carveout's own share of the
 slowdown (the rest is the copy's contention for memory); ``s/copy`` = the consumer time lost per unit of
-copy time, the ``--slowdown`` of cost_model.py. Goal: at
-least 80% hidden behind a consumer at least as long as the copy, with the consumer at most 10% slower.
+copy time, the ``--slowdown`` of cost_model.py. Goal: at least 80% hidden behind a consumer at least as
+long as the copy, with the consumer at most 10% slower.
 
 Protocol (docs/performance.md): every method that moves rows is checked once on NaN-poisoned
 destinations (rows bit for bit, partials all written and within 2e-2 of the serialized run's), then
