@@ -92,14 +92,15 @@ def measure(S: Setup, consumer: harness.MoeStandIn, copy, streams: Streams, carv
         f"({S.copy_bytes / st['ag copy'] / 1e6:.0f} GB/s)")
     rows = []
     for d in ("ag", "rs"):
-        cp_ms, con, ser, ovl = (st[f"{d} {k}"] for k in ("copy", "consumer", "serial", "overlap"))
+        cp_ms, con, ser, ovl, carved = (st[f"{d} {k}"] for k in ("copy", "consumer", "serial", "overlap",
+                                                                   "consumer carved"))
         beside = st["ag consumer+copy"] if d == "ag" else ovl
         row = {"cp": S.cp, "M": S.M, "dir": d, "counts": "/".join(map(str, S.counts)), "rank": S.r, "T": S.T,
                "chunks": len(S.ag), "copy_bytes": S.copy_bytes, "copy_ms": cp_ms,
                "copy_GBps": S.copy_bytes / cp_ms / 1e6,
                "consumer_ms": con, "serial_ms": ser, "overlap_ms": ovl, "beside_copy_ms": beside,
                "hidden": (ser - ovl) / cp_ms, "slowdown": beside / con - 1.0, "s_per_copy": (beside - con) / cp_ms,
-               "carved_ms": st[f"{d} consumer carved"], "carve_cost": st[f"{d} consumer carved"] / con - 1.0,
+               "carved_ms": carved, "carve_cost": carved / con - 1.0,
                "consumer_1call_ms": st["ag consumer 1 call"], "consumer_tflops": tflops,
                "rate_target_GBps": args.rate_gbs, "copy_grid": copy.grid, "copy_block": copy.block,
                "copy_warps": copy.warps,
