@@ -124,6 +124,16 @@ weight: device [hidden] of weight_dtype (DTYPE_*). The rest as in reduce_scatter
            py::call_guard<py::gil_scoped_release>(),
            "The copy-engine gather's done barrier, then the record that buffer 0 was written last. Runs\n"
            "even when the error record is set (it completes a call already begun).")
+      .def("pull_begin", &nsa_cp::P2PState::pull_begin, py::arg("stream"), py::arg("fp_hash"), py::arg("fp_desc"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The overlapped boundary's entry barrier (copy_engine_begin carrying the caller's call fingerprint:\n"
+           "uint32 hash and desc, compared with every peer's when check_layout; a mismatch sets the error\n"
+           "record, code ERR_LAYOUT_MISMATCH). The caller's copy-engine pulls and pushes follow; copy_engine_end\n"
+           "closes the call.")
+      .def("poison_on_error", &nsa_cp::P2PState::poison_on_error, py::arg("ptr"), py::arg("bytes"), py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Enqueue one kernel that overwrites [ptr, ptr + bytes) with 0xFF bytes (NaN) only when the error\n"
+           "record is set as it runs (a result of a call whose barrier failed); runs even when it is set.")
       .def("error", &nsa_cp::P2PState::error, "The error record, ERR_RECORD_WORDS values: [code, channel*2 + phase, rank, epoch, then for a\n"
            "layout mismatch own hash, own desc, peer hash, peer desc, peer epoch] (volatile reads).")
       .def_property_readonly("check_layout", &nsa_cp::P2PState::check_layout)

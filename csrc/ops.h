@@ -60,6 +60,14 @@ static_assert(kDoneQuantum > static_cast<uint32_t>(kMaxBlocks), "every block's d
 // ---- barrier.cu -------------------------------------------------------------------------------
 void barrier(uint64_t pads, int rank, int world, int channel, int phase, uint64_t seq, bool advance,
              uint64_t timeout_ns, uint64_t err, uint64_t stream);
+// The same barrier carrying a host-computed call fingerprint (fp_on): published with the signal,
+// compared with every peer's after the wait (a mismatch sets kErrLayoutMismatch).
+void barrier_fingerprinted(uint64_t pads, int rank, int world, int channel, int phase, uint64_t seq, bool advance,
+                           uint64_t timeout_ns, uint64_t err, uint64_t stream, bool fp_on, uint32_t fp_hash,
+                           uint32_t fp_desc);
+// Overwrites bytes [ptr, ptr + bytes) with 0xFF (NaN for every float dtype) when, as the kernel runs, the
+// error record err[0] is set; otherwise writes nothing.
+void poison_on_error(uint64_t err, uint64_t ptr, int64_t bytes, uint64_t stream);
 
 // ---- p2p_gather.cu ----------------------------------------------------------------------------
 // p2p_gather / p2p_reduce_scatter: the stateless launchers, for the native layer's tests only (the
@@ -137,6 +145,12 @@ class P2PState {
   // barrier, then the record that buffer 0 was written last.
   void copy_engine_begin(uint64_t stream);
   void copy_engine_end(uint64_t stream);
+  // The overlapped boundary's pulls: copy_engine_begin carrying the host's call fingerprint (hash, desc:
+  // common.cuh's CallFingerprint; compared when check_layout); copy_engine_end closes the call.
+  void pull_begin(uint64_t stream, uint32_t fp_hash, uint32_t fp_desc);
+  // [ptr, ptr + bytes) <- NaN bytes if the error record is set when the kernel runs (runs even when it
+  // is already set: the result of a call already begun must not look valid).
+  void poison_on_error(uint64_t ptr, int64_t bytes, uint64_t stream);
 
   std::vector<uint32_t> error() const;  // the error record, err[0..kErrRecordWords)
   // After close() every method that touches device or host-mapped memory raises RuntimeError: the

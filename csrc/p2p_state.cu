@@ -307,6 +307,21 @@ void P2PState::copy_engine_end(uint64_t stream) {
   last_buffer_ = 0;
 }
 
+void P2PState::pull_begin(uint64_t stream, uint32_t fp_hash, uint32_t fp_desc) {
+  constexpr const char* fn = "P2PState.pull_begin";
+  check_error_record(fn);
+  const DeviceGuard guard(device_, fn);
+  nsa_cp::barrier_fingerprinted(pads_, rank_, world_, kChannelGather, 0, seq_, false, timeout_ns_, err_dev_, stream,
+                                check_layout_, fp_hash, fp_desc);
+}
+
+void P2PState::poison_on_error(uint64_t ptr, int64_t bytes, uint64_t stream) {
+  constexpr const char* fn = "P2PState.poison_on_error";
+  if (closed_) throw std::runtime_error(std::string(fn) + ": the P2P transport was closed");
+  const DeviceGuard guard(device_, fn);
+  nsa_cp::poison_on_error(err_dev_, ptr, bytes, stream);
+}
+
 std::vector<uint32_t> P2PState::error() const {
   if (closed_) throw std::runtime_error("P2PState.error: the P2P transport was closed");
   const volatile uint32_t* err = as_ptr<volatile uint32_t>(err_host_);

@@ -60,7 +60,7 @@ from .api.collectives import (
     fused_add_rmsnorm_all_gather,
     reduce_scatter_fused_add_rmsnorm,
 )
-from .api.boundary import Chunk, TopK, cp_overlapped_boundary
+from .api.boundary import Chunk, TopK, cp_overlapped_boundary, explain
 from .api.communicator import NSACPLayerCommunicator
 from .geometry.layout import ShardLayout
 from .api.moe import mask_padding_topk_ids
@@ -79,6 +79,7 @@ __all__ = [
     "cp_reduce_scatter",
     "cp_reduce_scatter_buffer",
     "cp_overlapped_boundary",
+    "explain",
     "Chunk",
     "TopK",
     "fused_add_rmsnorm_all_gather",

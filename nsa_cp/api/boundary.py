@@ -8,8 +8,11 @@ It computes what the serialized boundary computes::
     out = cp_reduce_scatter(consumer(full), layout, group)   # this rank's rows, summed over ranks
 
 for a consumer that is a per-row function (row i's output depends on row i only), without the padding
-rows and without waiting for the whole gather. The mechanism and its order: nsa_cp/transport/overlap.py
-and docs/design.md, "The overlapped boundary".
+rows and without waiting for the whole gather. The call goes the way every call goes: a request, its plan
+(nsa_cp/planning/overlap.py: the transport chosen once, validation), the transport's pipeline (P2P:
+copy-engine pulls, nsa_cp/transport/p2p/pulls.py; else torch.distributed point-to-point,
+nsa_cp/transport/dist_pipeline.py). The pipeline hands this module each chunk's rows as they land and takes
+each chunk's partials; it never calls the consumer. docs/design.md, "The overlapped boundary".
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
+from ..geometry.chunks import Chunk
 from ..geometry.layout import ShardLayout
 from ..geometry.wire import QUANTS
+from ..planning import overlap as overlap_plan
 from ..planning.checks import shape_str
+from ..planning.request import OverlapRequest, Request
 from ..rows.quant import check_fp8_g128_input
 from ..rows.topk import topk_reduce
-from ..transport import overlap
-from ..transport.overlap import Chunk
+from ..transport import torch_dist
 
-__all__ = ["cp_overlapped_boundary", "Chunk", "TopK"]
+__all__ = ["cp_overlapped_boundary", "explain", "Chunk", "TopK"]
 
 
 class TopK(NamedTuple):
@@ -54,6 +59,8 @@ def cp_overlapped_boundary(
     timeout_ms: Optional[int] = None,
     chunk_rows: Optional[int] = None,
     shared: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    validate: Optional[bool] = None,
 ) -> torch.Tensor:
     """Gather every rank's rows slot by slot, run ``consumer`` on each slot as it lands, and return the sum
     over ranks of the consumer's outputs for this rank's rows.
@@ -82,33 +89,89 @@ def cp_overlapped_boundary(
             the rest are on the link (more, smaller transfers: each costs a launch). The same on every rank.
         shared: None or this rank's shared-expert output ``[n_r, *out_row_shape]`` (any float dtype), added in
             fp32 to the sum before its one rounding (the serialized path rounds the reduce-scatter, then adds).
+        backend: "auto" (the P2P transport's copy-engine pulls where ``init_p2p`` made one for the group and it
+            serves the call, else torch.distributed point-to-point; NSA_CP_BACKEND), "p2p" or "nccl" (insist:
+            ValueError saying why it cannot serve). ``nsa_cp.explain`` says which was chosen and why.
+        validate: None (NSA_CP_VALIDATE) or a bool: before anything moves, one small all-reduce that makes every
+            rank raise LayoutMismatchError naming the argument the ranks disagree on (layout, quant,
+            chunk_rows, out_row_shape, out_dtype, shared, backend), and one more at the end on whether the
+            consumer returned TopK. Without it the P2P pulls still compare a call fingerprint in their entry
+            barrier: a disagreement makes the result NaN and the next call raise LayoutMismatchError.
 
     Returns:
         ``[n_r, *out_row_shape]`` in ``out_dtype``: every rank's partials of this rank's rows summed in fp32
         in rank order (the P2P reduce-scatter's order), plus ``shared``, rounded once.
 
-    Streams (CUDA, NCCL): the transfers run on the process group's stream, every chunk's rows posted at the
-    start and each chunk's partials right after its consumer call; the consumer runs on the current
-    stream, each call after a wait for its own chunk only. Not capturable in a CUDA graph
-    (its schedule waits per slot): RuntimeError inside a capture. On a non-gloo group the first call runs
-    one all-reduce (NCCL creates a communicator lazily, and its first point-to-point batch must include
-    every rank, while a rank with nothing to move at a step posts nothing).
+    Streams. P2P: this rank's rows are staged on the current stream, every chunk is pulled by the copy
+    engine on the transport's pull stream (an event per chunk), each chunk's partials pushed on its push
+    stream after the consumer's call; the consumer runs on the current stream, each call after a wait for
+    its own chunk only; no SM moves a byte (two 32-thread barrier blocks per call). torch.distributed (NCCL):
+    the transfers run on the process group's stream; on a non-gloo group the first call runs one all-reduce
+    (NCCL creates a communicator lazily, and its first point-to-point batch must include every rank). Not
+    capturable in a CUDA graph (its schedule waits per chunk): RuntimeError inside a capture.
 
     Raises:
-        ValueError naming the argument, the expected and the actual value before anything moves. A
-        consumer output of the wrong shape, dtype or device raises ValueError on that rank after the
-        pipeline began; its peers then stop at a timeout (P2PTimeoutError on gloo), never hang.
+        ValueError naming the argument, the expected and the actual value before anything moves (with
+        validation on every rank together). A consumer output of the wrong shape, dtype or device raises
+        ValueError on that rank after the pipeline began; its peers then stop at a timeout, never hang
+        (gloo: P2PTimeoutError from the call; P2P: a NaN result and P2PTimeoutError at the next call, the
+        failing rank's transport unusable: re-create it).
     """
+    if x.is_cuda if isinstance(x, torch.Tensor) else False:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cp_overlapped_boundary cannot be captured in a CUDA graph (it waits per slot); "
+                               "capture the serialized boundary (cp_all_gather, the MoE, cp_reduce_scatter)")
+    pg = torch_dist.resolve_group(group)
+    rank = pg.rank()
+    row_shape, dtype, error = (), None, None
+    try:
+        row_shape, dtype = _check(x, layout, consumer, pg, rank, quant, chunk_rows, out_row_shape, out_dtype, shared)
+    except ValueError as err:
+        error = err
+    req = OverlapRequest(Request.of(overlap_plan.CALL, x, layout, group, backend=backend, quant=quant), chunk_rows,
+                         row_shape, dtype, shared is not None)
+    timeout = envs.NSA_CP_P2P_TIMEOUT_MS if timeout_ms is None else int(timeout_ms)
+    _, pipeline = overlap_plan.start(req, x.detach() if error is None else x, error, validate, timeout)
+    topk = False
+    try:
+        for chunk in pipeline.chunks:
+            y = consumer(pipeline.rows(chunk), chunk)
+            topk = topk or isinstance(y, TopK)
+            pipeline.put(chunk, as_partial(y, chunk, row_shape, dtype, x.device))
+    except BaseException:
+        pipeline.abort()
+        raise
+    return overlap_plan.finish(req, pipeline, shared, topk, validate)
+
+
+def explain(x: torch.Tensor, layout: ShardLayout, group: Optional[dist.ProcessGroup] = None, *,
+            quant: Optional[str] = None, out_row_shape: Optional[Sequence[int]] = None,
+            out_dtype: Optional[torch.dtype] = None, chunk_rows: Optional[int] = None, shared: bool = False,
+            backend: str = "auto") -> str:
+    """How ``cp_overlapped_boundary`` with these arguments would run on this rank, without moving anything:
+    the transport chosen and its mechanism, and every transport asked before it with the reason it
+    declined (e.g. "the P2P pulls need CUDA tensors"). ``shared``: whether a shared output is passed.
+    ValueError for arguments the call would refuse. Local: no collective."""
+    pg = torch_dist.resolve_group(group)
+    row_shape, dtype = _check(x, layout, lambda rows, chunk: None, pg, pg.rank(), quant, chunk_rows, out_row_shape,
+                              out_dtype, None)
+    req = OverlapRequest(Request.of(overlap_plan.CALL, x, layout, group, backend=backend, quant=quant), chunk_rows,
+                         row_shape, dtype, bool(shared))
+    return overlap_plan.lookup(req).explain()
+
+
+def _check(x, layout, consumer, pg, rank: int, quant, chunk_rows, out_row_shape, out_dtype, shared):
+    """The argument checks (ValueError naming the argument, before anything moves): ``(out_row_shape,
+    out_dtype)`` as resolved."""
     if not isinstance(layout, ShardLayout):
         raise ValueError(f"layout: expected an nsa_cp.ShardLayout, got {type(layout).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise ValueError(f"x: expected a tensor [rows, ...], got {type(x).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"x: expected a tensor [rows, ...] of 2 or more dims, got "
+                         f"{_described(x) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if not callable(consumer):
         raise ValueError(f"consumer: expected a callable consumer(rows, chunk), got {type(consumer).__name__}")
-    size = dist.get_world_size(group)
-    if size != layout.cp_size:
-        raise ValueError(f"group: expected {layout.cp_size} ranks (layout.cp_size), got {size}")
-    rank = dist.get_rank(group)
+    if pg.size() != layout.cp_size:
+        raise ValueError(f"group: expected {layout.cp_size} ranks (layout.cp_size), got {pg.size()}")
     n, m = layout.per_rank_actual_token[rank], layout.max_rank_len
     if x.shape[0] not in (n, m):
         raise ValueError(f"x: expected [{n}, ...] (rank {rank}'s rows) or [{m}, ...] (max_rank_len), "
@@ -119,21 +182,11 @@ def cp_overlapped_boundary(
         check_fp8_g128_input(x, quant=quant)
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"chunk_rows: expected None or a positive int, got {chunk_rows!r}")
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("cp_overlapped_boundary cannot be captured in a CUDA graph (it waits per slot); "
-                           "capture the serialized boundary (cp_all_gather, the MoE, cp_reduce_scatter)")
     row_shape = tuple(int(s) for s in (x.shape[1:] if out_row_shape is None else out_row_shape))
     dtype = out_dtype or (torch.bfloat16 if quant else x.dtype)
-
     if shared is not None:
         check_shared(shared, (n, *row_shape), x.device, rank)
-
-    def finish(y, chunk: Chunk) -> torch.Tensor:
-        return as_partial(y, chunk, row_shape, dtype, x.device)
-
-    timeout = envs.NSA_CP_P2P_TIMEOUT_MS if timeout_ms is None else int(timeout_ms)
-    return overlap.run(x.detach(), layout, rank, group, consumer, finish, quant=quant, out_row_shape=row_shape,
-                       out_dtype=dtype, timeout_ms=timeout, chunk_rows=chunk_rows, shared=shared)
+    return row_shape, dtype
 
 
 def check_shared(shared, want, device, rank: int) -> None:

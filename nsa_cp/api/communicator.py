@@ -229,14 +229,17 @@ class NSACPLayerCommunicator:
         consumer returns ``[rows, H]`` or a ``TopK`` (reduced by nsa_cp). ``shared_mlp(normed [n_r, H]) ->
         [n_r, H]``: the shared expert on this rank's normed rows, added in fp32 before the one rounding.
         Returns ``(out [n_r, H], residual [n_r, H])``; ``out`` is not normed for the next layer
-        (``set_next`` does not apply). ``out_dtype``, ``chunk_rows``: as for ``cp_overlapped_boundary``.
+        (``set_next`` does not apply). ``out_dtype``, ``chunk_rows``: as for ``cp_overlapped_boundary``, which
+        runs on the communicator's ``backend`` and ``validate``. ``residual`` is updated in place (as
+        ``prepare_mlp`` updates it).
         """
         check_layer_args("overlapped_mlp", hidden_states, residual, layout)
         normed, residual = self._norm("mlp", hidden_states, residual)
         shared = shared_mlp(normed) if shared_mlp is not None else None
         if self.mlp_mode == "full" and layout is not None:
             return cp_overlapped_boundary(normed, layout, consumer, self.group, quant=self.quant, out_dtype=out_dtype,
-                                          chunk_rows=chunk_rows, shared=shared), residual
+                                          chunk_rows=chunk_rows, shared=shared, backend=self.backend,
+                                          validate=self.validate), residual
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         n, dtype = normed.shape[0], out_dtype or normed.dtype
         chunk = Chunk(rank, n, 0, 0, 0)

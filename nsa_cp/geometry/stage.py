@@ -16,6 +16,7 @@ import torch
 from .wire import FP8_DTYPES, WireFormat, format_of
 
 __all__ = ["Op", "OPS", "ALL_GATHER", "NORM_ALL_GATHER", "REDUCE_SCATTER", "NORM_REDUCE_SCATTER", "SCATTER_BUFFER",
+           "OVERLAPPED_BOUNDARY",
            "Stage", "stage_of", "COPY", "NORM"]
 
 
@@ -34,7 +35,9 @@ NORM_ALL_GATHER = Op("fused_add_rmsnorm_all_gather", "x", True, True)
 REDUCE_SCATTER = Op("cp_reduce_scatter", "y", False, False)
 NORM_REDUCE_SCATTER = Op("reduce_scatter_fused_add_rmsnorm", "partials", False, True)
 SCATTER_BUFFER = Op("cp_reduce_scatter_buffer", "like", False, False)
-OPS = {op.name: op for op in (ALL_GATHER, NORM_ALL_GATHER, REDUCE_SCATTER, NORM_REDUCE_SCATTER, SCATTER_BUFFER)}
+OVERLAPPED_BOUNDARY = Op("cp_overlapped_boundary", "x", True, False)  # a gather and a reduce-scatter, pipelined
+OPS = {op.name: op for op in (ALL_GATHER, NORM_ALL_GATHER, REDUCE_SCATTER, NORM_REDUCE_SCATTER, SCATTER_BUFFER,
+                              OVERLAPPED_BOUNDARY)}
 
 
 class Stage(NamedTuple):

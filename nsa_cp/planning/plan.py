@@ -50,9 +50,15 @@ def cache_size() -> int:
 atexit.register(clear_cache)
 
 
-def lookup(req: Request):
+def validate_default() -> bool:
+    """NSA_CP_VALIDATE, read as every call reads it."""
+    return _VALIDATE()
+
+
+def lookup(req, plan_type=None):
     """The cached plan of ``req`` (its key: the request, the resolved group, ``envs.plan_state()``);
-    built, running the plan checks, on a miss."""
+    built, running the plan checks, on a miss: a ``plan_type(req, group)`` (default: the request's gather
+    or reduce-scatter plan)."""
     pg = torch_dist.resolve_group(req.group)
     generation = groups.latest_generation()  # P2P transports and native NCCL communicators alike
     if generation != _state["generation"]:
@@ -65,7 +71,7 @@ def lookup(req: Request):
         plan, key = None, None
     if plan is None:
         torch_dist.forget_destroyed_groups(_CACHE)  # on a miss only: a new group may follow destroyed ones
-        plan = (GatherPlan if req.is_gather else ScatterPlan)(req, pg)
+        plan = (plan_type or (GatherPlan if req.is_gather else ScatterPlan))(req, pg)
         if key is not None:
             if len(_CACHE) >= _CACHE_LIMIT:
                 del _CACHE[next(iter(_CACHE))]  # the oldest: plans are cheap to rebuild

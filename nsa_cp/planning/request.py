@@ -16,7 +16,7 @@ import torch
 
 from ..geometry.stage import OPS, Op, Stage, stage_of
 
-__all__ = ["Request"]
+__all__ = ["Request", "OverlapRequest"]
 
 
 class Request(NamedTuple):
@@ -87,3 +87,38 @@ class Request(NamedTuple):
         quant = f"|quant={self.quant}" if self.quant is not None or self.is_gather else ""
         return (f"{self.op}|compact={self.compact}|dtype={self.dtype}|row={tuple(self.row_shape)}|"
                 f"device_counts={self.has_device_counts}|ordered={self.ordered}{quant}")
+
+
+class OverlapRequest(NamedTuple):
+    """One ``cp_overlapped_boundary`` call: ``call`` (its :class:`Request`: layout, group, backend, the wire
+    format and the input's rows) and what the overlapped boundary adds, all of which the ranks must agree on
+    (the plan-cache key, validation's fields and the P2P call fingerprint): ``chunk_rows``, the consumer's
+    output ``out_row_shape`` and ``out_dtype``, whether a ``shared`` output joins the sum."""
+
+    call: Request
+    chunk_rows: Optional[int]
+    out_row_shape: tuple
+    out_dtype: torch.dtype
+    shared: bool
+
+    @property
+    def group(self):
+        return self.call.group
+
+    @property
+    def layout(self):
+        return self.call.layout
+
+    def fields(self) -> dict:
+        """What the ranks must agree on, by argument name (validation names the ones that differ)."""
+        c = self.call
+        layout = c.layout
+        if hasattr(layout, "per_rank_actual_token"):
+            layout = f"{tuple(layout.per_rank_actual_token)} align={layout.align}"
+        return {"layout": layout,
+                "x": f"rows of {tuple(c.row_shape)} {c.dtype}", "quant": c.quant, "chunk_rows": self.chunk_rows,
+                "out_row_shape": self.out_row_shape, "out_dtype": self.out_dtype, "shared": self.shared,
+                "backend": c.backend}
+
+    def describe(self) -> str:
+        return "|".join(f"{k}={v}" for k, v in self.fields().items())

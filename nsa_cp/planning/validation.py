@@ -28,7 +28,7 @@ from ..errors import LayoutMismatchError
 from ..geometry.layout import ShardLayout
 from ..transport import torch_dist
 
-__all__ = ["LayoutMismatchError", "layout_fingerprint", "agree", "agree_on_plan"]
+__all__ = ["LayoutMismatchError", "layout_fingerprint", "agree", "agree_on_plan", "agree_on_fields"]
 
 
 def layout_fingerprint(layout, call: str, signature: str = "") -> int:
@@ -103,3 +103,35 @@ def _comm_device(group) -> torch.device:
     """Where the agreement's all-reduce runs when the call's tensor is not one: the group's device."""
     nccl = dist.get_backend(group) == "nccl"
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _field_hash(call: str, name: str, value: str) -> int:
+    value = int.from_bytes(hashlib.blake2b(f"{call}|{name}|{value}".encode(), digest_size=8).digest(), "little") >> 2
+    return value or 1
+
+
+def agree_on_fields(call: str, fields: dict, group: Optional[dist.ProcessGroup], rank: int, size: int,
+                    device: torch.device, local_error: Optional[ValueError]) -> None:
+    """Collective, as :func:`agree`, naming what differs: ONE small all-reduce (MAX) of ``[h_1, -h_1, ...,
+    h_F, -h_F, bad_0, ..., bad_{P-1}]``, one 62-bit hash per field of ``fields`` (argument name -> its value
+    as text, the same names in the same order on every rank). Every rank raises: the rank with bad input its
+    own ValueError, the others LayoutMismatchError naming those ranks; where the ranks' values of some
+    fields differ, LayoutMismatchError on every rank naming those arguments and this rank's values."""
+    names = list(fields)
+    hashes = [0 if local_error is not None else _field_hash(call, name, str(fields[name])) for name in names]
+    values = [v for h in hashes for v in (h, -h)] + [0] * size
+    values[2 * len(names) + rank] = 1 if local_error is not None else 0
+    flags = torch.tensor(values, dtype=torch.int64).to(device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    got = flags.tolist()
+    bad_ranks = [r for r, flag in enumerate(got[2 * len(names):]) if flag]
+    if local_error is not None:
+        raise local_error
+    if bad_ranks:
+        raise LayoutMismatchError(f"{call}: rank(s) {bad_ranks} rejected their input (see their ValueError); this "
+                                  f"rank {rank} did not communicate")
+    differ = [name for i, name in enumerate(names) if got[2 * i] != -got[2 * i + 1]]
+    if differ:
+        mine = ", ".join(f"{name}={fields[name]}" for name in differ)
+        raise LayoutMismatchError(f"{call}: the ranks disagree on {', '.join(differ)}; this rank {rank} passed {mine}. "
+                                  f"Every rank of the group must pass the same {', '.join(differ)}; nothing moved")

@@ -13,7 +13,7 @@ import torch
 
 from .. import envs
 from ..support import Support
-from . import dist_path, nccl_native, torch_dist
+from . import dist_path, dist_pipeline, nccl_native, torch_dist
 from .base import Route
 
 __all__ = ["DistTransport", "DistProvider"]
@@ -67,6 +67,21 @@ class DistTransport:
 
     def buffer(self, req) -> torch.Tensor:
         return torch.empty((req.result_rows, *req.row_shape), dtype=req.dtype, device=req.device)
+
+    def serves_overlap(self, req) -> Support:
+        return Support.yes()
+
+    def overlap(self, req):
+        """``(start, mechanism)``: ``start(x, timeout_ms)`` posts every chunk's rows and returns the
+        :class:`~nsa_cp.transport.dist_pipeline.DistPipeline` (nsa_cp/planning/overlap.py's contract)."""
+        call, group, rank = req.call, self.group, self.group.rank()
+
+        def start(x, timeout_ms):
+            return dist_pipeline.DistPipeline(x, call.layout, rank, group, quant=call.quant,
+                                              out_row_shape=req.out_row_shape, out_dtype=req.out_dtype,
+                                              timeout_ms=timeout_ms, chunk_rows=req.chunk_rows)
+
+        return start, dist_pipeline.MECHANISM
 
 
 class DistProvider:

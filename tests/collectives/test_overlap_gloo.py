@@ -32,3 +32,17 @@ def test_a_non_gloo_group_is_started_once_by_one_all_reduce():
     results = run_world(3, "gloo", overlap_cases.run_started, {}, timeout_s=120)
     failures = [f"rank {r}: {res['started']}" for r, res in enumerate(results) if res["started"]]
     assert not failures, "\n".join(failures)
+
+
+def test_ranks_that_disagree_raise_layout_mismatch_naming_the_argument_with_validate():
+    results = run_world(3, "gloo", overlap_cases.run_disagreements, {}, timeout_s=180)
+    failures = [f"rank {r}: {k}: {v}" for r, res in enumerate(results) for k, v in res.items() if v]
+    assert all(set(res) >= set(overlap_cases.DISAGREEMENTS) for res in results)
+    assert not failures, "\n".join(failures)
+
+
+def test_validate_env_catches_divergent_layouts_without_an_abort(monkeypatch):
+    monkeypatch.setenv("NSA_CP_VALIDATE", "1")
+    results = run_world(2, "gloo", overlap_cases.run_env_validated, {}, timeout_s=120)
+    failures = [f"rank {r}: {res['env']}" for r, res in enumerate(results) if res["env"]]
+    assert not failures, "\n".join(failures)

@@ -53,3 +53,17 @@ def test_a_peer_failing_mid_pipeline_gives_every_other_rank_a_timeout(world, kin
                         may_exit=(world - 1,) if kind == "dies" else ())
     failures = overlap_cases.fault_failures(results, kind)
     assert not failures, "\n".join(failures)
+
+
+def test_ranks_that_disagree_raise_layout_mismatch_naming_the_argument_on_the_p2p_pulls():
+    results = run_world(3, "gloo-shared-gpu", overlap_cases.run_disagreements, {"gpu": True}, timeout_s=300)
+    failures = [f"rank {r}: {k}: {v}" for r, res in enumerate(results) for k, v in res.items() if v]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_p2p_pulls_fault_cases_never_hang_and_never_return_silently_wrong(world):
+    results = run_world(world, "gloo-shared-gpu", overlap_cases.run_p2p_faults, {"timeout_ms": 4000}, timeout_s=300)
+    failures = [f"rank {r}: {k}: {v}" for r, res in enumerate(results) for k, v in res.items() if v]
+    assert all(set(res) == {"chunk_rows", "raises", "recreated"} for res in results), results
+    assert not failures, "\n".join(failures)

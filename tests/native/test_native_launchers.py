@@ -54,7 +54,7 @@ def test_module_surface():
     for fmt in wire.FORMATS.values():  # csrc/codes.h's traits are nsa_cp/geometry/wire.py's
         assert wire.native_mismatch(fmt, _C) is None, wire.native_mismatch(fmt, _C)
     for method in ("gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier", "copy_engine_begin",
-                   "copy_engine_end", "error", "gather_rows", "scale_offset", "close"):
+                   "copy_engine_end", "pull_begin", "poison_on_error", "error", "gather_rows", "scale_offset", "close"):
         assert getattr(_C.P2PState, method).__doc__, method
     assert _C.P2PState.__doc__ and issubclass(_C.P2PDeviceError, RuntimeError)
     assert (_C.DTYPE_BF16, _C.DTYPE_FP16, _C.DTYPE_FP32) == (0, 1, 2)

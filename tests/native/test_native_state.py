@@ -206,7 +206,7 @@ def test_norm_stage_limits_need_their_geometry(err):
 
 
 @pytest.mark.parametrize("call", ["gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier",
-                                  "copy_engine_begin"])
+                                  "copy_engine_begin", "pull_begin"])
 def test_a_set_error_record_refuses_every_launch_first(state, err, call):
     """After a device-side error nothing more is enqueued, whatever the arguments (even bad ones)."""
     err[:4] = torch.tensor([1, 3, 1, 17], dtype=torch.int32)  # a timeout of the reduce-scatter's done phase
@@ -217,6 +217,7 @@ def test_a_set_error_record_refuses_every_launch_first(state, err, call):
         "reduce_scatter_norm": lambda: _reduce_scatter_norm(state, residual=P + 4),
         "barrier": lambda: state.barrier(0),
         "copy_engine_begin": lambda: state.copy_engine_begin(0),
+        "pull_begin": lambda: state.pull_begin(0, 0x1234, 8),
     }[call]
     with pytest.raises(_C.P2PDeviceError, match="code 1 .*epoch 17.*nothing was enqueued"):
         launch()
@@ -226,7 +227,7 @@ def test_a_set_error_record_refuses_every_launch_first(state, err, call):
 
 @needs_no_gpu
 @pytest.mark.parametrize("call", ["gather", "norm_gather", "reduce_scatter", "reduce_scatter_norm", "barrier",
-                                  "copy_engine_end"])
+                                  "copy_engine_end", "pull_begin", "poison_on_error"])
 def test_valid_launch_without_gpu_is_a_clean_runtime_error(state, call):
     launch = {
         "gather": lambda: _gather(state),
@@ -235,6 +236,8 @@ def test_valid_launch_without_gpu_is_a_clean_runtime_error(state, call):
         "reduce_scatter_norm": lambda: _reduce_scatter_norm(state),
         "barrier": lambda: state.barrier(0),
         "copy_engine_end": lambda: state.copy_engine_end(0),
+        "pull_begin": lambda: state.pull_begin(0, 0x1234, 8),
+        "poison_on_error": lambda: state.poison_on_error(P, 64, 0),
     }[call]
     with pytest.raises(RuntimeError, match="cudaError") as info:
         launch()

@@ -50,7 +50,7 @@ def make_cases(world: int, seed: int = 0) -> List[dict]:
             cases.append({"id": f"l{li}-{variant}-{dtype}", "counts": counts, "align": align, "dtype": dtype,
                           "quant": QUANT if quant else None, "padded_rows": variant == "padded_rows",
                           "late": variant == "late", "rest": (128,) if quant else (rng.choice([8, 24]),),
-                          "chunk_rows": rng.choice([1, 2, 3, 5]) if "chunked" in variant else None,
+                          "chunk_rows": rng.choice([1, 2, 3, 5, 64]) if "chunked" in variant else None,
                           "topk": variant == "topk",
                           "seed": 1000 * world + 10 * li + len(cases)})
     for li, counts in enumerate(([4] * world, [0] + [i + 2 for i in range(world - 1)], None)):
@@ -138,6 +138,15 @@ def _run_case(case, rank, world, group, nsa_cp) -> Optional[str]:
     if case["late"] and rank == world - 1:
         time.sleep(0.3)  # a late peer: the others wait for its rows, nothing else changes
     chunk_rows = case["chunk_rows"]
+    if case.get("gpu"):  # the copy-engine pulls serve it, on buffers poisoned with NaN
+        how = nsa_cp.explain(x, layout, group, quant=quant, chunk_rows=chunk_rows, shared=shared is not None)
+        if not how.startswith("cp_overlapped_boundary: backend 'p2p'"):
+            return f"not served by the P2P pulls: {how}"
+        from nsa_cp import transport
+
+        p2p = transport.get_p2p(group)
+        p2p._gathers[0].fill_(float("nan"))
+        p2p._buffers.reduce.fill_(float("nan"))
     got = nsa_cp.cp_overlapped_boundary(x, layout, consumer, group, quant=quant, chunk_rows=chunk_rows,
                                         shared=shared)
 
@@ -356,7 +365,7 @@ def run_started(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]
     import torch.distributed as dist
 
     import nsa_cp
-    from nsa_cp.transport import overlap
+    from nsa_cp.transport import dist_pipeline as overlap
 
     layout = nsa_cp.ShardLayout([3, 0, 2, 4][:world])
     x = gen(5, rank, layout.per_rank_actual_token[rank], (8,), torch.float32, "cpu")
@@ -377,3 +386,124 @@ def run_started(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]
     finally:
         overlap.dist.all_reduce, overlap.dist.get_backend = real_all_reduce, real_backend
     return {"started": "; ".join(problems) or None}
+
+
+DISAGREEMENTS = ("layout", "quant", "chunk_rows", "shared", "out_dtype")
+
+
+def _disagreeing_call(nsa_cp, field, rank, world, group, device, validate=True, hidden=GPU_HIDDEN):
+    """One overlapped boundary where the last rank passes another ``field`` than the others."""
+    odd = rank == world - 1
+    counts = [3, 0] + [2] * (world - 2)
+    if field == "layout" and odd:
+        counts = [2, 1] + [2] * (world - 2)  # the same max_rank_len and total: only the counts differ
+    layout = nsa_cp.ShardLayout(counts)
+    n = counts[rank]
+    x = gen(7, rank, n, (hidden,), torch.bfloat16, device)
+    kw = {"quant": QUANT if field == "quant" and odd else None, "chunk_rows": 1 if field == "chunk_rows" and odd else None,
+          "shared": torch.randn(n, hidden, device=device) if field == "shared" and odd else None,
+          "out_dtype": torch.float32 if field == "out_dtype" and odd else None}
+
+    def consumer(rows, chunk):
+        rows = _dequant(rows) if isinstance(rows, tuple) else rows
+        return rows.to(kw["out_dtype"] or torch.bfloat16)
+
+    return nsa_cp.cp_overlapped_boundary(x, layout, consumer, group, validate=validate, **kw)
+
+
+def run_disagreements(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
+    """With ``validate=True`` ranks that disagree on an argument all raise LayoutMismatchError naming it,
+    before anything moves; then an agreeing call is exact (nothing was left half-done)."""
+    import torch.distributed as dist
+
+    import nsa_cp
+
+    device = torch.device("cuda", 0) if payload.get("gpu") else torch.device("cpu")
+    if payload.get("gpu"):
+        nsa_cp.init_p2p(None, 8, GPU_HIDDEN, torch.bfloat16, device, timeout_ms=20_000)
+    results = {}
+    for field in DISAGREEMENTS:
+        try:
+            _disagreeing_call(nsa_cp, field, rank, world, dist.group.WORLD, device)
+            results[field] = "no error"
+        except nsa_cp.LayoutMismatchError as e:
+            results[field] = None if field in str(e) else f"LayoutMismatchError not naming {field}: {e}"
+        except Exception:
+            results[field] = traceback.format_exc()
+    layout = nsa_cp.ShardLayout([3, 0] + [2] * (world - 2))
+    x = gen(9, rank, layout.per_rank_actual_token[rank], (GPU_HIDDEN,), torch.bfloat16, device)
+    got = nsa_cp.cp_overlapped_boundary(x, layout, lambda rows, chunk: rows * 2, validate=True)
+    want = nsa_cp.cp_reduce_scatter(nsa_cp.cp_all_gather(x, layout) * 2, layout)
+    results["after"] = None if torch.equal(got, want) else "an agreeing call after the disagreements is not exact"
+    if payload.get("gpu"):
+        results["explain"] = None if "'p2p'" in nsa_cp.explain(x, layout) else nsa_cp.explain(x, layout)
+    else:
+        text = nsa_cp.explain(x, layout)
+        results["explain"] = None if "'nccl'" in text else text
+    return results
+
+
+def run_p2p_faults(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
+    """On the P2P pulls (ranks sharing one GPU), without validation: ranks that pass different ``chunk_rows``
+    get a NaN result and LayoutMismatchError from the transport on every rank; a peer whose consumer raises
+    mid-call leaves every other rank a NaN result and P2PTimeoutError; a re-created transport is exact."""
+    import torch.distributed as dist
+
+    import nsa_cp
+    from nsa_cp import transport
+
+    device, group = torch.device("cuda", 0), dist.group.WORLD
+    results = {}
+
+    def fresh():
+        transport.destroy_p2p(None)
+        nsa_cp.init_p2p(None, 8, GPU_HIDDEN, torch.bfloat16, device, timeout_ms=payload["timeout_ms"])
+
+    def outcome(fn, want_error):
+        try:
+            got = fn()
+            torch.cuda.synchronize()
+            nan = bool(torch.isnan(got.float()).all()) if got.numel() else True
+            transport.get_p2p(group).check_error()
+            return f"no error (result all NaN: {nan})"
+        except want_error as e:
+            return None if want_error is not ValueError or "consumer output" in str(e) else f"ValueError: {e}"
+        except Exception:
+            return traceback.format_exc()
+
+    fresh()
+    results["chunk_rows"] = outcome(lambda: _disagreeing_call(nsa_cp, "chunk_rows", rank, world, group, device,
+                                                               validate=False), nsa_cp.LayoutMismatchError)
+    fresh()
+    layout = nsa_cp.ShardLayout([4, 0, 3, 5][:world])
+    x = gen(13, rank, layout.per_rank_actual_token[rank], (GPU_HIDDEN,), torch.bfloat16, device)
+
+    def consumer(rows, chunk):
+        if rank == world - 1 and chunk.step == 1:
+            return rows[:, :1].clone()
+        return rows * 3
+
+    want = ValueError if rank == world - 1 else nsa_cp.P2PTimeoutError
+    results["raises"] = outcome(lambda: nsa_cp.cp_overlapped_boundary(x, layout, consumer, group), want)
+    dist.barrier()
+    fresh()
+    got = nsa_cp.cp_overlapped_boundary(x, layout, lambda rows, chunk: rows * 3, group)
+    ref = nsa_cp.cp_reduce_scatter(nsa_cp.cp_all_gather(x, layout, group, backend="p2p") * 3, layout, group,
+                                   backend="p2p")
+    results["recreated"] = None if torch.equal(got, ref) else "a re-created transport's result differs"
+    return results
+
+
+def run_env_validated(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
+    """NSA_CP_VALIDATE=1 (the environment, no validate= argument) and divergent layouts: every rank raises
+    LayoutMismatchError naming the layout (it used to abort inside gloo)."""
+    import nsa_cp
+
+    counts = [2, 1] if rank == world - 1 else [3, 0]
+    layout = nsa_cp.ShardLayout(counts + [2] * (world - 2))
+    x = gen(3, rank, layout.per_rank_actual_token[rank], (8,), torch.float32, "cpu")
+    try:
+        nsa_cp.cp_overlapped_boundary(x, layout, lambda rows, chunk: rows * 2)
+    except nsa_cp.LayoutMismatchError as e:
+        return {"env": None if "layout" in str(e) else f"not naming the layout: {e}"}
+    return {"env": "no error"}

@@ -44,7 +44,8 @@ class P2PBuffers:
     ``workspace_bytes`` (what was allocated), ``memory`` ('symm_mem' or 'cuda_ipc'), ``gathers``
     (gather buffers 0 and 1 as ``[rows, hidden]``; 1 is 0 again without double buffering),
     ``reduce`` (``[cp_size * max_tokens_per_rank, hidden]``), ``peer_gather`` (every rank's gather
-    buffer 0 mapped here, for the copy engine). Arguments: ``P2PTransport``.
+    buffer 0 mapped here, for the copy engine), ``peer_reduce`` (every rank's reduce buffer mapped here, for the
+    overlapped boundary's copy-engine pushes). Arguments: ``P2PTransport``.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_tokens_per_rank: int, hidden_size: int,
@@ -116,6 +117,8 @@ class P2PBuffers:
         self._handles = handles  # keep the mappings alive
         shape = list(gather.shape)
         self.peer_gather = [handles["gather"].get_buffer(peer, shape, self.dtype, 0) for peer in range(self.world)]
+        self.peer_reduce = [handles["reduce"].get_buffer(peer, list(self.reduce.shape), self.dtype, 0)
+                            for peer in range(self.world)]
         self._err_host, self._err_dev = self.C.alloc_host_mapped_u32(self.C.ERR_RECORD_WORDS)
 
     def _config(self, check_layout: bool):
@@ -135,10 +138,10 @@ class P2PBuffers:
         head = buffer[:rows]
         return head if row_shape == (self.hidden_size,) else head.view(rows, *row_shape)
 
-    def quant_views(self, fmt, buffer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def quant_views(self, fmt, buffer: int, rows: int, peer: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(q [rows, H] in the format's dtype, scale [rows, H / group] float32)`` over gather buffer
-        ``buffer`` (docs/design.md, "FP8 layout")."""
-        raw = self.gathers[buffer].view(-1).view(torch.uint8)
+        ``buffer`` (docs/design.md, "FP8 layout"); ``peer``: over that rank's gather buffer 0, as mapped here."""
+        raw = (self.gathers[buffer] if peer is None else self.peer_gather[peer]).view(-1).view(torch.uint8)
         h, groups = self.hidden_size, self.hidden_size // fmt.group
         q = raw[: rows * h].view(fmt.dtype).view(rows, h)
         start = self.state.scale_offset(buffer)

@@ -15,6 +15,7 @@ import torch
 
 from ...support import Support
 from ..base import Route
+from . import pulls
 
 __all__ = ["P2PRoutes"]
 
@@ -77,6 +78,30 @@ class P2PRoutes:
     def buffer(self, req) -> torch.Tensor:
         """The transport's reduce buffer: the MoE writes its partials there, no copy in before the pull."""
         return self.reduce_buffer(req.layout, req.compact or req.ordered, tuple(req.row_shape))
+
+    def serves_overlap(self, req) -> Support:
+        """Whether the overlapped boundary ``req`` (an OverlapRequest) can run as copy-engine pulls."""
+        return pulls.supports(self, req)
+
+    def overlap(self, req):
+        """``(start, mechanism)``: ``start(x, timeout_ms)`` stages this rank's rows, enqueues the entry barrier
+        and every chunk's pull, and returns the :class:`~nsa_cp.transport.p2p.pulls.PullPipeline` (the
+        transport's own timeout governs its waits)."""
+        fp = pulls.fingerprint(req)
+
+        def start(x, timeout_ms):
+            if self._broken is not None:
+                self.check_error()
+            return pulls.PullPipeline(self, req, x, self.side_streams(), fp)
+
+        return start, pulls.MECHANISM
+
+    def side_streams(self):
+        """The (pull, push) streams of this transport's copy-engine transfers, made once."""
+        streams = getattr(self, "_side_streams", None)
+        if streams is None:
+            streams = self._side_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return streams
 
 
 def _into_out(move):
