@@ -112,10 +112,11 @@ __device__ __forceinline__ void record_error(uint32_t* err, uint32_t code, uint3
 
 // ---- call fingerprints --------------------------------------------------------------------------
 
-// Flags of a call's fingerprint (desc bits 0..7): bits 0..4 below, bits 5..7 the wire format's code
+// Flags of a call's fingerprint (desc bits 0..7): bits 0..4 below (kFpOverlap: the overlapped boundary's
+// entry barrier, whose fingerprint the host computes), bits 5..7 the wire format's code
 // (codes.h, kCode < 8), so ranks that disagree on the format disagree on the fingerprint. Bit 31 of
 // GatherParams/ReduceParams::fp_flags turns the check on.
-constexpr uint32_t kFpCompact = 1u, kFpOrdered = 2u, kFpNorm = 4u, kFpScatter = 16u;
+constexpr uint32_t kFpCompact = 1u, kFpOrdered = 2u, kFpNorm = 4u, kFpOverlap = 8u, kFpScatter = 16u;
 constexpr int kFpFormatShift = 5;
 constexpr uint32_t kFpOn = 1u << 31;
 __host__ __device__ constexpr uint32_t fp_format(int code) {

@@ -82,3 +82,49 @@ def test_strided_expert_outputs_and_weights():
     wide[..., :256] = out
     w = torch.rand(4, 6, device=DEVICE).t()
     _check(topk_reduce(wide[..., :256], w, 1.0, torch.bfloat16), out, w, 1.0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(3, 0, 64), (4, 5, 96), (8, 7, 1030), (1, 3, 16)], ids=str)
+@pytest.mark.parametrize("shared", [False, True])
+def test_slot_sum_is_the_in_order_fp32_sum_bit_for_bit(shape, dtype, shared):
+    """The overlapped boundary's sum (``rows.slot_sum``): the top-k kernel over the reduce buffer's slots as
+    its k axis, scale 1, the shared output added before the one rounding, equals ``acc = 0; acc += slot_q``
+    in rank order then ``+ shared``, rounded once (the P2P reduce-scatter's arithmetic), bit for bit; the
+    rows past ``n`` in each slot (poisoned) are never read."""
+    from nsa_cp.rows.slot_sum import slot_sum
+
+    size, n, width = shape
+    m = n + 2
+    g = torch.Generator().manual_seed(size * 100 + n)
+    slots = torch.full((size, m, width), float("nan"), dtype=dtype)
+    slots[:, :n] = torch.randn((size, n, width), generator=g).to(dtype)
+    slots = slots.to(DEVICE)
+    add = torch.randn((n, width), generator=g).to(DEVICE) if shared else None
+    acc = torch.zeros((n, width), dtype=torch.float32, device=DEVICE)
+    for q in range(size):
+        acc += slots[q, :n].float()
+    if add is not None:
+        acc += add
+    want = acc.to(dtype)
+    got = slot_sum(slots, n, add, dtype)
+    assert got.shape == (n, width) and got.dtype == dtype
+    assert torch.equal(got, want)
+    if width and DEVICE.type == "cuda":  # the compiled kernel rounds to nearest even (the interpreter's cast
+        # does not: exact_fp32's docstring), so it is bitwise where it runs compiled
+        y = torch.full((n, width), float("nan"), dtype=dtype, device=DEVICE)
+        if n:
+            rows = slots.as_strided((n, size, width), (slots.stride(1), slots.stride(0), 1))
+            kernels.topk_reduce(rows, None, 1.0, y, add)
+        assert torch.equal(y, want)
+
+
+def test_the_top_k_kernel_adds_the_shared_output_before_its_one_rounding():
+    """``add`` joins the fp32 sum (within the fp64 bound: the interpreter's cast is not the compiled one's)."""
+    out, w = _inputs(9, 3, (300,), True, torch.float32, seed=5)
+    add = torch.randn(9, 300, device=DEVICE)
+    y = torch.full((9, 300), float("nan"), dtype=torch.float32, device=DEVICE)
+    kernels.topk_reduce(out, w, 2.0, y, add)
+    exact, magnitude = _oracle(out, w, 2.0)
+    err = (y.double() - exact - add.double()).abs()
+    assert (err <= 5 * torch.finfo(torch.float32).eps * (magnitude + add.double().abs())).all()

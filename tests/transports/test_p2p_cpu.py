@@ -32,7 +32,8 @@ def test_fingerprint_flags_match_the_native_header():
     common = (OPS_H.parent / "common.cuh").read_text()
     line = re.search(r"constexpr uint32_t (kFpCompact = .*?);", common).group(1)
     bits = {name: int(value.rstrip("u")) for name, value in re.findall(r"(kFp\w+) = (\w+)", line)}
-    names = {"kFpCompact": "compact", "kFpOrdered": "ordered", "kFpNorm": "norm", "kFpScatter": "reduce-scatter"}
+    names = {"kFpCompact": "compact", "kFpOrdered": "ordered", "kFpNorm": "norm", "kFpScatter": "reduce-scatter",
+             "kFpOverlap": dict((b, n) for b, n in p2p_errors._FP_FLAGS)[p2p_errors.FP_OVERLAP]}
     assert {names[k]: v for k, v in bits.items()} == {name: bit for bit, name in p2p_errors._FP_FLAGS}
     shift = int(re.search(r"constexpr int kFpFormatShift = (\d+);", common).group(1))
     assert shift == p2p_errors._FP_FORMAT_SHIFT and all(bit < 1 << shift for bit in bits.values())
@@ -295,3 +296,29 @@ def test_a_refused_launch_raises_the_recorded_error():
     run = t.gather_runner(nsa_cp.ShardLayout([3, 5]), True, (256,), engine="sm")
     with pytest.raises(p2p.P2PTimeoutError, match="timed out"):
         run(torch.randn(5, 256).bfloat16())
+
+
+def test_the_pulls_fingerprint_covers_every_argument_the_ranks_must_agree_on():
+    """The overlapped boundary's entry-barrier fingerprint (hash, desc) differs when the layout, the wire
+    format, chunk_rows, the output row shape or dtype, or shared differ; desc carries the overlap flag, the
+    format's code and the total rows, as errors.describe_fingerprint reads them."""
+    import nsa_cp
+    from nsa_cp.planning.request import OverlapRequest, Request
+    from nsa_cp.transport.p2p import pulls
+
+    x = torch.zeros(3, 256, dtype=torch.bfloat16)
+
+    def req(counts=(3, 1), quant=None, chunk_rows=None, row=(256,), dtype=torch.bfloat16, shared=False):
+        call = Request.of("cp_overlapped_boundary", x, nsa_cp.ShardLayout(list(counts)), None, quant=quant)
+        return OverlapRequest(call, chunk_rows, row, dtype, shared)
+
+    base = pulls.fingerprint(req())
+    variants = [req(counts=(2, 2)), req(quant="fp8_e4m3_g128"), req(chunk_rows=2), req(row=(2, 128)),
+                req(dtype=torch.float32), req(shared=True)]
+    hashes = [pulls.fingerprint(r)[0] for r in variants]
+    assert base[0] not in hashes and len(set(hashes)) == len(hashes)
+    assert base == pulls.fingerprint(req())
+    desc = pulls.fingerprint(req(quant="fp8_e4m3_g128"))[1]
+    assert desc & p2p_errors.FP_OVERLAP and desc >> 8 == 4
+    text = p2p_errors.describe_fingerprint(*pulls.fingerprint(req(quant="fp8_e4m3_g128")), 5)
+    assert "overlapped boundary" in text and "fp8_e4m3_g128" in text and text.startswith("4 rows in total")

@@ -39,9 +39,11 @@ _PHASE_NAMES = ("entry barrier", "done barrier")
 _CHANNEL_NAMES = ("all-gather", "reduce-scatter")
 # csrc/common.cuh: kFpCompact, kFpOrdered, kFpNorm, kFpScatter (bits of a fingerprint's desc) and, in bits
 # kFpFormatShift.., the wire format's code
-_FP_FLAGS = ((1, "compact"), (2, "ordered"), (4, "norm"), (8, "overlapped boundary (layout, wire format, chunk_rows, "
-                                                                  "output rows, shared)"), (16, "reduce-scatter"))
-_FP_FORMAT_SHIFT = 5
+FP_OVERLAP = 8  # the overlapped boundary's entry barrier (its fingerprint computed by the host)
+_FP_FLAGS = ((1, "compact"), (2, "ordered"), (4, "norm"),
+             (FP_OVERLAP, "overlapped boundary (layout, wire format, chunk_rows, output rows, shared)"),
+             (16, "reduce-scatter"))
+FP_FORMAT_SHIFT = _FP_FORMAT_SHIFT = 5
 _FORMAT_NAMES = {fmt.code: fmt.name for fmt in FORMATS.values()}
 
 

@@ -36,13 +36,11 @@ from ...geometry.wire import FORMATS
 from ...rows.quant import quantize
 from ...rows.slot_sum import slot_sum
 from ...support import Support
-from .errors import P2PError
+from .errors import FP_FORMAT_SHIFT, FP_OVERLAP, P2PError
 
 __all__ = ["PullPipeline", "MECHANISM", "fingerprint", "supports"]
 
 MECHANISM = "P2P copy-engine pulls and pushes (an event per chunk; two 32-thread barrier blocks per call)"
-_FP_OVERLAP = 8  # csrc/common.cuh: a desc bit no kernel launch sets (errors.py names it)
-_FP_FORMAT_SHIFT = 5
 
 
 def fingerprint(req) -> tuple:
@@ -51,7 +49,7 @@ def fingerprint(req) -> tuple:
     call = req.call
     text = f"{req.describe()}|M={call.layout.max_rank_len}".encode()
     code = FORMATS[call.quant].code if call.quant is not None else 0
-    desc = _FP_OVERLAP | (code & 7) << _FP_FORMAT_SHIFT | min(call.layout.total_len, 0xFFFFFF) << 8
+    desc = FP_OVERLAP | (code & 7) << FP_FORMAT_SHIFT | min(call.layout.total_len, 0xFFFFFF) << 8
     return zlib.crc32(text) & 0xFFFFFFFF, desc
 
 
