@@ -5,6 +5,8 @@ Usage::
 
     python benchmarks/cost_model.py                          # calibration check, then the projection
     python benchmarks/cost_model.py --slowdown 0.06          # the slowdown overlap.py measured on 1x H200
+    python benchmarks/cost_model.py --mechanism ce           # project with the copy-engine mechanism's slowdown
+    python benchmarks/cost_model.py --slowdown 0.21 --slowdown-ce 0.04   # both mechanisms' exposed shares
     python benchmarks/cost_model.py --tflops 700 --csv projection.csv
 
 What it does, in order:
@@ -25,8 +27,10 @@ What it does, in order:
    communication still costs; the goal compares it with the serialized boundary's communication.
 
 Every input is in ``INPUTS`` below with where it was measured. What is not measured is said so: the
-consumer's achieved TFLOP/s and the slowdown default (conservative; overlap.py measures the mechanism's on
-1x H200 with the link emulated, and its value goes in as ``--slowdown``).
+consumer's achieved TFLOP/s and the slowdown defaults (overlap.py measures each mechanism's on 1x H200 with
+the link emulated: the SM-driven copy's goes in as ``--slowdown``, the copy-engine pulls' as
+``--slowdown-ce``). ``--mechanism`` picks whose slowdown the projection uses; the goal's exposed share at
+cp 8, M 8192 is printed for it and for each mechanism whose slowdown is on the command line.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ INPUTS = [  # (Inputs field, value, unit, source)
                                  "bf16 GEMM on an H200); overlap.py prints its stand-in's rate; --tflops"),
     ("slowdown", 0.20, "", "NOT MEASURED: conservative default (twice overlap.py's 10% goal; an SM-driven copy holds "
                            "~15% of the SMs); overlap.py's 'slowdown while copying' goes in as --slowdown"),
+    ("slowdown_ce", 0.05, "", "NOT MEASURED: placeholder for copy-engine pulls (no SMs taken: HBM contention "
+                              "alone); overlap.py --mechanism ce's s/copy goes in as --slowdown-ce"),
     ("launches", 6, "", "kernels per consumer call (permute, gate_up, activation, down, combine, shared expert)"),
 ]
 MOE_SOURCE = ("DeepSeek-V3 config.json: hidden_size 7168, moe_intermediate_size 2048, n_routed_experts 256, "
@@ -71,11 +77,24 @@ TOLERANCE = 0.15
 GOAL = (8, 8192, 0.25)  # at cp = 8, M = 8192: exposed communication <= a quarter of the serialized boundary's
 
 
-def make_inputs(args) -> sim.Inputs:
+SLOWDOWN_INPUT = {"sm": "slowdown", "ce": "slowdown_ce"}  # mechanism -> its INPUTS row (and flag)
+
+
+def input_values(args) -> dict:
+    """INPUTS' values, with those given on the command line."""
     values = {name: value for name, value, _, _ in INPUTS}
-    for name, flag in (("link_gbs", "rate_gbs"), ("tflops", "tflops"), ("slowdown", "slowdown")):
+    for name, flag in (("link_gbs", "rate_gbs"), ("tflops", "tflops"), ("slowdown", "slowdown"),
+                       ("slowdown_ce", "slowdown_ce")):
         if getattr(args, flag) is not None:
             values[name] = getattr(args, flag)
+    return values
+
+
+def make_inputs(args, mechanism: str = "") -> sim.Inputs:
+    """The model's inputs, the consumer slowed as beside ``mechanism``'s copy (default ``--mechanism``)."""
+    values = input_values(args)
+    values["slowdown"] = values[SLOWDOWN_INPUT[mechanism or args.mechanism]]
+    del values["slowdown_ce"]
     return sim.Inputs(**values)
 
 
@@ -119,14 +138,18 @@ def project(inp: sim.Inputs, moe: sim.Moe, cps, Ms, min_rows: int) -> List[dict]
     return rows
 
 
+def goal_ratio(inp: sim.Inputs, moe: sim.Moe, min_rows: int) -> float:
+    """At the goal's cp and M: exposed communication / the serialized boundary's communication."""
+    counts = sim.counts_for(*GOAL[:2])
+    return sim.exposed(sim.overlapped(counts, moe, inp, min_rows=min_rows)) / sim.serialized(counts, moe, inp).comm
+
+
 def breakeven_slowdown(inp: sim.Inputs, moe: sim.Moe, min_rows: int) -> float:
     """The largest slowdown at which the goal holds (bisection; 0 if it fails even without slowdown)."""
-    cp, M, limit = GOAL
-    counts = sim.counts_for(cp, M)
+    limit = GOAL[2]
 
     def ratio(s):
-        i = dataclasses.replace(inp, slowdown=s)
-        return sim.exposed(sim.overlapped(counts, moe, i, min_rows=min_rows)) / sim.serialized(counts, moe, i).comm
+        return goal_ratio(dataclasses.replace(inp, slowdown=s), moe, min_rows)
 
     if ratio(0.0) > limit:
         return 0.0
@@ -139,12 +162,13 @@ def breakeven_slowdown(inp: sim.Inputs, moe: sim.Moe, min_rows: int) -> float:
     return lo
 
 
-def print_projection(rows: List[dict], inp: sim.Inputs, moe: sim.Moe, min_rows: int) -> None:
+def print_projection(rows: List[dict], inp: sim.Inputs, moe: sim.Moe, min_rows: int, mechanism: str) -> None:
     print()
     print(f"PROJECTION (a model, not a measurement): the boundary at cp ranks, counts [M, 0.8M, ...], H = {moe.hidden} "
           f"bf16; consumer: DeepSeek-V3 MoE split over the ranks at {inp.tflops:.0f} TFLOP/s or HBM {inp.hbm_gbs:.0f} "
           f"GB/s; link {inp.link_gbs:.0f} GB/s per direction per GPU; consumer slowdown while copying "
-          f"{inp.slowdown:.0%}; chunks of at least {'2x the balance rows' if not min_rows else min_rows}; ms")
+          f"{inp.slowdown:.0%} (mechanism {mechanism}); chunks of at least "
+          f"{'2x the balance rows' if not min_rows else min_rows}; ms")
     print(f"  {'cp':>3}{'M':>7}{'gather':>9}{'consumer':>10}{'RS':>8}{'serialized':>12}{'overlapped':>12}{'chunks':>7}"
           f"{'exposed':>9}{'exp/comm':>10}")
     for r in rows:
@@ -162,13 +186,29 @@ def print_projection(rows: List[dict], inp: sim.Inputs, moe: sim.Moe, min_rows: 
           f"boundary's communication: {goal['exposed_ratio']:.2f} "
           f"({'met' if goal['exposed_ratio'] <= limit else 'MISS'})")
     print(f"  it holds while the consumer's slowdown under a copy is <= {be:.0%}; overlap.py measures it on 1x H200 "
-          f"(--slowdown)")
+          f"(--slowdown, --slowdown-ce)")
+
+
+def print_goal_by_mechanism(args, moe: sim.Moe) -> None:
+    """The goal's exposed share for ``--mechanism`` and each mechanism whose slowdown is on the command line."""
+    given = {"sm": args.slowdown is not None, "ce": args.slowdown_ce is not None}
+    cp, M, limit = GOAL
+    for mech in (m for m in SLOWDOWN_INPUT if m == args.mechanism or given[m]):
+        inp = make_inputs(args, mech)
+        ratio = goal_ratio(inp, moe, args.min_chunk_rows)
+        source = "set on the command line" if given[mech] else "NOT MEASURED default"
+        print(f"exposed share at cp = {cp}, M = {M}, mechanism {mech} (slowdown {inp.slowdown:.2f}, {source}): "
+              f"{ratio:.2f} ({'met' if ratio <= limit else 'MISS'}: <= {limit:.2f})")
 
 
 def parse_args(argv=None):
     p = harness.arg_parser(__doc__)
     p.add_argument("--slowdown", type=float, help="consumer speed lost while a copy runs, a fraction (overlap.py's "
                                                   "'slowdown while copying'; default: the table's conservative 0.20)")
+    p.add_argument("--slowdown-ce", type=float, help="the same for copy-engine pulls (overlap.py --mechanism ce; "
+                                                     "default: the table's NOT MEASURED placeholder 0.05)")
+    p.add_argument("--mechanism", choices=tuple(SLOWDOWN_INPUT), default="sm",
+                   help="whose slowdown the projection uses: sm (--slowdown) or ce (--slowdown-ce)")
     p.add_argument("--tflops", type=float, help="the consumer's achieved bf16 TFLOP/s (default 600, assumed)")
     p.add_argument("--rate-gbs", type=float, help="link GB/s per direction (default 356, measured; the calibration "
                                                   "must still pass)")
@@ -180,8 +220,8 @@ def parse_args(argv=None):
                    help="the shared expert TP-split over the ranks (default) or whole on every rank")
     p.add_argument("--csv")
     args = p.parse_args(argv)
-    if args.slowdown is not None and not 0.0 <= args.slowdown < 1.0:
-        p.error("--slowdown is a fraction in [0, 1)")
+    if any(v is not None and not 0.0 <= v < 1.0 for v in (args.slowdown, args.slowdown_ce)):
+        p.error("--slowdown and --slowdown-ce are fractions in [0, 1)")
     if min(args.cp) < 1 or min(args.M) < 1:
         p.error("--cp and --M must be >= 1")
     return args
@@ -194,8 +234,9 @@ def main(argv=None) -> int:
     print("cost model of the overlapped MoE boundary (no GPU is used): calibrated on measured collectives, then "
           "projected")
     print("inputs:")
+    values = input_values(args)
     for name, value, unit, source in INPUTS:
-        given = getattr(inp, name)
+        given = values[name]
         print(f"  {name:<10}{given:>9g} {unit:<8}{source if given == value else 'set on the command line'}")
     print(f"  consumer  {MOE_SOURCE}; shared expert {args.shared}")
     print()
@@ -206,7 +247,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     rows = project(inp, moe, args.cp, args.M, args.min_chunk_rows)
-    print_projection(rows, inp, moe, args.min_chunk_rows)
+    print_projection(rows, inp, moe, args.min_chunk_rows, args.mechanism)
+    print_goal_by_mechanism(args, moe)
     if args.csv:
         import torch
 

@@ -12,12 +12,19 @@ NVLink does.
 Rows are copied as int16 words (any 2-byte dtype, bit for bit). On CPU tensors (smoke runs) the same
 kernel runs under Triton's interpreter; without Triton it falls back to ``copy_`` and says the copy is not
 paced.
+
+The copy-engine mechanism (``PacedPieces``, ``calibrate_pieces``): a copy engine on one GPU runs at HBM
+speed, so each copy is cut into pieces of ``piece_bytes`` (``copy_`` of contiguous same-dtype views:
+cudaMemcpyAsync D2D), each after a 1-thread sleep kernel (``torch.cuda._sleep``) sized so that the average
+rate is the link's. The smallest piece (of 1-16 MiB) is kept whose unslept rate clears the target and whose
+two launches the host enqueues in at most half the piece's time at the target rate.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -76,18 +83,38 @@ class PacedCopy:
         return f"Triton copy kernel on {self.grid} programs of {self.warps} warps x {self.block} int16 per step{rate}"
 
 
-def _rate_gbs(copy: PacedCopy, src, dst, reps: int = 3) -> float:
-    """GB/s of ``copy`` alone (bytes copied, one direction, as a link's rate is counted): median of reps."""
+def _timed(copy: Callable, src, dst, reps: int = 3) -> Tuple[float, float]:
+    """``copy`` alone: (GB/s: bytes copied, one direction, as a link's rate is counted; host s to enqueue it),
+    medians of reps."""
     copy(src, dst)  # compiles the BLOCK's kernel the first time
-    ts = []
+    ts, host = [], []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         copy(src, dst)
+        host.append(time.perf_counter() - t0)
         stop.record()
         stop.synchronize()
         ts.append(start.elapsed_time(stop))
-    return src.numel() * src.element_size() / (statistics.median(ts) * 1e-3) / 1e9
+    return src.numel() * src.element_size() / (statistics.median(ts) * 1e-3) / 1e9, statistics.median(host)
+
+
+def _rate_gbs(copy: Callable, src, dst, reps: int = 3) -> float:
+    return _timed(copy, src, dst, reps)[0]
+
+
+def _calibration_buffers(device: torch.device):
+    n = CALIBRATION_MIB << 19
+    src = torch.randint(-(1 << 15), 1 << 15, (n,), dtype=torch.int16, device=device)
+    return src, torch.empty_like(src)
+
+
+def _check_and_free(src, dst, what: str) -> None:
+    if not torch.equal(src, dst):
+        raise SystemExit(f"{what}: the calibration copy is not exact (CHECK FAILED)")
+    del src, dst
+    torch.cuda.empty_cache()
 
 
 def calibrate(device: torch.device, target_gbs: float, log: Callable[[str], None]) -> Tuple[PacedCopy, List[tuple]]:
@@ -98,9 +125,7 @@ def calibrate(device: torch.device, target_gbs: float, log: Callable[[str], None
         return PacedCopy(0, 0, paced=False), []
     if device.type != "cuda":  # the interpreter's rate means nothing: a small fixed grid, same code path
         return PacedCopy(2, 1024), []
-    n = CALIBRATION_MIB << 19
-    src = torch.randint(-(1 << 15), 1 << 15, (n,), dtype=torch.int16, device=device)
-    dst = torch.empty_like(src)
+    src, dst = _calibration_buffers(device)
     sweep = []
     for block, warps in CONFIGS:
         for grid in range(1, MAX_GRID + 1):
@@ -108,13 +133,10 @@ def calibrate(device: torch.device, target_gbs: float, log: Callable[[str], None
             sweep.append((grid, block, warps, rate))
             if rate > 1.5 * target_gbs:  # the rate grows with the grid: the rest overshoots
                 break
-    if not torch.equal(src, dst):
-        raise SystemExit("paced copy: the calibration copy is not exact (CHECK FAILED)")
+    _check_and_free(src, dst, "paced copy")
     near = [c for c in sweep if abs(c[3] - target_gbs) <= NEAR * target_gbs]
     grid, block, warps, rate = (min(near, key=lambda c: (c[0], abs(c[3] - target_gbs))) if near
                                 else min(sweep, key=lambda c: abs(c[3] - target_gbs)))
-    del src, dst
-    torch.cuda.empty_cache()
     off = abs(rate - target_gbs) / target_gbs
     log(f"paced copy: calibrated {len(sweep)} (grid, BLOCK, warps) on {CALIBRATION_MIB} MiB; kept {grid} programs of "
         f"{warps} warps x {block} int16: {rate:.0f} GB/s alone against a target of {target_gbs:.0f} GB/s "
@@ -126,3 +148,97 @@ def calibrate(device: torch.device, target_gbs: float, log: Callable[[str], None
 def carveout_setter() -> Optional[Callable[[Optional[int]], None]]:
     """torch's SM carveout for cuBLASLt matmuls (``torch._C._set_sm_carveout_experimental``), or None."""
     return getattr(torch._C, "_set_sm_carveout_experimental", None)
+
+
+# ============================================================================ the copy-engine mechanism
+PIECE_MIB = (1, 2, 4, 8, 16)  # candidate piece sizes, smallest (least bursty) first
+HOST_SHARE = 0.5  # a piece's two launches must be enqueued in at most this share of its time at the target rate
+TIGHT = 0.02  # the sleep is refined until the rate alone is this near the target
+REFINE_STEPS = 8
+SMOKE_PIECE_BYTES = 4096  # CPU tensors: a few pieces per smoke chunk, so the cutting runs
+
+
+@dataclasses.dataclass
+class PacedPieces:
+    """``copy(src, dst)``: src into dst (contiguous, same shape and dtype) on the current stream as copy-engine
+    copies of ``piece_bytes`` (``copy_`` of flat views: cudaMemcpyAsync D2D, no SMs), each after a 1-thread
+    sleep kernel of ``sleep_cycles`` (a shorter last piece: in proportion) that holds the stream so that the
+    average rate is the link's. On CPU tensors the same pieces, no sleep kernel."""
+
+    piece_bytes: int
+    sleep_cycles: int = 0
+    cycles_per_us: float = float("nan")  # the sleep kernel's clock, measured at calibration
+    rate_gbs: float = float("nan")  # measured alone at calibration (bytes copied / s)
+
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        s, d = src.reshape(-1), dst.reshape(-1)  # views: both are contiguous
+        step = max(1, self.piece_bytes // s.element_size())
+        for a in range(0, s.numel(), step):
+            b = min(a + step, s.numel())
+            if s.is_cuda:
+                torch.cuda._sleep(self.sleep_cycles * (b - a) // step)
+            d[a:b].copy_(s[a:b])
+
+    @property
+    def piece_mib(self) -> float:
+        return self.piece_bytes / (1 << 20)
+
+    def describe(self) -> str:
+        us = self.sleep_cycles / self.cycles_per_us
+        size = f"{self.piece_mib:g} MiB" if self.piece_bytes >= 1 << 20 else f"{self.piece_bytes >> 10} KiB"
+        if self.rate_gbs != self.rate_gbs:  # CPU tensors: nothing paced
+            return f"copy-engine pieces of {size} (CPU tensors: no sleep kernel, not paced)"
+        return (f"copy-engine pieces of {size} at HBM speed, separated by a 1-thread sleep kernel "
+                f"({self.sleep_cycles} cycles, {us:.1f} us), average {self.rate_gbs:.0f} GB/s measured alone")
+
+
+def sleep_cycles_per_us(reps: int = 5) -> float:
+    """``torch.cuda._sleep``'s cycles per microsecond of device time: the slope between two lengths (the
+    launch's own time cancels), median of reps."""
+    def us(cycles):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3
+
+    lo, hi = 200_000, 2_200_000
+    us(lo)
+    return (hi - lo) / statistics.median(us(hi) - us(lo) for _ in range(reps))
+
+
+def calibrate_pieces(device: torch.device, target_gbs: float, log: Callable[[str], None],
+                     piece_mib: Optional[float] = None) -> PacedPieces:
+    """The copy-engine copy paced to ``target_gbs``: the smallest piece of ``PIECE_MIB`` (or ``piece_mib``)
+    whose copy with no sleep runs faster than the target and whose host enqueue keeps ahead, then the sleep
+    refined on the measured rate until the copy alone is within 2% of the target."""
+    if device.type != "cuda":  # no rate to pace on CPU tensors: the same pieces, no sleep kernel
+        return PacedPieces(SMOKE_PIECE_BYTES)
+    cpu = sleep_cycles_per_us()
+    src, dst = _calibration_buffers(device)
+    nbytes = src.numel() * src.element_size()
+    ce = None
+    for mib in [piece_mib] if piece_mib else PIECE_MIB:
+        ce = PacedPieces(int(mib * (1 << 20)), 0, cpu)
+        rate, host_s = _timed(ce, src, dst)
+        pieces = -(-nbytes // ce.piece_bytes)
+        piece_us = ce.piece_bytes / target_gbs / 1e3  # a piece's time at the target rate
+        host_us = host_s * 1e6 / pieces
+        if rate > target_gbs * (1 + NEAR) and host_us <= HOST_SHARE * piece_us:
+            break
+        log(f"copy-engine pieces: {mib:g} MiB too small: {rate:.0f} GB/s with no sleep, {host_us:.1f} us to enqueue "
+            f"a piece of {piece_us:.1f} us at the target")
+    for _ in range(REFINE_STEPS):  # the gap's sleep: the rest of a piece's time at the target rate
+        if abs(rate - target_gbs) <= TIGHT * target_gbs:
+            break
+        short_us = ce.piece_bytes / target_gbs / 1e3 - ce.piece_bytes / rate / 1e3
+        ce.sleep_cycles = max(0, round(ce.sleep_cycles + short_us * cpu))
+        rate = _rate_gbs(ce, src, dst)
+    ce.rate_gbs = rate
+    _check_and_free(src, dst, "copy-engine pieces")
+    off = abs(rate - target_gbs) / target_gbs
+    log(f"copy-engine pieces: calibrated on {CALIBRATION_MIB} MiB: sleep kernel {cpu:.0f} cycles/us; "
+        f"{ce.describe()} against a target of {target_gbs:.0f} GB/s ({off:.1%} off)"
+        + ("" if off <= NEAR else f"  WARNING: more than {NEAR:.0%} off the target"))
+    return ce

@@ -2,6 +2,9 @@
 consumer (on the current stream), serialized and overlapped, in both directions; their correctness check.
 A part of overlap.py (no other benchmark imports it).
 
+The methods are the same for each mechanism (``Mechanism``): only the copy callable and the carveout
+differ (the SM-driven Triton copy with the consumer's GEMMs carved; copy-engine pieces with none).
+
 The emulated rank r holds ``counts[r]`` rows (r = 1: a 0.8M rank, the one that receives the most). Its
 gathered buffer is compact ``[T, H]``, rank q's rows at ``offsets[q]``; each peer's rows come from an
 allocation of their own (``peer_src[q]``: a stand-in for that peer's memory). Gather order: the local chunk
@@ -81,6 +84,21 @@ class Carveout:
             self.setter(None)
 
 
+@dataclasses.dataclass
+class Mechanism:
+    """How the emulated link moves rows: ``copy(src, dst)`` on the current stream, the consumer's carveout
+    beside it, and the mechanism's own CSV columns."""
+
+    name: str  # "sm" (an SM-driven copy) or "ce" (copy-engine pieces)
+    copy: Callable
+    carve: Carveout
+    takes_sms: bool  # the copy runs on SMs: the carved consumer alone is timed too
+    columns: Dict[str, object] = dataclasses.field(default_factory=dict)
+
+
+CONSUMER_ONLY = ("ag consumer", "ag consumer 1 call", "rs consumer")  # no copy: the same for every mechanism
+
+
 class Setup:
     """One shape: counts [M, 0.8M, ...] over cp, the emulated rank's chunks and buffers."""
 
@@ -120,9 +138,9 @@ class Setup:
                 f"T={self.T}, {len(self.ag) - 1} peer chunks, {self.copy_bytes / 1e6:.0f} MB over the emulated link")
 
 
-def make_methods(S: Setup, consumer, copy, st: Streams, carve: Carveout, carve_ag: Set[int]) -> Dict[str, Callable]:
+def make_methods(S: Setup, consumer, mech: Mechanism, st: Streams, carve_ag: Set[int]) -> Dict[str, Callable]:
     """name -> fn(): each enqueues one run and leaves the side stream joined into the current one."""
-    rows = S.rows
+    rows, copy, carve = S.rows, mech.copy, mech.carve
     carve_rs = set(range(1, len(S.rs)))  # chunk j runs beside the push of chunk j - 1
 
     def copy_in(events: Optional[List] = None):
@@ -186,7 +204,7 @@ def make_methods(S: Setup, consumer, copy, st: Streams, carve: Carveout, carve_a
                     push(c)
         st.join()
 
-    return {
+    methods = {
         "ag copy": ag_copy, "ag consumer": lambda: consume(S.ag),
         "ag consumer 1 call": lambda: consumer(S.gathered, S.partials), "ag serial": ag_serial,
         "ag overlap": ag_overlap, "ag consumer+copy": ag_beside_copy,
@@ -194,6 +212,9 @@ def make_methods(S: Setup, consumer, copy, st: Streams, carve: Carveout, carve_a
         # the carveout alone (the same chunks carved, no copy): what it costs the consumer apart from the copy
         "ag consumer carved": lambda: consume(S.ag, carve_ag), "rs consumer carved": lambda: consume(S.rs, carve_rs),
     }
+    if not mech.takes_sms:  # no carveout beside a copy that takes no SMs: the carved runs are the plain ones
+        del methods["ag consumer carved"], methods["rs consumer carved"]
+    return methods
 
 
 def _sync(S: Setup) -> None:

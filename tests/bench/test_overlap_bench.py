@@ -53,13 +53,22 @@ def test_overlap_smoke_run_says_smoke_and_emulated(tmp_path):
     assert "CHECK FAILED" not in text
     table = proc.stdout.strip().splitlines()
     last = [line for line in table if not line.startswith("wrote ")]
-    assert re.match(r"\s+4\s+16 rs\s", last[-1]), f"the table is not last:\n{proc.stdout[-1500:]}"
+    assert re.match(r"\s+4\s+16 rs\s+ce\s", last[-1]), f"the table is not last:\n{proc.stdout[-1500:]}"
     rows = list(csv.DictReader(out.open(newline="")))
-    assert {(r["cp"], r["dir"]) for r in rows} == {("2", "ag"), ("2", "rs"), ("4", "ag"), ("4", "rs")}
+    # both mechanisms side by side (the default): a row per (cp, dir, mech), each checked
+    assert sorted((r["cp"], r["dir"], r["mech"]) for r in rows) == sorted(
+        (cp, d, m) for cp in ("2", "4") for d in ("ag", "rs") for m in ("sm", "ce"))
     assert all(r["check"] == "ok" and r["gpu"].startswith("CPU") for r in rows), rows[0]
-    # the carveout's own cost is a column (no carveout on the CPU: the carved run is the plain one, re-timed)
-    assert all(r["carve_margin"] == "1.0" and float(r["carved_ms"]) > 0 for r in rows), rows[0]
-    assert " carve " in next(line for line in table if "hidden" in line), "the table has no carve column"
+    head = next(line for line in table if "hidden" in line)
+    assert " mech " in head and " carve " in head, "the table has no mech or carve column"
+    assert sum(bool(re.match(r"\s+\d\s+16 (ag|rs)\s+ce\s", line)) for line in table) == 4, proc.stdout[-1500:]
+    sm = [r for r in rows if r["mech"] == "sm"]
+    ce = [r for r in rows if r["mech"] == "ce"]
+    # sm: the carveout's own cost is a column (no carveout on the CPU: the carved run is the plain one, re-timed)
+    assert all(r["carve_margin"] == "1.0" and float(r["carved_ms"]) > 0 for r in sm), sm[0]
+    # ce: no carveout, so nothing carved to time; its own columns say the pieces
+    assert all(r["carved_ms"] == "" and r["carveout_sms"] == "" and float(r["piece_MiB"]) > 0 for r in ce), ce[0]
+    assert "link EMULATED (ce)" in text and "copy-engine pieces of" in text, text[-3000:]
     assert all(str(ROOT) not in v for r in rows for v in r.values()), "a row records the checkout's path"
 
 
@@ -71,6 +80,32 @@ def test_overlap_on_a_gpu_at_a_small_size():
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"rc {proc.returncode} after {took:.0f} s:\n{text[-4000:]}"
     assert "link EMULATED" in text and "paced copy: calibrated" in text and "CHECK FAILED" not in text
+    assert "copy-engine pieces: calibrated" in text and "WARNING: more than 5%" not in text, text[-3000:]
+
+
+def test_overlap_smoke_runs_the_copy_engine_mechanism_alone(tmp_path):
+    out = tmp_path / "ce.csv"
+    proc, took = _run([str(BENCH / "overlap.py"), "--smoke", "--mechanism", "ce", "--cp", "2", "--rounds", "1",
+                       "--warmup", "0", "--csv", str(out)])
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"rc {proc.returncode} after {took:.0f} s:\n{text[-4000:]}"
+    assert "link EMULATED (ce)" in text and "link EMULATED (sm)" not in text, text[-3000:]
+    rows = list(csv.DictReader(out.open(newline="")))
+    assert [(r["dir"], r["mech"], r["check"]) for r in rows] == [("ag", "ce", "ok"), ("rs", "ce", "ok")], rows
+
+
+def test_copy_engine_pieces_are_exact_and_sleep_only_on_a_gpu(monkeypatch):
+    """Pieces cut at any element (a short last piece too) land bit for bit; on CPU tensors no sleep kernel."""
+    oc = _load("overlap_copy")
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda *a: pytest.fail("torch.cuda._sleep called on CPU tensors"))
+    src = torch.randn(7, 33, dtype=torch.bfloat16)
+    dst = torch.full_like(src, float("nan"))
+    seen = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda d, s, *a: seen.append(s.numel()) or real(d, s, *a))
+    oc.PacedPieces(piece_bytes=64, sleep_cycles=1000)(src, dst)
+    assert torch.equal(src, dst)
+    assert seen == [32] * 7 + [7], seen  # 231 elements in pieces of 32 (64 bytes of bf16)
 
 
 def test_overlap_refuses_a_carve_margin_that_is_not_positive():
@@ -119,6 +154,21 @@ def test_cost_model_calibrates_then_projects(tmp_path):
     assert "goal (projected): at cp = 8, M = 8192" in text
     rows = list(csv.DictReader(out.open(newline="")))
     assert len(rows) == 9 and "projection" in rows[0]["gpu"]
+
+
+def test_cost_model_projects_each_mechanism_given():
+    proc, _ = _run([str(BENCH / "cost_model.py"), "--slowdown-ce", "0.04", "--slowdown", "0.21"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "calibration: 12 of 12 within 15%: pass" in proc.stdout
+    shares = dict(re.findall(r"^exposed share at cp = 8, M = 8192, mechanism (sm|ce) \(slowdown (\S+),", proc.stdout,
+                             re.M))
+    assert shares == {"sm": "0.21", "ce": "0.04"}, proc.stdout[-2000:]
+    proc, _ = _run([str(BENCH / "cost_model.py"), "--mechanism", "ce"], timeout=120)
+    assert proc.returncode == 0 and "calibration: 12 of 12 within 15%: pass" in proc.stdout
+    assert re.search(r"slowdown_ce\s+0.05\s+NOT MEASURED", proc.stdout), proc.stdout[:3000]
+    assert "copying 5% (mechanism ce)" in proc.stdout
+    assert re.search(r"^exposed share .* mechanism ce \(slowdown 0.05, NOT MEASURED", proc.stdout, re.M)
+    assert "mechanism sm (" not in proc.stdout
 
 
 def test_cost_model_refuses_to_project_when_the_calibration_fails():
