@@ -59,8 +59,8 @@ INPUTS = [  # (Inputs field, value, unit, source)
                                  "bf16 GEMM on an H200); overlap.py prints its stand-in's rate; --tflops"),
     ("slowdown", 0.20, "", "NOT MEASURED: conservative default (twice overlap.py's 10% goal; an SM-driven copy holds "
                            "~15% of the SMs); overlap.py's 'slowdown while copying' goes in as --slowdown"),
-    ("slowdown_ce", 0.05, "", "NOT MEASURED: placeholder for copy-engine pulls (no SMs taken: HBM contention "
-                              "alone); overlap.py --mechanism ce's s/copy goes in as --slowdown-ce"),
+    ("slowdown_ce", 0.20, "", f"{PERF}, 'The mechanism on one GPU' (1x H200, link emulated): overlap.py's ce s/copy "
+                              "at cp 8, M 8192, the larger of gather 0.17 and reduce-scatter 0.20; --slowdown-ce"),
     ("launches", 6, "", "kernels per consumer call (permute, gate_up, activation, down, combine, shared expert)"),
 ]
 MOE_SOURCE = ("DeepSeek-V3 config.json: hidden_size 7168, moe_intermediate_size 2048, n_routed_experts 256, "
@@ -196,7 +196,9 @@ def print_goal_by_mechanism(args, moe: sim.Moe) -> None:
     for mech in (m for m in SLOWDOWN_INPUT if m == args.mechanism or given[m]):
         inp = make_inputs(args, mech)
         ratio = goal_ratio(inp, moe, args.min_chunk_rows)
-        source = "set on the command line" if given[mech] else "NOT MEASURED default"
+        default = next(text for name, _, _, text in INPUTS if name == SLOWDOWN_INPUT[mech])
+        source = "set on the command line" if given[mech] else (
+            "NOT MEASURED default" if default.startswith("NOT MEASURED") else "the default, measured")
         print(f"exposed share at cp = {cp}, M = {M}, mechanism {mech} (slowdown {inp.slowdown:.2f}, {source}): "
               f"{ratio:.2f} ({'met' if ratio <= limit else 'MISS'}: <= {limit:.2f})")
 

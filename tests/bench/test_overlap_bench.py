@@ -165,9 +165,9 @@ def test_cost_model_projects_each_mechanism_given():
     assert shares == {"sm": "0.21", "ce": "0.04"}, proc.stdout[-2000:]
     proc, _ = _run([str(BENCH / "cost_model.py"), "--mechanism", "ce"], timeout=120)
     assert proc.returncode == 0 and "calibration: 12 of 12 within 15%: pass" in proc.stdout
-    assert re.search(r"slowdown_ce\s+0.05\s+NOT MEASURED", proc.stdout), proc.stdout[:3000]
-    assert "copying 5% (mechanism ce)" in proc.stdout
-    assert re.search(r"^exposed share .* mechanism ce \(slowdown 0.05, NOT MEASURED", proc.stdout, re.M)
+    assert re.search(r"slowdown_ce\s+0.2\s+docs/performance.md", proc.stdout), proc.stdout[:3000]
+    assert "copying 20% (mechanism ce)" in proc.stdout
+    assert re.search(r"^exposed share .* mechanism ce \(slowdown 0.20, the default, measured\)", proc.stdout, re.M)
     assert "mechanism sm (" not in proc.stdout
 
 

@@ -118,10 +118,10 @@ def _expected_gather(shards, counts, M, compact, hidden, dtype):
 def test_gpu_kernel_info():
     info = _C.kernel_info()
     names = {k["name"] for k in info}
-    families = ("barrier", "p2p_gather", "p2p_reduce_scatter", "pack_rows", "padded_compact")
+    families = ("barrier", "poison_on_error", "p2p_gather", "p2p_reduce_scatter", "pack_rows", "padded_compact")
     assert {n.split("<")[0] for n in names} == set(families), names
     # copy / fused norm / fp8 stages of the gather, plain and norm-epilogue reduce-scatters, row copies
-    assert len(info) == 1 + (3 + 3 * 2 * 3) + 12 + 6, sorted(names)  # gather: copy x3, dtype x words x format
+    assert len(info) == 2 + (3 + 3 * 2 * 3) + 12 + 6, sorted(names)  # barrier, poison; gather: copy x3, dtype x words x format
     assert {"p2p_gather<copy16>", "p2p_gather<norm,bf16,2>", "p2p_gather<fp8_e4m3_g128,bf16,2>", "p2p_gather<fp8_e4m3_g128_ue8m0,bf16,4>",
             "p2p_reduce_scatter<norm,bf16,2>"} <= names
     import torch
