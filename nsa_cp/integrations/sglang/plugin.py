@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ... import envs
 from .. import contracts, core
-from . import contract, overlap, scheduler, state
+from . import contract, scheduler, state
 from . import moves as _moves
 from .adapter import CpMovesAdapter, Declined
 from .runtime import sglang_version
@@ -95,21 +95,13 @@ def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool
     def routed(name: str) -> Callable:
         """The move ``name``: the adapter's, or SGLang's own for a batch the adapter declines."""
         def move(hidden_states, residual, forward_batch, *args, **kwargs):
-            if name == "reduce_scatter":
-                overlapped = overlap.take_result(hidden_states)
-                if overlapped is not None:  # the overlapped boundary summed it already
-                    return overlapped, residual
             adapter = adapter_of()
             reason, geometry = adapter.admit(name, hidden_states, forward_batch)
             if reason is None:
                 if name != "gather":
                     return getattr(adapter, name)(hidden_states, residual, forward_batch, *args, geometry=geometry,
                                                   **kwargs)
-                call = overlap.current() if compact_ok else None
                 try:
-                    if call is not None and call.pending is None:
-                        return overlap.defer_gather(adapter, call, hidden_states, residual, forward_batch, *args,
-                                                    geometry=geometry, **kwargs)
                     return adapter.gather_rows(hidden_states, residual, forward_batch, *args, compact_ok=compact_ok,
                                                geometry=geometry, **kwargs)
                 except Declined as declined:  # SGLang's read step ran: its gather moves what it returned
@@ -185,26 +177,6 @@ TABLE = (
 # "module.function" -> the AROUND hook the plugin registers on it, the paths from the known contracts
 HOOKS = core.targets(TABLE, contract.KNOWN)
 HOOK_TARGET = next(path for path, hook in HOOKS.items() if hook is _cp_moves_hook)
-# with NSA_CP_SGLANG_OVERLAP=1, once the overlap contract holds: the decoder layer's and the MoE's forward
-OVERLAP_TABLE = (
-    core.Target("decoder_forward", overlap.decoder_forward_hook),
-    core.Target("moe_forward", overlap.moe_forward_hook),
-)
-OVERLAP_HOOKS = core.targets(OVERLAP_TABLE, contract.OVERLAP_KNOWN)
-
-
-def _overlap_hooks() -> dict:
-    """The overlap's hooks by path where NSA_CP_SGLANG_OVERLAP=1 and SGLang's code meets the overlap
-    contract; else none, with the contract's problem said once (``overlap.decline``)."""
-    if not envs.NSA_CP_SGLANG_OVERLAP:
-        return {}
-    verdict = contract.verify_overlap()
-    overlap.STATE.contract = verdict.as_status()
-    if verdict.contract is None:
-        overlap.decline(verdict.problem)
-        return {}
-    overlap.STATE.declined = None
-    return dict(OVERLAP_HOOKS)
 
 
 def _binds_nsa_cp(fn: Any) -> bool:
@@ -259,7 +231,7 @@ def sglang_plugin() -> None:
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        for target, hook in {**HOOKS, **_overlap_hooks()}.items():
+        for target, hook in HOOKS.items():
             HookRegistry.register(target, hook, HookType.AROUND)
     except Exception as e:
         state.STATE.register_error = f"{type(e).__name__}: {e}"
@@ -268,10 +240,9 @@ def sglang_plugin() -> None:
         raise
     state.STATE.handed = True
     logger.info("nsa_cp: SGLang plugin hooks handed to SGLang's HookRegistry (%s; SGLang %s meets the contract %r; "
-                "compact MoE gather %s, P2P %s, overlapped boundary %s); 'registered' follows once SGLang has applied "
-                "them", ", ".join(HOOKS), version, verdict.contract.name, "on" if envs.NSA_CP_SGLANG_COMPACT else "off",
-                "on" if envs.NSA_CP_SGLANG_P2P else "off",
-                "declined" if overlap.STATE.declined else "on" if envs.NSA_CP_SGLANG_OVERLAP else "off")
+                "compact MoE gather %s, P2P %s); 'registered' follows once SGLang has applied them", ", ".join(HOOKS),
+                version, verdict.contract.name, "on" if envs.NSA_CP_SGLANG_COMPACT else "off",
+                "on" if envs.NSA_CP_SGLANG_P2P else "off")
 
 
 def status() -> dict:
@@ -307,7 +278,6 @@ def status() -> dict:
         "fusions": {"gather": dict(s.gathers), "unfused": dict(s.unfused),
                     "reduce_scatter_norm": "not fused: the exit and the next layer's entry are separate stages"},
         "sglang": version,
-        "overlap": overlap.as_status(),
     }
 
 
@@ -368,6 +338,5 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
     for module in modules[1:] if bind_stage is not None else ():
         if getattr(module, "_bind_stage", None) is bind_stage:
             patches.set(module, "_bind_stage", bind_stage_kind)
-    core.wrap(patches, _overlap_hooks())
     logger.info("nsa_cp: SGLang CP moves installed in %s", ", ".join(m.__name__ for m in patched))
     return Installed(adapter, original, patches, patched)
