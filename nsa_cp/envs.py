@@ -186,6 +186,19 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "model loads, before SGLang sizes its KV cache) where the group is on one node and P2P can serve "
         "it, sized from SGLang's prefill limits; 0 never (nsa_cp's NCCL path)",
     ),
+    "NSA_CP_SGLANG_OVERLAP": (
+        _flag("NSA_CP_SGLANG_OVERLAP", False),
+        "inside SGLang: 1 runs a DeepSeek decoder layer's MoE section as the overlapped boundary (router "
+        "and routed experts on each rank's rows as they land, a replicated shared expert once on the "
+        "rank's own rows, one rounding); configurations it does not serve keep the serialized path, "
+        "said in status() (docs/sglang.md); 0 the serialized path always",
+    ),
+    "NSA_CP_SGLANG_OVERLAP_CHUNK_ROWS": (
+        _int("NSA_CP_SGLANG_OVERLAP_CHUNK_ROWS", 0),
+        "with NSA_CP_SGLANG_OVERLAP=1: the overlapped boundary's chunk_rows (0: each rank's rows one "
+        "chunk, the schedule benchmarks/overlap.py measured; smaller chunks cost a MoE launch each and "
+        "are not measured). Must be the same on every rank (the call's fingerprint checks it)",
+    ),
     "NSA_CP_VLLM": (
         _flag("NSA_CP_VLLM", True),
         "vLLM plugin (entry point nsa_cp, group vllm.general_plugins): 1 routes the prefill-CP MoE gather "

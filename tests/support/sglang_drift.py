@@ -49,3 +49,48 @@ def apply(kind: str) -> str:
         if getattr(other, name, None) is ORIGINAL[name]:
             setattr(other, name, fn)
     return says
+
+
+# the overlapped boundary's contract (contract.OVERLAP_KNOWN): SGLang's MoE made to drift, each in one way,
+# still running SGLang's own code underneath (so its forward stays exact)
+DS = "sglang.srt.models.deepseek_v2"
+
+
+def forward_normal_with_a_renamed_flag(self, hidden_states, gemm_output_zero_allocator=None, input_ids=None,
+                                       input_ids_global=None, skip_shared_experts=False, use_vision_topk=False,
+                                       return_moe_output=False, leave_moe_pieces=False, **kwargs):
+    """A changed signature: leave_output_sum renamed."""
+    return ORIGINAL["forward_normal"](self, hidden_states, gemm_output_zero_allocator, input_ids, input_ids_global,
+                                      skip_shared_experts, use_vision_topk, return_moe_output,
+                                      kwargs.pop("leave_output_sum", leave_moe_pieces))
+
+
+OVERLAP_DRIFTS = {
+    "signature": ("DeepseekV2MoE", "forward_normal", "forward_normal", forward_normal_with_a_renamed_flag,
+                  "DeepseekV2MoE.forward_normal takes ("),
+    "renamed": ("MoEOutput", "get_merged", "merge", None, "MoEOutput.get_merged not found"),
+}
+
+
+def apply_overlap(kind: str) -> str:
+    """Bind the overlap drift ``kind`` on SGLang's class (a new signature, or a method under a new name);
+    returns the text nsa_cp's warning must hold. :func:`undo_overlap` puts SGLang's back."""
+    import importlib
+
+    cls_name, name, new_name, fn, says = OVERLAP_DRIFTS[kind]
+    cls = getattr(importlib.import_module(DS), cls_name)
+    ORIGINAL[name] = cls.__dict__[name]
+    ORIGINAL["_undo"] = (cls, name, new_name)
+    if fn is None:
+        delattr(cls, name)
+        setattr(cls, new_name, ORIGINAL[name])
+    else:
+        setattr(cls, name, fn)
+    return says
+
+
+def undo_overlap() -> None:
+    cls, name, new_name = ORIGINAL.pop("_undo")
+    if new_name != name:
+        delattr(cls, new_name)
+    setattr(cls, name, ORIGINAL[name])

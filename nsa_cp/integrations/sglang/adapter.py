@@ -34,6 +34,7 @@ from ... import envs
 from ...api.collectives import fused_add_rmsnorm_all_gather
 from ...api.communicator import NSACPLayerCommunicator
 from ...geometry.layout import ShardLayout
+from ...rows.norm import fused_add_rmsnorm_into
 from .. import core
 from . import readstep, runtime, state
 from .metadata import int_list, layout_from_cp_metadata, physical_rows
@@ -201,15 +202,51 @@ class CpMovesAdapter:
         self._transport_once()
         core.over_capacity(state.STATE, self.group, layout)
         kw = dict(group=self.group, compact=compact, backend=self.backend, validate=self.validate)
+        fused, x, residual = self._read_step(hidden_states, residual, forward_batch, norm, gather, update, cache,
+                                             call, n, rank, rows)
+        if fused is not None:
+            weight, eps = fused
+            gathered, _ = fused_add_rmsnorm_all_gather(hidden_states[:n], residual[:n], weight, eps, layout, **kw)
+            state.count(state.STATE.gathers, "fused_add_rmsnorm_all_gather")
+            return gathered, residual
+        state.count(state.STATE.gathers, "read_then_gather")
+        return core.gather_rows(x, layout, rank, **kw), residual
+
+    def read_local(self, hidden_states, residual, forward_batch, norm, *, gather: Callable, update=NOT_GIVEN,
+                   cache=None, geometry: Optional[tuple] = None, **call):
+        """SGLang's read step on this rank's rows, nothing gathered (the overlapped boundary moves them):
+        ``(x [n, H] the normed real rows, residual, compact)``. The residual comes back as :meth:`gather`
+        leaves it; a plain add + RMSNorm step runs as the fused gather's local part (the same arithmetic),
+        anything else as SGLang's step. :class:`Declined` (after SGLang's step) where its rows are not the
+        metadata's."""
+        md, layout, rank, rows = geometry or self._geometry(forward_batch)
+        n = layout.count(rank)
+        compact = self._use_compact(md)
+        if not self.used:
+            self._first_use(compact)
+        self._transport_once()
+        fused, x, residual = self._read_step(hidden_states, residual, forward_batch, norm, gather, update, cache,
+                                             call, n, rank, rows)
+        if fused is not None:
+            weight, eps = fused
+            x = hidden_states.new_empty((n, *hidden_states.shape[1:]))
+            fused_add_rmsnorm_into(hidden_states[:n], residual[:n], weight, eps, out=x)
+            state.count(state.STATE.gathers, "fused_add_rmsnorm_overlapped")
+            return x, residual, compact
+        state.count(state.STATE.gathers, "read_then_overlapped")
+        return x[:n], residual, compact
+
+    def _read_step(self, hidden_states, residual, forward_batch, norm, gather, update, cache, call, n, rank, rows):
+        """SGLang's read step on this rank's ``[rows, H]`` (``n`` real), or, where it is the plain add + RMSNorm
+        (``readstep``), its ``(weight, eps)`` for a fused kernel on the real rows: ``(fused | None, x [rows, H]
+        | None, residual)``. With ``fused`` the padding rows' residual is already written, as SGLang's step
+        writes it (nothing moves them). :class:`Declined` where SGLang's step returns other rows."""
         fused = readstep.NotFusable("fuse=False") if not self.fuse else readstep.plain_add_rmsnorm(
             gather, hidden_states, residual, norm, None if update is NOT_GIVEN else update, call)
         if not isinstance(fused, readstep.NotFusable) and hidden_states.shape[0] == rows and n <= rows:
-            weight, eps = fused
-            gathered, _ = fused_add_rmsnorm_all_gather(hidden_states[:n], residual[:n], weight, eps, layout, **kw)
-            if n < rows:  # SGLang's step writes its padding rows into the residual too; nothing gathers them
+            if n < rows:
                 residual[n:rows].add_(hidden_states[n:rows])
-            state.count(state.STATE.gathers, "fused_add_rmsnorm_all_gather")
-            return gathered, residual
+            return fused, None, residual
         if isinstance(fused, readstep.NotFusable):
             state.record(state.STATE.unfused, fused, "nsa_cp: MoE gather not fused with the read step (%s); "
                          "SGLang's step, then nsa_cp's gather")
@@ -220,8 +257,7 @@ class CpMovesAdapter:
             raise Declined(
                 f"hidden_states: expected {rows} local rows (per_rank_actual_token[{rank}], of which {n} real), "
                 f"got shape {list(x.shape)}", f"local rows not the metadata's ({x.shape[0]}; {rows})", x, residual)
-        state.count(state.STATE.gathers, "read_then_gather")
-        return core.gather_rows(x, layout, rank, **kw), residual
+        return None, x, residual
 
     def take_back(self, hidden_states, residual, forward_batch, *, geometry: Optional[tuple] = None, **kwargs):
         """This rank's ``[physical, H]`` rows of a complete output, padded ``[max_rank_len * cp, H]`` (a

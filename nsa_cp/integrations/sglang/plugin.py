@@ -5,8 +5,8 @@ Contract:
 * :func:`sglang_plugin` is the entry point ``nsa_cp`` of the group ``sglang.srt.plugins``
   (``nsa_cp.integrations.sglang:sglang_plugin``). It registers three ``AROUND`` hooks with SGLang's
   ``HookRegistry`` (the target table :data:`TABLE`: a contract role and its hook; :data:`HOOKS`, the same
-  by path), which SGLang's ``load_plugins()`` then applies (in every module that
-  imported a target by name): ``_cp_moves`` (nsa_cp's moves), ``construction._bind_stage`` (which stage the
+  by path), which SGLang's ``load_plugins()`` then applies (in every module that imported a target by
+  name): ``_cp_moves`` (nsa_cp's moves), ``construction._bind_stage`` (which stage the
   moves are bound for: compact only for FFN stages) and ``ModelRunner.initialize`` (the transport, once
   per scheduler, before the KV cache is sized: ``scheduler``). ``NSA_CP_SGLANG=0``: nothing registered.
   Registering twice is a no-op.
@@ -22,7 +22,8 @@ Contract:
 * The patched ``_cp_moves`` asks SGLang's for its choice and replaces only the DSA/MLA kind (the one with
   a ``reduce_scatter``); GQA's moves keep SGLang's. Every batch nsa_cp declines (graph capture, attention
   DP, geometry: ``CpMovesAdapter.admit``) runs SGLang's own move, logged once per reason.
-* :func:`status` says what is bound and what ran in this process.
+* :func:`status` says what is bound and what ran in this process. ``NSA_CP_SGLANG_OVERLAP=1`` adds the
+  overlapped boundary's two hooks, under a contract of their own (``overlap``).
 
 How SGLang loads plugins and why these bindings: docs/sglang.md.
 """
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from ... import envs
 from .. import contracts, core
-from . import contract, scheduler, state
+from . import contract, overlap, scheduler, state
 from . import moves as _moves
 from .adapter import CpMovesAdapter, Declined
 from .runtime import sglang_version
@@ -95,15 +96,18 @@ def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool
     def routed(name: str) -> Callable:
         """The move ``name``: the adapter's, or SGLang's own for a batch the adapter declines."""
         def move(hidden_states, residual, forward_batch, *args, **kwargs):
+            overlapped = overlap.take_result(hidden_states) if name == "reduce_scatter" else None
+            if overlapped is not None:  # the overlapped boundary summed it already
+                return overlapped, residual
             adapter = adapter_of()
             reason, geometry = adapter.admit(name, hidden_states, forward_batch)
             if reason is None:
                 if name != "gather":
                     return getattr(adapter, name)(hidden_states, residual, forward_batch, *args, geometry=geometry,
                                                   **kwargs)
-                try:
-                    return adapter.gather_rows(hidden_states, residual, forward_batch, *args, compact_ok=compact_ok,
-                                               geometry=geometry, **kwargs)
+                try:  # a layer call the overlap serves defers its FFN gather (``overlap``)
+                    return overlap.gather(adapter, compact_ok, hidden_states, residual, forward_batch, *args,
+                                          geometry=geometry, **kwargs)
                 except Declined as declined:  # SGLang's read step ran: its gather moves what it returned
                     _declined(declined.reason)
                     kwargs["gather"] = _passthrough(declined.rows, declined.residual)
@@ -231,7 +235,8 @@ def sglang_plugin() -> None:
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        for target, hook in HOOKS.items():
+        hooks = {**HOOKS, **overlap.hooks()}
+        for target, hook in hooks.items():
             HookRegistry.register(target, hook, HookType.AROUND)
     except Exception as e:
         state.STATE.register_error = f"{type(e).__name__}: {e}"
@@ -240,9 +245,9 @@ def sglang_plugin() -> None:
         raise
     state.STATE.handed = True
     logger.info("nsa_cp: SGLang plugin hooks handed to SGLang's HookRegistry (%s; SGLang %s meets the contract %r; "
-                "compact MoE gather %s, P2P %s); 'registered' follows once SGLang has applied them", ", ".join(HOOKS),
-                version, verdict.contract.name, "on" if envs.NSA_CP_SGLANG_COMPACT else "off",
-                "on" if envs.NSA_CP_SGLANG_P2P else "off")
+                "compact MoE gather %s, P2P %s, overlapped boundary %s); 'registered' follows once SGLang has applied "
+                "them", ", ".join(hooks), version, verdict.contract.name, "on" if envs.NSA_CP_SGLANG_COMPACT else "off",
+                "on" if envs.NSA_CP_SGLANG_P2P else "off", overlap.switch())
 
 
 def status() -> dict:
@@ -259,7 +264,8 @@ def status() -> dict:
     * ``fusions``: what the MoE gathers ran as, by kind (``fused_add_rmsnorm_all_gather``,
       ``read_then_gather``), ``unfused``: why not fused, by reason, and ``reduce_scatter_norm`` (not fused
       inside SGLang: docs/sglang.md says why);
-    * ``declined``: batches SGLang's own moves took, by reason; ``nccl_batches``: too large for P2P.
+    * ``declined``: batches SGLang's own moves took, by reason; ``nccl_batches``: too large for P2P;
+    * ``overlap``: NSA_CP_SGLANG_OVERLAP, whether its contract holds and what ran (``overlap.as_status``).
     """
     bound = {}
     for name in BOUNDARY_MODULES:
@@ -278,6 +284,7 @@ def status() -> dict:
         "fusions": {"gather": dict(s.gathers), "unfused": dict(s.unfused),
                     "reduce_scatter_norm": "not fused: the exit and the next layer's entry are separate stages"},
         "sglang": version,
+        "overlap": overlap.as_status(),
     }
 
 
@@ -338,5 +345,6 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
     for module in modules[1:] if bind_stage is not None else ():
         if getattr(module, "_bind_stage", None) is bind_stage:
             patches.set(module, "_bind_stage", bind_stage_kind)
+    core.wrap(patches, overlap.hooks())
     logger.info("nsa_cp: SGLang CP moves installed in %s", ", ".join(m.__name__ for m in patched))
     return Installed(adapter, original, patches, patched)
