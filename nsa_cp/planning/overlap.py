@@ -22,6 +22,7 @@ import torch
 
 from . import plan as plans, validation
 from .. import envs
+from ..errors import LayoutMismatchError
 from ..geometry.stage import OVERLAPPED_BOUNDARY
 from ..support import Support
 from ..transport import base, torch_dist
@@ -101,16 +102,24 @@ def start(req: OverlapRequest, x: torch.Tensor, local_error: Optional[ValueError
 
 
 def finish(req: OverlapRequest, pipeline, shared, topk: bool, validate: Optional[bool]) -> torch.Tensor:
-    """The pipeline's result; with validation, first one all-reduce on whether the consumer returned TopK."""
+    """The pipeline's result. With validation, one all-reduce first on whether the consumer returned TopK; where
+    the ranks disagree the pipeline still completes (the transport stays usable), then every rank raises
+    LayoutMismatchError naming it."""
     if validate is None:
         validate = plans.validate_default()
+    mismatch = None
     if validate:
         rank, size = torch_dist.group_rank_and_size(req.group)
         device = shared.device if shared is not None else pipeline.device
         try:
             validation.agree_on_fields(CALL, {"consumer output (TopK or a tensor)": "TopK" if topk else "tensor"},
                                        req.group, rank, size, device, None)
+        except LayoutMismatchError as err:
+            mismatch = err
         except BaseException:
             pipeline.abort()
             raise
-    return pipeline.finish(shared)
+    result = pipeline.finish(shared)
+    if mismatch is not None:
+        raise mismatch
+    return result

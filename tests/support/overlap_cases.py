@@ -388,7 +388,7 @@ def run_started(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]
     return {"started": "; ".join(problems) or None}
 
 
-DISAGREEMENTS = ("layout", "quant", "chunk_rows", "shared", "out_dtype")
+DISAGREEMENTS = ("layout", "quant", "chunk_rows", "shared", "out_dtype", "TopK")
 
 
 def _disagreeing_call(nsa_cp, field, rank, world, group, device, validate=True, hidden=GPU_HIDDEN):
@@ -406,6 +406,8 @@ def _disagreeing_call(nsa_cp, field, rank, world, group, device, validate=True, 
 
     def consumer(rows, chunk):
         rows = _dequant(rows) if isinstance(rows, tuple) else rows
+        if field == "TopK" and odd:  # the same partial, reduced by nsa_cp: only the kind of output differs
+            return nsa_cp.TopK(rows[:, None].to(torch.bfloat16))
         return rows.to(kw["out_dtype"] or torch.bfloat16)
 
     return nsa_cp.cp_overlapped_boundary(x, layout, consumer, group, validate=validate, **kw)
