@@ -117,9 +117,8 @@ def cp_overlapped_boundary(
         (gloo: P2PTimeoutError from the call; P2P: a NaN result and P2PTimeoutError at the next call, the
         failing rank's transport unusable: re-create it).
     """
-    if x.is_cuda if isinstance(x, torch.Tensor) else False:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cp_overlapped_boundary cannot be captured in a CUDA graph (it waits per slot); "
+    if isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("cp_overlapped_boundary cannot be captured in a CUDA graph (it waits per slot); "
                                "capture the serialized boundary (cp_all_gather, the MoE, cp_reduce_scatter)")
     pg = torch_dist.resolve_group(group)
     rank = pg.rank()

@@ -34,9 +34,12 @@ __all__ = ["LayoutMismatchError", "layout_fingerprint", "agree", "agree_on_plan"
 def layout_fingerprint(layout, call: str, signature: str = "") -> int:
     """62-bit fingerprint of a layout, the call kind and the call's signature (dtype, row shape,
     compact, algorithm, transport); 0 is reserved for 'no valid layout'."""
-    text = f"{call}|{tuple(layout.per_rank_actual_token)}|{layout.align}|{signature}".encode()
-    value = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
-    return value or 1
+    return _hash62(f"{call}|{tuple(layout.per_rank_actual_token)}|{layout.align}|{signature}")
+
+
+def _hash62(text: str) -> int:
+    """A 62-bit hash of ``text`` (its negation fits int64 too); 0 is reserved for 'no valid input'."""
+    return (int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2) or 1
 
 
 def agree(
@@ -105,11 +108,6 @@ def _comm_device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-def _field_hash(call: str, name: str, value: str) -> int:
-    value = int.from_bytes(hashlib.blake2b(f"{call}|{name}|{value}".encode(), digest_size=8).digest(), "little") >> 2
-    return value or 1
-
-
 def agree_on_fields(call: str, fields: dict, group: Optional[dist.ProcessGroup], rank: int, size: int,
                     device: torch.device, local_error: Optional[ValueError]) -> None:
     """Collective, as :func:`agree`, naming what differs: ONE small all-reduce (MAX) of ``[h_1, -h_1, ...,
@@ -118,7 +116,7 @@ def agree_on_fields(call: str, fields: dict, group: Optional[dist.ProcessGroup],
     own ValueError, the others LayoutMismatchError naming those ranks; where the ranks' values of some
     fields differ, LayoutMismatchError on every rank naming those arguments and this rank's values."""
     names = list(fields)
-    hashes = [0 if local_error is not None else _field_hash(call, name, str(fields[name])) for name in names]
+    hashes = [0 if local_error is not None else _hash62(f"{call}|{name}|{fields[name]}") for name in names]
     values = [v for h in hashes for v in (h, -h)] + [0] * size
     values[2 * len(names) + rank] = 1 if local_error is not None else 0
     flags = torch.tensor(values, dtype=torch.int64).to(device)

@@ -28,10 +28,11 @@ with a deadline: a peer that has not delivered within ``timeout_ms`` raises ``P2
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -179,13 +180,9 @@ class DistPipeline:
                                                self.ranks[src] if recv else None, _tag(k, j, self.most, False),
                                                self.gloo, timeout_ms)
         self.chunks = schedule(layout, rank, chunk_rows)
-        # partials[q]: this rank's rows as rank q computed them (its own: kept, or put in place by chunk)
-        self.partials: List[Optional[torch.Tensor]] = [None] * size
-        for k in range(1, size):
-            if self.n:
-                self.partials[(rank + k) % size] = torch.empty((self.n, *out_row_shape), dtype=out_dtype, device=x.device)
-        if len(self.own) > 1:
-            self.partials[rank] = torch.empty((self.n, *out_row_shape), dtype=out_dtype, device=x.device)
+        # slots[q]: this rank's rows as rank q computed them (its own put in place, the peers' received in
+        # place), the layout the final sum reads
+        self.slots = torch.empty((size, self.n, *out_row_shape), dtype=out_dtype, device=x.device)
         self.scatters, self.posted = [], (1, 0)  # posted: the next (step, chunk) batch of partials to post
 
     def _index(self, chunk: Chunk) -> int:
@@ -204,10 +201,7 @@ class DistPipeline:
         """Chunk's partials: this rank's kept, a peer's sent back to it while the next chunk computes."""
         k, j = chunk.step, self._index(chunk)
         if k == 0:
-            if len(self.own) == 1:
-                self.partials[self.rank] = y
-            else:
-                self.partials[self.rank][chunk.first:chunk.first + chunk.rows] = y
+            self.slots[self.rank, chunk.first:chunk.first + chunk.rows] = y
             return
         self._post_until((k, j))
         self._post(k, j, y)
@@ -218,7 +212,7 @@ class DistPipeline:
     def _post(self, k: int, j: int, y: Optional[torch.Tensor]) -> None:
         size = self.layout.cp_size
         src, owner = (self.rank - k) % size, (self.rank + k) % size
-        recv = (self.partials[owner][self.own[j][0]:self.own[j][1]],) if j < len(self.own) else ()
+        recv = (self.slots[owner, self.own[j][0]:self.own[j][1]],) if j < len(self.own) else ()
         self.scatters.append(_exchange(self.group, (y.contiguous(),) if y is not None else (),
                                        self.ranks[src] if y is not None else None, recv,
                                        self.ranks[owner] if recv else None, _tag(k, j, self.most, True), self.gloo,
@@ -241,13 +235,9 @@ class DistPipeline:
         size, n = self.layout.cp_size, self.n
         self._post_until((size, 0))
         self._wait(self.scatters, "the partials of this rank's rows")
-        width = 1
-        for d in self.out_row_shape:
-            width *= d
-        slots = torch.stack([p.reshape(n, width) for p in self.partials]) if n else \
-            torch.empty((size, 0, width), dtype=self.out_dtype, device=self.device)
+        width = math.prod(self.out_row_shape)
         add = shared.reshape(n, width) if shared is not None else None
-        return slot_sum(slots, n, add, self.out_dtype).view(n, *self.out_row_shape)
+        return slot_sum(self.slots.view(size, n, width), n, add, self.out_dtype).view(n, *self.out_row_shape)
 
     def abort(self) -> None:
         """The consumer raised: nothing is undone (the peers stop at their timeout)."""
