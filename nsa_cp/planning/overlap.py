@@ -21,11 +21,11 @@ from typing import Optional
 import torch
 
 from . import plan as plans, validation
-from .. import envs
+from .route import choose
 from ..errors import LayoutMismatchError
 from ..geometry.stage import OVERLAPPED_BOUNDARY
 from ..support import Support
-from ..transport import base, torch_dist
+from ..transport import torch_dist
 from .request import OverlapRequest
 
 __all__ = ["OverlapPlan", "start", "lookup", "CALL"]
@@ -43,30 +43,15 @@ class OverlapPlan:
     __slots__ = ("request", "backend", "mechanism", "declined", "_start")
 
     def __init__(self, req: OverlapRequest, pg):
+        def ask(transport):
+            if not callable(getattr(transport, "overlap", None)):
+                return Support.no("this transport has no overlapped boundary"), None
+            verdict = transport.serves_overlap(req)
+            return verdict, (transport.overlap(req) if verdict else None)
+
         self.request = req
-        backend = envs.NSA_CP_BACKEND if req.call.backend == "auto" else req.call.backend
-        declined = []
-        for provider in base.providers():
-            if backend != "auto" and provider.name != backend:
-                continue
-            transport = provider.open(req.call, pg)
-            if isinstance(transport, Support):
-                verdict = transport
-            elif not callable(getattr(transport, "overlap", None)):
-                verdict = Support.no(f"the {provider.name!r} transport has no overlapped boundary")
-            else:
-                verdict = transport.serves_overlap(req)
-            if verdict:
-                self.backend = provider.name
-                self._start, self.mechanism = transport.overlap(req)
-                self.declined = tuple(declined)
-                logger.debug("nsa_cp plan: %s on %s (%s)", CALL, self.backend, self.mechanism)
-                return
-            if backend != "auto":
-                raise ValueError(f"backend: {backend!r} cannot serve this call (x): {verdict.reason}")
-            declined.append((provider.name, verdict.reason))
-            logger.debug("nsa_cp plan: transport %r declined %s: %s", provider.name, CALL, verdict.reason)
-        raise ValueError(f"backend: {backend!r} is not a registered transport ({', '.join(base.names())})")
+        self.backend, _, (self._start, self.mechanism), self.declined = choose(req.call, pg, ask)
+        logger.debug("nsa_cp plan: %s on %s (%s)", CALL, self.backend, self.mechanism)
 
     def explain(self) -> str:
         lines = [f"{CALL}: backend {self.backend!r} ({self.mechanism})"]

@@ -19,11 +19,11 @@ from typing import Optional
 import torch
 
 from . import checks, validation
+from .route import route as _route
 from .. import envs
 from ..rows.norm import norm_after, norm_before
 from .request import Request
 from ..geometry.stage import COPY, NORM
-from ..support import Support
 from ..transport import base, groups, torch_dist
 
 __all__ = ["call", "lookup", "buffer", "GatherPlan", "ScatterPlan", "clear_cache", "cache_size"]
@@ -118,34 +118,6 @@ def buffer(req: Request, like) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the transport (when a plan is built)
-def _route(req: Request, pg, stage, gather: bool):
-    """``(transport, route)``: the first registered transport whose verdict on ``(req, stage)`` is yes.
-    ``backend`` (or NSA_CP_BACKEND under "auto") insists on one: its no is the ValueError. Under "auto" the
-    even layout keeps torch's collective (the contract). A norm a transport cannot fuse (P2P rows of an
-    odd byte size) runs as a kernel of its own before its plain move (``Route.norm`` False)."""
-    backend = envs.NSA_CP_BACKEND if req.backend == "auto" else req.backend
-    providers = base.providers()
-    if backend == "auto" and req.layout.is_even:
-        providers = [base.fallback()]
-    for provider in providers:
-        if backend != "auto" and provider.name != backend:
-            continue
-        transport = provider.open(req, pg)
-        verdict = transport.serves(req, stage) if not isinstance(transport, Support) else transport
-        serve = stage
-        if not verdict and stage.norm and stage.fmt is None and not isinstance(transport, Support):
-            serve = stage.unnormed
-            verdict = transport.serves(req, serve)
-        if verdict:
-            if not req.layout.total_len:  # nothing moves: the last transport returns the empty results
-                transport, serve = base.fallback().open(req, pg), stage
-            return transport, (transport.gather(req, serve) if gather else transport.scatter(req, serve))
-        if backend != "auto":
-            raise ValueError(f"backend: {backend!r} cannot serve this call ({req.input_name}): {verdict.reason}")
-        logger.debug("nsa_cp plan: transport %r declined %s: %s", provider.name, req.op, verdict.reason)
-    raise ValueError(f"backend: {backend!r} is not a registered transport ({', '.join(base.names())})")
-
-
 # --------------------------------------------------------------------------- plans
 class _Plan:
     """What gathers and reduce-scatters share: the plan checks of the request and the route's words."""

@@ -33,12 +33,11 @@ import torch
 
 from ...geometry.chunks import pieces, schedule
 from ...geometry.wire import FORMATS
-from ...rows.quant import quantize
 from ...rows.slot_sum import slot_sum
 from ...support import Support
 from .errors import FP_FORMAT_SHIFT, FP_OVERLAP, P2PError
 
-__all__ = ["PullPipeline", "MECHANISM", "fingerprint", "supports"]
+__all__ = ["PullRoute", "PullPipeline", "MECHANISM", "fingerprint", "supports"]
 
 MECHANISM = "P2P copy-engine pulls and pushes (an event per chunk; two 32-thread barrier blocks per call)"
 
@@ -53,50 +52,72 @@ def fingerprint(req) -> tuple:
     return zlib.crc32(text) & 0xFFFFFFFF, desc
 
 
+class PullRoute:
+    """What every call of one OverlapRequest on one transport shares, built once (``P2PRoutes.overlap``):
+    the buffer views (this rank's gather buffer 0 and every peer's, as mapped here; the reduce buffers),
+    the chunk schedule, every pull's rows, and the device count of this rank's rows (the FP8 stage's)."""
+
+    __slots__ = ("t", "req", "fp", "m", "n", "local", "peers", "reduce", "peer_reduce", "chunks", "pulls", "count")
+
+    def __init__(self, transport, req):
+        t, call = transport, req.call
+        layout = call.layout
+        size, r, m = layout.cp_size, t.rank, layout.max_rank_len
+        counts = layout.per_rank_actual_token
+        self.t, self.req, self.fp, self.m, self.n = t, req, fingerprint(req), m, counts[r]
+        b = t._buffers
+        if call.quant is not None:
+            fmt = FORMATS[call.quant]
+            self.local = b.quant_views(fmt, 0, size * m)
+            self.peers = [b.quant_views(fmt, 0, size * m, peer=q) for q in range(size)]
+            self.count = torch.tensor([self.n], dtype=torch.int32, device=t.device)
+        else:
+            self.local = (b.gathers[0][:size * m],)
+            self.peers = [(g[:size * m],) for g in b.peer_gather]
+            self.count = None
+        self.reduce, self.peer_reduce = b.reduce, b.peer_reduce
+        self.chunks = schedule(layout, r, req.chunk_rows)
+        # (step, first row, rows [lo, hi) of the source's slot): in the order the consumer takes them
+        self.pulls = [(k, a, (r - k) % size * m + a, (r - k) % size * m + b_) for k in range(1, size)
+                      for a, b_ in pieces(counts[(r - k) % size], req.chunk_rows)]
+
+    def start(self, x: torch.Tensor, streams) -> "PullPipeline":
+        return PullPipeline(self, x, streams)
+
+
 class PullPipeline:
     """One overlapped boundary on a ``P2PTransport``, started (the module docstring's steps 1-2 enqueued).
     The API's side (nsa_cp/planning/overlap.py): ``chunks``, ``rows(chunk)``, ``put(chunk, partial)``,
     ``finish(shared)``, ``abort()``, ``device``."""
 
-    def __init__(self, transport, req, x: torch.Tensor, streams, fp):
-        t, call = transport, req.call
-        layout = call.layout
-        size, r, m = layout.cp_size, t.rank, layout.max_rank_len
-        counts = layout.per_rank_actual_token
-        self.t, self.device, self.rank, self.m, self.n = t, t.device, r, m, counts[r]
+    def __init__(self, route: PullRoute, x: torch.Tensor, streams):
+        t, call = route.t, route.req.call
+        self.t, self.route, self.device, self.rank, self.m, self.n = t, route, t.device, t.rank, route.m, route.n
         self.row_shape, self.hidden = tuple(call.row_shape), t.hidden_size
-        self.out_row_shape, self.out_dtype, self.quant = req.out_row_shape, req.out_dtype, call.quant
-        self.chunks = schedule(layout, r, req.chunk_rows)
+        self.out_row_shape, self.out_dtype, self.quant = route.req.out_row_shape, route.req.out_dtype, call.quant
+        self.chunks, self.local, self.reduce, self.peer_reduce = route.chunks, route.local, route.reduce, route.peer_reduce
         self.cur = torch.cuda.current_stream(t.device)
         self.pull, self.push = streams
-        b = t._buffers
-        if call.quant is not None:
-            fmt = FORMATS[call.quant]
-            self.local = b.quant_views(fmt, 0, size * m)
-            peers = [b.quant_views(fmt, 0, size * m, peer=q) for q in range(size)]
-        else:
-            self.local = (b.gathers[0][:size * m],)
-            peers = [(g[:size * m],) for g in b.peer_gather]
-        self.reduce, self.peer_reduce = b.reduce, b.peer_reduce
-        n = self.n
+        r, m, n = self.rank, self.m, self.n
         if n:  # step 1: this rank's rows into its slot, where its peers pull them from
-            parts = quantize(x[:n], call.quant) if call.quant is not None else (x[:n].reshape(n, self.hidden),)
-            for dst, part in zip(self.local, parts):
-                dst[r * m:r * m + n].copy_(part)
+            if call.quant is not None:  # quantized straight into the slot (the serialized gather's kernel)
+                from ...rows.kernels.norm_rows import quant_into  # Triton, imported where it runs
+
+                quant_into(x, route.local[0][r * m:(r + 1) * m], route.local[1][r * m:(r + 1) * m], route.count,
+                           call.quant)
+            else:
+                route.local[0][r * m:r * m + n].copy_(x.reshape(n, self.hidden))
         ready = torch.cuda.Event()
         ready.record(self.cur)
         self.pull.wait_event(ready)
-        t._guard(t._state.pull_begin)(self.pull.cuda_stream, *fp)
+        t._guard(t._state.pull_begin)(self.pull.cuda_stream, *route.fp)
         self.events = {}
         with torch.cuda.stream(self.pull):  # step 2: every chunk's pull, in the order the consumer takes them
-            for k in range(1, size):
-                src = (r - k) % size
-                for a, b_ in pieces(counts[src], req.chunk_rows):
-                    lo, hi = src * m + a, src * m + b_
-                    for dst, part in zip(self.local, peers[src]):
-                        dst[lo:hi].copy_(part[lo:hi])
-                    self.events[k, a] = event = torch.cuda.Event()
-                    event.record(self.pull)
+            for k, a, lo, hi in route.pulls:
+                for dst, part in zip(self.local, route.peers[(r - k) % len(route.peers)]):
+                    dst[lo:hi].copy_(part[lo:hi])
+                self.events[k, a] = event = torch.cuda.Event()
+                event.record(self.pull)
         self.keep = []  # partials in flight on the push stream (their memory must outlive the copies)
         self.done = False
 

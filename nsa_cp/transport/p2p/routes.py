@@ -87,12 +87,12 @@ class P2PRoutes:
         """``(start, mechanism)``: ``start(x, timeout_ms)`` stages this rank's rows, enqueues the entry barrier
         and every chunk's pull, and returns the :class:`~nsa_cp.transport.p2p.pulls.PullPipeline` (the
         transport's own timeout governs its waits)."""
-        fp = pulls.fingerprint(req)
+        route = pulls.PullRoute(self, req)
 
         def start(x, timeout_ms):
             if self._broken is not None:
                 self.check_error()
-            return pulls.PullPipeline(self, req, x, self.side_streams(), fp)
+            return route.start(x, self.side_streams())
 
         return start, pulls.MECHANISM
 
