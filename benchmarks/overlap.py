@@ -7,7 +7,8 @@ Usage::
 
     python benchmarks/overlap.py                                  # 1x H200: cp 2 4 8, M 2048 4096 8192
     python benchmarks/overlap.py --M 8192 --cp 8 --rate-gbs 388 --csv overlap.csv
-    python benchmarks/overlap.py --mechanism ce --piece-mib 4      # copy-engine pulls alone, 4 MiB pieces
+    python benchmarks/overlap.py --mechanism ce --piece-mib 4      # copy-engine pulls alone, 4 MiB sleep-paced pieces
+    python benchmarks/overlap.py --cp 8 --M 8192 --mechanism all   # sm, ce and ceb side by side
     python benchmarks/overlap.py --smoke                          # tiny sizes on CPU tensors (no GPU needed)
 
 Shapes: counts [M, 0.8M, ...] over cp emulated ranks; this GPU plays rank 1 (0.8M rows, the rank that
@@ -21,14 +22,22 @@ copy alone runs at ``--rate-gbs`` (default 356 GB/s, the 2x H200 P2P push; one P
 a high-priority side stream. While a copy may run, the consumer's cuBLASLt GEMMs leave the copy's SMs free
 (torch's SM carveout, ``--carveout``), as a GEMM beside an SM-driven NVLink kernel must.
 
-The second mechanism (``--mechanism ce``; default both, side by side, their methods interleaved in one
-timing): copy-engine pulls. Each chunk moves as ``copy_`` of contiguous pieces (cudaMemcpyAsync D2D) on the
-side stream, one event per chunk, the consumer waiting for its chunk's event only, and no carveout (the copy
-takes no SMs). A copy engine on one GPU runs at HBM speed, so the link's rate is emulated by PACED PIECES
-(overlap_copy.py, ``calibrate_pieces``): pieces of 1-16 MiB, each after a 1-thread ``torch.cuda._sleep``
-kernel sized so the copy alone averages ``--rate-gbs``. Why this emulation holds: the copy engine's memory
-traffic is real (the same bytes through HBM as the link's copy would write on the receiver), the sleep kernel
-takes one thread of one SM and no memory traffic, and the copy's burstiness is bounded by one piece.
+The copy-engine mechanisms (``ce``, ``ceb``; default all three side by side, their methods interleaved in
+one timing): copy-engine pulls. Each chunk moves as ``copy_`` of contiguous pieces (cudaMemcpyAsync D2D) on
+the side stream, one event per chunk, the consumer waiting for its chunk's event only, and no carveout (the
+copy takes no SMs). A copy engine on one GPU runs at HBM speed, so the link's rate is emulated, two ways that
+err on opposite sides (overlap_copy.py):
+
+* ``ce``, PACED PIECES (``calibrate_pieces``): pieces of 1-16 MiB, each after a 1-thread ``torch.cuda._sleep``
+  kernel sized so the copy alone averages ``--rate-gbs``. The memory traffic is the real copy's; but each
+  sleep kernel needs a free SM slot, and beside a GEMM that fills every SM it waits for a wave to end, so
+  the pieces land later than a link's would: pessimistic on how much is hidden.
+* ``ceb``, BALLAST (``calibrate_ballast``): 16 MiB pieces, each followed by copy-engine copies between two
+  L2-resident 8 MiB scratch buffers, sized so the copy alone averages ``--rate-gbs``. No kernel at all, as a
+  pull over NVLink: nothing waits for an SM. The ballast's traffic stays in the L2 (some reaches HBM as the
+  consumer evicts it): at worst pessimistic on the consumer's slowdown.
+
+The real pull lies between the two: no SM wait, and only the piece's bytes in HBM.
 
 Methods, per shape, mechanism and direction:
 
@@ -47,7 +56,7 @@ carved`` is timed for sm alone (ce has no carveout: its ``carve`` is "-"). Repor
 consumer beside the copy / consumer alone - 1 (reduce-scatter: overlap / consumer - 1, an upper bound);
 ``carve`` = the same chunks carved with no copy / consumer alone - 1, the carveout's own share of the
 slowdown (the rest is the copy's contention for memory); ``s/copy`` = the consumer time lost per unit of
-copy time, cost_model.py's ``--slowdown`` (sm) or ``--slowdown-ce`` (ce). Goal: at least 80% hidden
+copy time, cost_model.py's ``--slowdown`` (sm) or ``--slowdown-ce`` (ce, ceb). Goal: at least 80% hidden
 behind a consumer at least as long as the copy, with the consumer at most 10% slower.
 
 Protocol (docs/performance.md): every method that moves rows is checked once on NaN-poisoned
@@ -85,7 +94,9 @@ class Method:  # what harness.time_methods times: a name and fn(ctx, buffer set)
     fn: Callable
 
 
-MECH_COLUMNS = ("copy_grid", "copy_block", "copy_warps", "carveout_sms", "piece_MiB", "sleep_cycles", "sleep_us")
+MECH_COLUMNS = ("copy_grid", "copy_block", "copy_warps", "carveout_sms", "piece_MiB", "sleep_cycles", "sleep_us",
+                "ballast_MiB")
+MECHANISMS = {"sm": ("sm",), "ce": ("ce",), "ceb": ("ceb",), "both": ("sm", "ce"), "all": ("sm", "ce", "ceb")}
 
 
 def emulated(mech: Mechanism, rate: float) -> str:
@@ -173,10 +184,12 @@ def parse_args(argv=None):
     p.add_argument("--M", type=int, nargs="+", help="per-rank max_rank_len (GPU: 2048 4096 8192; smoke: 16)")
     p.add_argument("--cp", type=int, nargs="+", help="emulated ranks (GPU: 2 4 8; smoke: 2 4)")
     p.add_argument("--rate-gbs", type=float, default=356.0, help="the emulated link's rate, GB/s one way")
-    p.add_argument("--mechanism", choices=("sm", "ce", "both"), default="both",
-                   help="the link's copy: sm (an SM-driven Triton copy), ce (copy-engine pieces), or both side by side")
-    p.add_argument("--piece-mib", type=float, help="ce: the copy-engine piece in MiB (default: the smallest of "
-                                                   "1 2 4 8 16 that keeps up, calibrated)")
+    p.add_argument("--mechanism", choices=tuple(MECHANISMS), default="all",
+                   help="the link's copy: sm (an SM-driven Triton copy), ce (copy-engine pieces paced by a sleep "
+                        "kernel), ceb (copy-engine pieces paced by L2-resident ballast copies), both (sm, ce) or all, "
+                        "side by side")
+    p.add_argument("--piece-mib", type=float, help="ce, ceb: the copy-engine piece in MiB (default, ce: the smallest of "
+                                                   "1 2 4 8 16 that keeps up, calibrated; ceb: 16)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--carveout", default="auto", help="SMs the consumer's GEMMs leave to the copy while it may run: "
@@ -196,13 +209,17 @@ def parse_args(argv=None):
     return args
 
 
-SLOWDOWN_FLAG = {"sm": "--slowdown", "ce": "--slowdown-ce"}  # cost_model.py's input for each mechanism
+SLOWDOWN_FLAG = {"sm": "--slowdown", "ce": "--slowdown-ce", "ceb": "--slowdown-ce"}  # cost_model.py's input
 
 
 def make_mechanism(name: str, dev: torch.device, args, log) -> Mechanism:
-    """The emulated link's copy for ``name``, calibrated to ``--rate-gbs``: sm with its carveout, ce with none."""
+    """The emulated link's copy for ``name``, calibrated to ``--rate-gbs``: sm with its carveout, ce and ceb with none."""
     import overlap_copy  # noqa: E402  (imports Triton: after main sets the interpreter for a smoke run)
 
+    if name == "ceb":
+        ce = overlap_copy.calibrate_ballast(dev, args.rate_gbs, log, args.piece_mib)
+        return Mechanism("ceb", ce, Carveout(None, 0), False,
+                         {"piece_MiB": ce.piece_mib, "ballast_MiB": ce.ballast_bytes / (1 << 20)})
     if name == "ce":
         ce = overlap_copy.calibrate_pieces(dev, args.rate_gbs, log, args.piece_mib)
         return Mechanism("ce", ce, Carveout(None, 0), False,
@@ -246,8 +263,7 @@ def main(argv=None):
 
     if smoke:
         log("smoke run: tiny shapes on CPU tensors through the same code path; its timings mean nothing")
-    mechs = [make_mechanism(name, dev, args, log) for name in (("sm", "ce") if args.mechanism == "both"
-                                                             else (args.mechanism,))]
+    mechs = [make_mechanism(name, dev, args, log) for name in MECHANISMS[args.mechanism]]
     lines_emulated = [emulated(m, args.rate_gbs) for m in mechs]
     for line in lines_emulated:
         log(line)
@@ -270,9 +286,12 @@ def main(argv=None):
         log(f"goal (>= {GOAL_HIDDEN:.0%} of the copy hidden, consumer <= {GOAL_SLOWDOWN:.0%} slower, where the "
             f"consumer is at least as long as the copy): {met} of "
             f"{sum(not r['goal'].startswith('n/a') for r in good)} rows ok")
-        worst = {m.name: max(r["s_per_copy"] for r in good if r["mech"] == m.name) for m in mechs}
-        flags = "".join(f" {SLOWDOWN_FLAG[m]} {max(0.0, s):.2f}" for m, s in worst.items())
-        flags += " --mechanism ce" if list(worst) == ["ce"] else ""
+        worst = {}  # each cost-model flag: the largest s/copy of the mechanisms it stands for
+        for r in good:
+            flag = SLOWDOWN_FLAG[r["mech"]]
+            worst[flag] = max(worst.get(flag, 0.0), r["s_per_copy"])
+        flags = "".join(f" {flag} {s:.2f}" for flag, s in worst.items())
+        flags += " --mechanism ce" if list(worst) == ["--slowdown-ce"] else ""
         log(f"for the projection: python benchmarks/cost_model.py{flags} --tflops "
             f"{max(r['consumer_tflops'] for r in good):.0f}   (each mechanism's largest s/copy; the consumer's rate "
             f"where it is compute-bound)")

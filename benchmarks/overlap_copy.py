@@ -242,3 +242,85 @@ def calibrate_pieces(device: torch.device, target_gbs: float, log: Callable[[str
         f"{ce.describe()} against a target of {target_gbs:.0f} GB/s ({off:.1%} off)"
         + ("" if off <= NEAR else f"  WARNING: more than {NEAR:.0%} off the target"))
     return ce
+
+
+# ============================================================================ copy-engine pieces with ballast
+BALLAST_MIB = 8  # the ballast's source and destination each: together well inside the L2 (50 MB on H100 / H200)
+
+
+@dataclasses.dataclass
+class BallastPieces:
+    """``copy(src, dst)``: src into dst on the current stream as copy-engine pieces of ``piece_bytes``, each
+    followed by ballast copies of ``ballast_bytes`` in all (cudaMemcpyAsync between two L2-resident scratch
+    buffers of BALLAST_MIB) that hold the stream's copy engine for the rest of the piece's time at the link's
+    rate. No kernel at all: nothing waits for an SM, as a copy-engine pull over NVLink does not; the ballast
+    stays in the L2, so the HBM sees about the real piece's bytes. On CPU tensors the same pieces, no ballast."""
+
+    piece_bytes: int
+    ballast_bytes: int = 0
+    scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    rate_gbs: float = float("nan")  # measured alone at calibration (bytes copied / s, the ballast not counted)
+
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        s, d = src.reshape(-1), dst.reshape(-1)
+        step = max(1, self.piece_bytes // s.element_size())
+        for a in range(0, s.numel(), step):
+            b = min(a + step, s.numel())
+            d[a:b].copy_(s[a:b])
+            if self.scratch is not None and s.is_cuda:
+                self._ballast(self.ballast_bytes * (b - a) // step)
+
+    def _ballast(self, nbytes: int) -> None:
+        bs, bd = self.scratch
+        while nbytes > 0:
+            k = min(nbytes, bs.numel())
+            bd[:k].copy_(bs[:k])
+            nbytes -= k
+
+    @property
+    def piece_mib(self) -> float:
+        return self.piece_bytes / (1 << 20)
+
+    def describe(self) -> str:
+        if self.rate_gbs != self.rate_gbs:
+            return f"copy-engine pieces of {self.piece_bytes >> 10} KiB (CPU tensors: no ballast, not paced)"
+        return (f"copy-engine pieces of {self.piece_mib:g} MiB, each followed by {self.ballast_bytes / (1 << 20):.1f} MiB of "
+                f"ballast copies inside the L2 ({BALLAST_MIB} MiB scratch), average {self.rate_gbs:.0f} GB/s measured "
+                f"alone")
+
+
+def calibrate_ballast(device: torch.device, target_gbs: float, log: Callable[[str], None],
+                      piece_mib: Optional[float] = None) -> BallastPieces:
+    """The copy-engine copy paced by ballast to ``target_gbs``: pieces of ``piece_mib`` (default 16 MiB: the
+    fewest launches), the ballast refined on the measured rate until the copy alone is within 2% of the target."""
+    piece = int((piece_mib or PIECE_MIB[-1]) * (1 << 20))
+    if device.type != "cuda":
+        return BallastPieces(SMOKE_PIECE_BYTES)
+    n = BALLAST_MIB << 20
+    ce = BallastPieces(piece, 0, (torch.randint(0, 256, (n,), dtype=torch.uint8, device=device),
+                                  torch.empty(n, dtype=torch.uint8, device=device)))
+    src, dst = _calibration_buffers(device)
+    rate, host_s = _timed(ce, src, dst)
+    if rate <= target_gbs:
+        log(f"copy-engine ballast: the pieces alone run at {rate:.0f} GB/s, below the target: no ballast")
+    # a piece's time is linear in its ballast, t(b) = t0 + b / rate_b: solve t(b) = piece / target (secant steps)
+    b0, t0 = 0, piece / (rate * 1e9)
+    b1 = piece
+    for _ in range(REFINE_STEPS):
+        if abs(rate - target_gbs) <= TIGHT * target_gbs or rate < target_gbs and ce.ballast_bytes == 0:
+            break
+        ce.ballast_bytes = b1
+        rate, host_s = _timed(ce, src, dst)
+        t1 = piece / (rate * 1e9)
+        if t1 <= t0:
+            b0, t0, b1 = b1, t1, b1 * 2
+            continue
+        b0, t0, b1 = b1, t1, max(0, round(b1 + (piece / (target_gbs * 1e9) - t1) * (b1 - b0) / (t1 - t0)))
+    ce.rate_gbs = rate
+    _check_and_free(src, dst, "copy-engine ballast pieces")
+    pieces = -(-(CALIBRATION_MIB << 20) // piece)
+    off = abs(rate - target_gbs) / target_gbs
+    log(f"copy-engine ballast: calibrated on {CALIBRATION_MIB} MiB: {ce.describe()} against a target of "
+        f"{target_gbs:.0f} GB/s ({off:.1%} off); host {host_s * 1e6 / pieces:.1f} us to enqueue a piece of "
+        f"{piece / target_gbs / 1e3:.1f} us" + ("" if off <= NEAR else f"  WARNING: more than {NEAR:.0%} off the target"))
+    return ce

@@ -89,7 +89,7 @@ class Mechanism:
     """How the emulated link moves rows: ``copy(src, dst)`` on the current stream, the consumer's carveout
     beside it, and the mechanism's own CSV columns."""
 
-    name: str  # "sm" (an SM-driven copy) or "ce" (copy-engine pieces)
+    name: str  # "sm" (an SM-driven copy), "ce" or "ceb" (copy-engine pieces: sleep- or ballast-paced)
     copy: Callable
     carve: Carveout
     takes_sms: bool  # the copy runs on SMs: the carved consumer alone is timed too

@@ -9,6 +9,7 @@
 #   bash scripts/gpu_test_line.sh            # after: python3 -m pip install --no-deps --no-build-isolation -e .
 #                                            # (and SGLang's wheels, for tests/integrations/sglang/: scripts/gpu_sglang.sh)
 #   CAP_S=480 LOGS=/tmp/logs bash scripts/gpu_test_line.sh
+#   REST_SPLIT=8 SHARDS="rest" bash scripts/gpu_test_line.sh   # "rest" as 8 concurrent processes (~150 s on 1x H200)
 #   SHARDS="p2p boundary overlap rest sglang faults" bash scripts/gpu_test_line.sh   # without SGLang carried (its CPU
 #       tests skip: CI runs them), then `source scripts/gpu_sglang.sh && SHARDS="example sglang_gpu seams" bash
 #       scripts/gpu_test_line.sh`, then `... SHARDS="runs engines" ...`: the line over three calls of under 10 minutes,
@@ -32,7 +33,7 @@ SHARD_runs="tests/bench/test_benchmarks_smoke.py"
 # the engines' shapes through nsa_cp on the GPU (with "runs" in one shard they outran a 480 s cap)
 SHARD_engines="tests/integrations/sglang/test_sglang_gpu.py tests/integrations/vllm/test_vllm_shapes.py"
 # SGLang's stack on the GPU at 2, 4 and 8 ranks sharing it (each world imports SGLang: 140 s alone on 1x H200)
-SHARD_sglang_gpu="tests/integrations/sglang/test_sglang_boundary_gpu.py"
+SHARD_sglang_gpu="tests/integrations/sglang/test_sglang_boundary_gpu.py tests/integrations/sglang/test_sglang_overlap_gpu.py"
 # SGLang's own code on CPU / gloo (they skip where SGLang is not installed: scripts/gpu_sglang.sh). With
 # SGLang carried, every rank process imports it: over 370 s on 1x H200's 16 cores beside the other shards
 # (2026-12-01), so give it a call of its own (SHARDS="sglang")
@@ -56,13 +57,32 @@ for shard in $SHARDS; do
 done
 want() { [[ " $SHARDS " == *" $1 "* ]]; }
 
+# REST_SPLIT=N: "rest" as N concurrent pytest processes (its files dealt round-robin), logs tests_rest.N.log
+REST_SPLIT=${REST_SPLIT:-1}
+parts=()
+if [ "$REST_SPLIT" -gt 1 ]; then
+  dealt=()
+  i=0
+  for f in $SHARD_rest; do
+    dealt[i % REST_SPLIT]+=" $f"; i=$(( i + 1 ))
+  done
+  for (( k = 0; k < REST_SPLIT; k++ )); do
+    [ -n "${dealt[k]:-}" ] || continue
+    printf -v "SHARD_rest_$k" '%s' "${dealt[k]}"
+    parts+=("rest_$k")
+  done
+fi
 pids=()
 for shard in p2p example runs engines sglang_gpu sglang boundary seams overlap rest; do
   want "$shard" || continue
-  var="SHARD_$shard"
-  # shellcheck disable=SC2086
-  timeout -s INT -k 20 "$CAP_S" python3 -m pytest ${!var} -q -rfs -p no:cacheprovider >"$LOGS/tests_$shard.log" 2>&1 &
-  pids+=("$!:$shard")
+  runs=("$shard")
+  [ "$shard" = rest ] && [ "${#parts[@]}" -gt 0 ] && runs=("${parts[@]}")
+  for part in "${runs[@]}"; do
+    var="SHARD_$part"
+    # shellcheck disable=SC2086
+    timeout -s INT -k 20 "$CAP_S" python3 -m pytest ${!var} -q -rfs -p no:cacheprovider >"$LOGS/tests_$part.log" 2>&1 &
+    pids+=("$!:$part")
+  done
 done
 status=0
 for entry in "${pids[@]}"; do
@@ -74,8 +94,12 @@ if want faults; then
 fi
 
 total=""
+reported=""
 for shard in $ALL; do
   want "$shard" || continue
+  if [ "$shard" = rest ] && [ "${#parts[@]}" -gt 0 ]; then reported+=" ${parts[*]}"; else reported+=" $shard"; fi
+done
+for shard in $reported; do
   line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|(passed|failed|skipped|error).* in [0-9.]+s' "$LOGS/tests_$shard.log" | tail -1)
   cut=""
   if grep -q "KeyboardInterrupt" "$LOGS/tests_$shard.log"; then  # timeout -s INT: counts so far, not the shard
