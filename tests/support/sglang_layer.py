@@ -41,6 +41,28 @@ MOE_INTERMEDIATE = 24
 EXPERTS = 8
 
 
+# SGLang's modules the layers and the overlap import beyond sglang_env's: the model, the native MoE it runs
+MODEL_MODULES = ("sglang.srt.models.deepseek_v2", "sglang.srt.layers.moe.fused_moe_native",
+                 "sglang.srt.layers.moe.mega_moe")
+
+
+def import_model() -> None:
+    """Import :data:`MODEL_MODULES` the way ``sglang_env.prepare_process`` imports SGLang's CP modules: on a
+    GPU machine without ``sgl_kernel``, with ``torch.cuda.is_available()`` reading False during the import
+    (SGLang's cached ``is_cuda()`` is False already), so no module imports a CUDA-only kernel and SGLang's op
+    dispatch picks each op's ``forward_native`` (the MoE: ``moe_forward_native``); elsewhere a plain import.
+    Call it before anything else imports them (every rank process that runs the layers on a GPU)."""
+    import importlib
+    import importlib.util
+    from unittest import mock
+
+    sglang_env.prepare_process()
+    hide = torch.cuda.is_available() and importlib.util.find_spec("sgl_kernel") is None
+    with mock.patch.object(torch.cuda, "is_available", return_value=False) if hide else contextlib.nullcontext():
+        for name in MODEL_MODULES:
+            importlib.import_module(name)
+
+
 def config():
     """A DeepSeek-V3-like MoE config, every layer sparse (first_k_dense_replace 0)."""
     return NS(hidden_size=H, moe_intermediate_size=MOE_INTERMEDIATE, n_routed_experts=EXPERTS, num_experts_per_tok=2,
@@ -82,8 +104,9 @@ def _seeded(module, seed: int, scale: float, names=None):
                 p.copy_(scale * torch.randn(p.shape, generator=g))
 
 
-def build_moe(rank, layer_id, dtype, seed, shared_tp1: bool):
-    """SGLang's DeepseekV2MoE for this rank: replicated parts seeded alike on every rank, sharded parts per rank."""
+def build_moe(rank, layer_id, dtype, seed, shared_tp1: bool, device="cpu"):
+    """SGLang's DeepseekV2MoE for this rank: replicated parts seeded alike on every rank, sharded parts per rank.
+    Built and seeded on the CPU (the same weights whatever ``device``), then moved to ``device``."""
     from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
 
     old = os.environ.get("SGLANG_SHARED_EXPERT_TP1")
@@ -101,11 +124,12 @@ def build_moe(rank, layer_id, dtype, seed, shared_tp1: bool):
     _seeded(moe, seed * 100 + layer_id + (50 if shared_tp1 else 11 * (rank + 1)), 0.3, ("shared_experts.",))
     moe = moe.to(dtype)
     moe.gate.e_score_correction_bias.data = moe.gate.e_score_correction_bias.data.float()
-    return moe
+    return moe if torch.device(device).type == "cpu" else moe.to(device)
 
 
-def build_layer(rank, layer_id, dtype, seed, shared_tp1: bool):
-    """SGLang's DeepseekV2DecoderLayer (module docstring) with SGLang's MoE and a stand-in attention."""
+def build_layer(rank, layer_id, dtype, seed, shared_tp1: bool, device="cpu"):
+    """SGLang's DeepseekV2DecoderLayer (module docstring) with SGLang's MoE and a stand-in attention, its
+    weights on ``device``."""
     from sglang.srt.models.deepseek_v2 import DeepseekV2DecoderLayer
 
     cfg = config()
@@ -114,9 +138,9 @@ def build_layer(rank, layer_id, dtype, seed, shared_tp1: bool):
     layer.hidden_size, layer.config, layer.layer_id, layer.is_nextn = H, cfg, layer_id, False
     layer.self_attn = StandInAttention(sglang_stack._row_fn(seed + 101 + layer_id))
     layer.is_layer_sparse = True
-    layer.mlp = build_moe(rank, layer_id, dtype, seed, shared_tp1)
-    layer.input_layernorm = sglang_stack._norm(seed + 10 * layer_id + 1, dtype)
-    layer.post_attention_layernorm = sglang_stack._norm(seed + 10 * layer_id + 2, dtype)
+    layer.mlp = build_moe(rank, layer_id, dtype, seed, shared_tp1, device)
+    layer.input_layernorm = sglang_stack._norm(seed + 10 * layer_id + 1, dtype).to(device)
+    layer.post_attention_layernorm = sglang_stack._norm(seed + 10 * layer_id + 2, dtype).to(device)
     layer._gfx95_quant_format = ""
     layer.attn_boundary, layer.ffn_boundary = layer._build_stages(
         input_layernorm=layer.input_layernorm, post_attention_layernorm=layer.post_attention_layernorm,
@@ -124,8 +148,9 @@ def build_layer(rank, layer_id, dtype, seed, shared_tp1: bool):
     return layer
 
 
-def run_layers(rank, world, *, seq_lens, strategy, dtype, layers=2, seed=0, shared_tp1=False) -> dict:
+def run_layers(rank, world, *, seq_lens, strategy, dtype, layers=2, seed=0, shared_tp1=False, device="cpu") -> dict:
     """Build the layers (now: their stages bind the ``_cp_moves`` in place) and run one prefill-CP extend.
+    ``device``: where the weights and rows live ("cpu", or a CUDA device for ranks sharing a GPU over gloo).
 
     Returns ``hidden`` (the final norm's output) and ``residual``, both [physical, H]; ``n_real``,
     ``physical``, ``logical`` (every rank's real count) and ``moe_rows`` (the row count of every call of
@@ -139,8 +164,8 @@ def run_layers(rank, world, *, seq_lens, strategy, dtype, layers=2, seed=0, shar
         md, logical = sglang_env.build_metadata(seq_lens, world, strategy)
         physical, real = md.per_rank_actual_token[0], logical[rank]
         with layer_stack():
-            stack = [build_layer(rank, i, dtype, seed, shared_tp1) for i in range(layers)]
-        final = sglang_stack._norm(seed + 3, dtype)
+            stack = [build_layer(rank, i, dtype, seed, shared_tp1, device) for i in range(layers)]
+        final = sglang_stack._norm(seed + 3, dtype).to(device)
         moe_rows = []
         normal = DeepseekV2MoE.forward_normal
 
@@ -149,8 +174,8 @@ def run_layers(rank, world, *, seq_lens, strategy, dtype, layers=2, seed=0, shar
             return normal(self, hidden_states, *args, **kwargs)
 
         fb = sglang_stack.forward_batch(seq_lens, md)
-        hidden = sglang_stack._inputs(rank, physical, real, dtype, seed)
-        positions = torch.arange(physical)
+        hidden = sglang_stack._inputs(rank, physical, real, dtype, seed).to(device)
+        positions = torch.arange(physical, device=device)
         residual_batch.start(fb)
         DeepseekV2MoE.forward_normal = counted
         try:
@@ -165,15 +190,16 @@ def run_layers(rank, world, *, seq_lens, strategy, dtype, layers=2, seed=0, shar
                 "moe_rows": moe_rows}
 
 
-def row_independent(rank, world, *, dtype, shared_tp1, logical, physical, compact, chunks, seed=0) -> bool:
+def row_independent(rank, world, *, dtype, shared_tp1, logical, physical, compact, chunks, seed=0,
+                    device="cpu") -> bool:
     """Whether SGLang's MoE (this rank's, as :func:`build_moe` makes it) gives every real row the same bits
     on the serialized boundary's input (every rank's ``logical`` rows, rank-major, each rank padded with zero
     rows to ``physical``, or with ``compact`` not) as on the ``chunks`` (row counts in that order) the
-    overlapped boundary hands it, on random rows."""
+    overlapped boundary hands it, on random rows (on ``device``: the bits are the device's kernels')."""
     sglang_stack.ensure_parallel(rank, world)
     with moe_runtime("zigzag"), torch.no_grad():
-        moe = build_moe(rank, 0, dtype, seed, shared_tp1)
-        x = torch.randn(sum(logical), H, generator=torch.Generator().manual_seed(seed + 9)).to(dtype)
+        moe = build_moe(rank, 0, dtype, seed, shared_tp1, device)
+        x = torch.randn(sum(logical), H, generator=torch.Generator().manual_seed(seed + 9)).to(dtype).to(device)
         if compact:
             whole = moe(x.clone(), None)
         else:
