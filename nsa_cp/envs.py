@@ -199,6 +199,12 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "chunk, the schedule benchmarks/overlap.py measured; smaller chunks cost a MoE launch each and "
         "are not measured). Must be the same on every rank (the call's fingerprint checks it)",
     ),
+    "NSA_CP_SGLANG_OVERLAP_MIN_ROWS": (
+        _int("NSA_CP_SGLANG_OVERLAP_MIN_ROWS", 4096),
+        "with NSA_CP_SGLANG_OVERLAP=1: a batch whose largest rank holds fewer rows (max_rank_len) keeps the "
+        "serialized boundary, where a MoE call per rank's rows costs more than the overlap hides (measured "
+        "at 2048 rows per rank, docs/performance.md); 0 overlaps every batch",
+    ),
     "NSA_CP_VLLM": (
         _flag("NSA_CP_VLLM", True),
         "vLLM plugin (entry point nsa_cp, group vllm.general_plugins): 1 routes the prefill-CP MoE gather "

@@ -26,8 +26,9 @@ output into its input, and the rows may still be on their way to a peer). Everyt
 whole call (mega-MoE, the dual-stream paths, an A2A backend, ``moe_output_buffer_ctx``, CUDA graph capture,
 the AMX CPU path, hash or vision routing) is a :func:`layer_reason`: serialized, said in ``status()``.
 
-Rank agreement: every input to the decision (SGLang's configuration, the batch's CP metadata) is the same
-on every rank; ``chunk_rows`` (NSA_CP_SGLANG_OVERLAP_CHUNK_ROWS) is in the boundary's call fingerprint.
+Rank agreement: every input to the decision (SGLang's configuration, the batch's CP metadata, the
+NSA_CP_SGLANG_OVERLAP_MIN_ROWS threshold on its max_rank_len) is the same on every rank; ``chunk_rows``
+(NSA_CP_SGLANG_OVERLAP_CHUNK_ROWS) is in the boundary's call fingerprint.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def current() -> Optional[LayerCall]:
     return _CALL.get()
 
 
-def reset() -> None:
-    STATE.reset()  # a fresh state, in place (tests)
+def reset() -> None:  # a fresh state, in place (tests)
+    STATE.reset()
 
 
 def decline(problem: str) -> None:
@@ -141,15 +142,13 @@ def _sglang():
 
 def _deepseek_v2():
     from sglang.srt.models import deepseek_v2
-
     return deepseek_v2
 
 
 def _capturing() -> bool:
     """SGLang's capture mode (the helper DeepseekV2MoE.forward reads), or a stream capturing a CUDA graph."""
-    if _deepseek_v2().get_is_capture_mode():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return bool(_deepseek_v2().get_is_capture_mode()) or (torch.cuda.is_available()
+                                                          and torch.cuda.is_current_stream_capturing())
 
 
 def _amx(mlp) -> bool:
@@ -186,6 +185,8 @@ def layer_reason(layer, forward_batch, hidden_states) -> Optional[str]:
         return f"metadata nsa_cp cannot read ({e})"
     if layout.total_len == 0:
         return "an empty batch"
+    if layout.max_rank_len < envs.NSA_CP_SGLANG_OVERLAP_MIN_ROWS:  # the layout's: the same on every rank
+        return f"fewer rows per rank than NSA_CP_SGLANG_OVERLAP_MIN_ROWS ({envs.NSA_CP_SGLANG_OVERLAP_MIN_ROWS})"
     whole = hidden_states.new_empty((1, 1)).expand(layout.padded_len, getattr(layer, "hidden_size", 1))
     if should_use_mega_moe(mlp, whole):
         return "mega-MoE (one fused kernel for the whole call)"
@@ -296,10 +297,8 @@ def _run(original: Callable, mlp, p: Pending, forward_batch) -> torch.Tensor:
     if replicated:
         shared = mlp._forward_shared_experts(p.x, None) if p.x.shape[0] else None
         shared = shared if shared is not None else p.x.new_zeros(p.x.shape)
-    inplace = mlp.experts.moe_runner_config.inplace
-    gate = mlp.gate
+    inplace, gate, whole = mlp.experts.moe_runner_config.inplace, mlp.gate, p.token.shape[0]
     tiny = getattr(gate, "tiny_router_gemm_max_tokens", None)
-    whole = p.token.shape[0]
 
     def consumer(rows, chunk):
         rows = rows.clone() if inplace else rows  # SGLang's in-place MoE writes its output into its input

@@ -55,7 +55,7 @@ SPLITS = {2: {"uneven": [37, 64, 21], "zero-token-rank": [1], "even": [8]},
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _run(rank, world, kw, *, plugin: bool, overlap: bool, compact: bool, chunk_rows=None):
+def _run(rank, world, kw, *, plugin: bool, overlap: bool, compact: bool, chunk_rows=None, min_rows=0):
     import nsa_cp.integrations.sglang as nsa_sglang
     import sglang_layer
     from nsa_cp.integrations.sglang import overlap as ov
@@ -63,7 +63,8 @@ def _run(rank, world, kw, *, plugin: bool, overlap: bool, compact: bool, chunk_r
 
     if not plugin:
         return sglang_layer.run_layers(rank, world, **kw), None
-    env = {"NSA_CP_SGLANG_COMPACT": "1" if compact else "0", "NSA_CP_SGLANG_OVERLAP": "1" if overlap else "0"}
+    env = {"NSA_CP_SGLANG_COMPACT": "1" if compact else "0", "NSA_CP_SGLANG_OVERLAP": "1" if overlap else "0",
+           "NSA_CP_SGLANG_OVERLAP_MIN_ROWS": str(min_rows)}  # 0: these small batches overlap too
     if chunk_rows:
         env["NSA_CP_SGLANG_OVERLAP_CHUNK_ROWS"] = str(chunk_rows)
     with mock.patch.dict(os.environ, env):
@@ -220,7 +221,8 @@ def _check_configurations(rank, world):
         x = torch.zeros(md.per_rank_actual_token[0], sglang_layer.H, dtype=torch.bfloat16)
         mlp = layer.mlp
         # with SGLang's moves bound (no plugin), the exit's move is SGLang's reduce-scatter
-        assert "not nsa_cp's" in ov.layer_reason(layer, fb, x)
+        with mock.patch.dict(os.environ, {"NSA_CP_SGLANG_OVERLAP_MIN_ROWS": "0"}):
+            assert "not nsa_cp's" in ov.layer_reason(layer, fb, x)
         v2 = "sglang.srt.models.deepseek_v2"
         cases = {
             "A2A": mock.patch.object(mlp, "_enable_a2a_moe", True),
@@ -234,11 +236,40 @@ def _check_configurations(rank, world):
             "graph_num_tokens": mock.patch.object(md, "graph_num_tokens", 8, create=True),
             "not a MoE layer": mock.patch.object(layer, "mlp", torch.nn.Identity()),
         }
-        for what, patch in cases.items():
-            with patch:
+        with mock.patch.dict(os.environ, {"NSA_CP_SGLANG_OVERLAP_MIN_ROWS": "0"}):
+            for what, patch in cases.items():
+                with patch:
+                    reason = ov.layer_reason(layer, fb, x)
+                assert reason and "MIN_ROWS" not in reason, f"{what}: the overlap would serve it ({reason!r})"
+        # the threshold: a batch whose max_rank_len is under it stays serialized, one at it is not held back
+        from nsa_cp.integrations.sglang.metadata import layout_from_cp_metadata
+
+        m = layout_from_cp_metadata(md).max_rank_len
+        for min_rows, held in ((m + 1, True), (m, False)):
+            with mock.patch.dict(os.environ, {"NSA_CP_SGLANG_OVERLAP_MIN_ROWS": str(min_rows)}):
                 reason = ov.layer_reason(layer, fb, x)
-            assert reason, f"{what}: the overlap would serve it"
+            assert ("NSA_CP_SGLANG_OVERLAP_MIN_ROWS" in reason) == held, (min_rows, m, reason)
         assert ov.layer_reason(layer, sglang_stack.forward_batch(lens, None), x) == ""  # not a CP batch: silent
+
+
+def _check_min_rows(rank, world):
+    """NSA_CP_SGLANG_OVERLAP_MIN_ROWS above the batch's rows per rank: the overlap on, yet both layers keep
+    the serialized boundary (counted by reason), and the forward is the serialized plugin's bit for bit."""
+    kw = dict(seq_lens=SPLITS[world]["uneven"], strategy="zigzag", dtype=torch.bfloat16, layers=2)
+    ser, _ = _run(rank, world, kw, plugin=True, overlap=False, compact=False)
+    held, status = _run(rank, world, kw, plugin=True, overlap=True, compact=False, min_rows=1 << 20)
+    overlap = status["overlap"]
+    assert overlap["declined"] is None and overlap["layers"] == 0, overlap
+    assert [v for k, v in overlap["serialized"].items() if "NSA_CP_SGLANG_OVERLAP_MIN_ROWS" in k] == [2], overlap
+    assert held["moe_rows"] == ser["moe_rows"], (held["moe_rows"], ser["moe_rows"])
+    n = ser["n_real"]
+    for key in ("hidden", "residual"):
+        _same(held[key][:n], ser[key][:n], f"{key}: held back by the threshold vs serialized plugin")
+
+
+def test_min_rows_keeps_small_batches_serialized():
+    errors = case_failures(_drift_world(), "min-rows")
+    assert not errors, "\n".join(errors)
 
 
 def _drift_worker(rank, world, payload):
@@ -250,6 +281,8 @@ def _drift_worker(rank, world, payload):
         try:
             if key == "configurations":
                 _check_configurations(rank, world)
+            elif key == "min-rows":
+                _check_min_rows(rank, world)
             else:
                 _check_drift(rank, world, key)
             results[key] = None
@@ -258,7 +291,7 @@ def _drift_worker(rank, world, payload):
     return results
 
 
-DRIFT_CASES = ("signature", "renamed", "configurations")
+DRIFT_CASES = ("signature", "renamed", "configurations", "min-rows")
 _DRIFT = {}
 
 

@@ -147,7 +147,8 @@ def _run(rank, world, kw, *, plugin, overlap, compact, chunk_rows=None, backend=
 
     if not plugin:
         return sglang_layer.run_layers(rank, world, **kw), None, []
-    env = {"NSA_CP_SGLANG_COMPACT": "1" if compact else "0", "NSA_CP_SGLANG_OVERLAP": "1" if overlap else "0"}
+    env = {"NSA_CP_SGLANG_COMPACT": "1" if compact else "0", "NSA_CP_SGLANG_OVERLAP": "1" if overlap else "0",
+           "NSA_CP_SGLANG_OVERLAP_MIN_ROWS": "0"}  # these small batches overlap too
     if chunk_rows:
         env["NSA_CP_SGLANG_OVERLAP_CHUNK_ROWS"] = str(chunk_rows)
     if backend:
