@@ -34,7 +34,7 @@ and the table helpers and CSV / JSON writers.
 
 A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these;
 a larger one keeps the rest in parts of its own (``<script>_<part>.py``, imported by that script alone).
-The layout: docs/performance.md, "Method".
+The layout: docs/performance.md, "Reproducing".
 
 This module is a helper, not a script (it has no ``__main__``): tests/bench/test_benchmarks_smoke.py runs
 every benchmark script at a tiny size, and skips this helper and the scripts' parts by that rule.
