@@ -14,7 +14,7 @@ Per configuration (a list of per-rank counts): every method checked once on NaN-
 the expected outputs each rank builds from seeded inputs (gathers exactly, reduce-scatters against the
 float32 sum), then timed interleaved over rounds (``harness.time_methods``); bandwidth in the nccl-tests
 convention (``metrics``). The methods (``METHODS``, one line each; ``--methods`` selects by name or glob),
-the protocol, the metrics and the outputs: docs/performance.md, "Benchmark protocol".
+the protocol, the metrics and the outputs: docs/performance.md, "Method".
 
 This file declares what is measured: the buffers and seeded inputs, the methods, their expected outputs
 and the bandwidth rule (``metrics``). Its parts, imported by it alone: ``gather_scatter_check.py`` (the

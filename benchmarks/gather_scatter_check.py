@@ -1,5 +1,5 @@
 """gather_scatter.py's correctness check: every method once on NaN-poisoned outputs against the expected
-outputs the benchmark declares (docs/performance.md, "Benchmark protocol"). A part of gather_scatter.py
+outputs the benchmark declares (docs/performance.md, "Method"). A part of gather_scatter.py
 (no other benchmark imports it).
 """
 

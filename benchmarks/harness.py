@@ -22,7 +22,7 @@ and the table helpers and CSV / JSON writers.
 * ``MoeStandIn`` (``MoeShape``, ``MOE_DEEPSEEK_V3``, ``MOE_SMOKE``): a DeepSeek-V3-shaped MoE stand-in, the
   consumer of overlap.py and overlapped_boundary.py.
 * ``time_methods`` (``time_round``, ``aligner``): the timing protocol of docs/performance.md's
-  "Benchmark protocol": warm-up, rounds of interleaved methods in a per-round order, CUDA events after
+  "Method": warm-up, rounds of interleaved methods in a per-round order, CUDA events after
   an untimed aligner, the host enqueuing ahead, median over rounds, MAX over ranks.
 * ``run_rank``: the per-rank loop over configurations (layout, context, rows, rank 0's result file);
   ``by_config`` / ``skipped_lines`` / ``config_sections`` / ``header_line`` / ``markdown_row`` /
@@ -34,7 +34,7 @@ and the table helpers and CSV / JSON writers.
 
 A benchmark script declares its methods, their expected outputs and its bandwidth rule, and calls these;
 a larger one keeps the rest in parts of its own (``<script>_<part>.py``, imported by that script alone).
-The layout: docs/performance.md, "Benchmark protocol".
+The layout: docs/performance.md, "Reproducing".
 
 This module is a helper, not a script (it has no ``__main__``): tests/bench/test_benchmarks_smoke.py runs
 every benchmark script at a tiny size, and skips this helper and the scripts' parts by that rule.

@@ -53,7 +53,7 @@ else ``nsa_cp.RMSNorm``; the output says which (``--norm`` forces one). Rows who
 (the fused functions, a ``backend=`` argument to force NCCL under a registered P2P transport, the P2P
 transport itself) are skipped, saying why.
 
-Protocol: benchmarks/harness.py's, as for gather_scatter.py (docs/performance.md, "Benchmark protocol"):
+Protocol: benchmarks/harness.py's, as for gather_scatter.py (docs/performance.md, "Method"):
 one process per GPU, NCCL; gloo ranks on the CPU as a smoke test. Per configuration (counts
 ``[M, round(0.8 M)]`` by default):
 
