@@ -4,8 +4,9 @@
     pip wheel . --no-deps -w dist                        # wheel with nsa_cp/_C*.so (platform tag)
 
 An editable install reuses the in-tree _C while csrc/, CMakeLists.txt and the build flags are unchanged
-(a stamp beside it, _C.build-stamp, records them); a pure build removes an in-tree _C (and its stamp),
-which an editable install would otherwise still import.
+(a stamp beside it, _C.build-stamp, records them); a pure editable install (or `setup.py develop`)
+removes an in-tree _C (and its stamp), which it would otherwise still import. A pure `pip wheel .` or
+`pip install .` leaves the tree alone: an editable install of the same checkout keeps its _C.
 
 Environment (documented with the others in nsa_cp/envs.py):
     NSA_CP_BUILD_CUDA   auto (default): build _C when nvcc is found; 1: must build (error without
@@ -17,8 +18,12 @@ Environment (documented with the others in nsa_cp/envs.py):
     CMAKE_ARGS          extra CMake arguments, e.g. "-DNSA_CP_PTXAS_VERBOSE=ON".
 
 The version is nsa_cp/__init__.py's __version__ (read as text: the package is not imported) plus a
-local tag naming the CUDA major when _C is built, e.g. 0.2.0+cu13; the installed package's
-nsa_cp.__version__ reports that full version (read back from the distribution's metadata).
+local tag naming the CUDA major and the GPU archs when _C is built, e.g. 0.2.0+cu13.sm90a.sm100a, so a
+wheel's file name says which GPUs it has machine code for; the installed package's nsa_cp.__version__
+reports that full version (read back from the distribution's metadata).
+
+setuptools >= 77 (pyproject.toml's SPDX `license` string): isolated builds get it from
+[build-system]; a build without isolation checks the environment's and says what to do.
 
 The helpers below are plain functions so tests can import this file (importlib) without building.
 """
@@ -38,6 +43,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parent
 PACKAGE = "nsa_cp"
 MIN_CMAKE = (3, 24)
+MIN_SETUPTOOLS = (77, 0)  # reads pyproject.toml's SPDX `license` string (older: a schema error)
 DEFAULT_ARCHS = ("90a",)
 OPTIONAL_ARCHS = ("100a",)  # added by default when nvcc supports them
 _ARCH_RE = re.compile(r"^(\d+)([af]?)$")
@@ -59,12 +65,26 @@ def read_base_version(root: Path = ROOT) -> str:
     return match.group(1)
 
 
-def full_version(base: str, cuda_major: Optional[int]) -> str:
-    """'0.1.0' for a pure build, '0.1.0+cu13' when _C is built with CUDA 13.x."""
+def full_version(base: str, cuda_major: Optional[int], archs: Sequence[str] = ()) -> str:
+    """'0.1.0' for a pure build; '0.1.0+cu13.sm90a.sm100a' when _C is built with CUDA 13.x for archs
+    ['90a', '100a'] (PEP 440 local segments, so the wheel's file name carries them); without archs
+    '0.1.0+cu13'."""
     if cuda_major is None:
         return base
-    tag = f"cu{cuda_major}"
+    tag = ".".join([f"cu{cuda_major}", *(f"sm{arch}" for arch in archs)])
     return f"{base}.{tag}" if "+" in base else f"{base}+{tag}"
+
+
+def check_setuptools(version: str) -> None:
+    """BuildConfigError when ``version`` (setuptools.__version__) is below MIN_SETUPTOOLS."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and (int(match.group(1)), int(match.group(2))) < MIN_SETUPTOOLS:
+        raise BuildConfigError(
+            f"setuptools {version} is too old: nsa_cp's pyproject.toml gives its license as an SPDX string, which "
+            f"setuptools reads from {MIN_SETUPTOOLS[0]} on. Upgrade it in this environment (python -m pip install "
+            f"'setuptools>={MIN_SETUPTOOLS[0]}'), or build with isolation (no --no-build-isolation), which takes it "
+            "from pyproject.toml's [build-system]"
+        )
 
 
 # ---- nvcc ----------------------------------------------------------------------------------------
@@ -257,8 +277,10 @@ def reusable_build(module: Path, digest: str) -> bool:
 def remove_in_tree_native(root: Path = ROOT) -> List[Path]:
     """Delete an earlier build's nsa_cp/_C*.so (and its stamp) from the source tree; the paths removed.
 
-    An editable install imports the package from the tree, so a pure build that left the module there
-    would still load it: kernels of older sources, in an install whose version says it has none.
+    An editable install imports the package from the tree, so a pure editable install that left the module
+    there would still load it: kernels of older sources, in an install whose version says it has none.
+    Only the in-tree installs call it (``_make_pure_cmdclass``): a pure wheel built in the same checkout
+    must not take _C from an editable install of it.
     """
     removed = []
     for path in sorted((root / PACKAGE).glob("_C*.so")) + [root / PACKAGE / STAMP_NAME]:
@@ -289,7 +311,8 @@ class BuildPlan:
         if self.build_cuda:
             self.cuda_version = nvcc_version(self.nvcc)
             self.archs = resolve_archs(env, nvcc_gpu_archs(self.nvcc))
-        self.version = full_version(self.base_version, self.cuda_version[0] if self.cuda_version else None)
+        self.version = full_version(self.base_version, self.cuda_version[0] if self.cuda_version else None,
+                                    self.archs)
 
     def summary(self) -> str:
         lines = ["nsa_cp build summary", f"  version : {self.version}"]
@@ -403,6 +426,28 @@ def _make_distclass(plan: BuildPlan):
     return VersionedDistribution
 
 
+def _make_pure_cmdclass():
+    """The in-tree install commands of a pure build (``editable_wheel``: ``pip install -e .``; ``develop``),
+    which first remove an earlier build's in-tree _C. Other commands (``bdist_wheel``, ``dist_info``,
+    ``--version``) leave the tree as it is."""
+    from setuptools.command.develop import develop
+    from setuptools.command.editable_wheel import editable_wheel
+
+    def removing(base):
+        class RemovesInTreeNative(base):
+            def run(self) -> None:
+                removed = remove_in_tree_native()
+                if removed:
+                    _log(f"nsa_cp: removed {', '.join(str(p.relative_to(ROOT)) for p in removed)}: an earlier "
+                         "build's nsa_cp._C, which this editable install would still import (this build is pure)")
+                super().run()
+
+        RemovesInTreeNative.__name__ = f"Pure{base.__name__}"
+        return RemovesInTreeNative
+
+    return {"editable_wheel": removing(editable_wheel), "develop": removing(develop)}
+
+
 def setup_kwargs(plan: BuildPlan) -> Dict[str, object]:
     """Arguments for setuptools.setup(): the rest of the metadata is in pyproject.toml."""
     kwargs: Dict[str, object] = {"version": plan.version, "distclass": _make_distclass(plan)}
@@ -412,23 +457,22 @@ def setup_kwargs(plan: BuildPlan) -> Dict[str, object]:
         # No sources: CMake builds it. Its presence also makes the wheel platform-specific.
         kwargs["ext_modules"] = [Extension(f"{PACKAGE}._C", sources=[])]
         kwargs["cmdclass"] = _make_cmdclass(plan)
+    else:
+        kwargs["cmdclass"] = _make_pure_cmdclass()
     return kwargs
 
 
 def main() -> None:
-    from setuptools import setup
+    import setuptools
 
     try:
+        check_setuptools(setuptools.__version__)
         plan = BuildPlan()
     except BuildConfigError as err:
         _log(f"nsa_cp build error: {err}")
         raise SystemExit(1) from None
     _log(plan.summary())
-    removed = [] if plan.build_cuda else remove_in_tree_native()
-    if removed:
-        _log(f"nsa_cp: removed {', '.join(str(p.relative_to(ROOT)) for p in removed)}: an earlier build's "
-             "nsa_cp._C, which an editable install would still import (this build is pure)")
-    setup(**setup_kwargs(plan))
+    setuptools.setup(**setup_kwargs(plan))
 
 
 if __name__ == "__main__":

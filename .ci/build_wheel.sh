@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the nsa_cp wheel with nsa_cp._C on this GPU-less machine and checks it:
-#   * the wheel is platform-tagged and versioned +cuXX, and holds nsa_cp/_C*.so;
+#   * the wheel is platform-tagged and versioned +cuXX.smYY... (the CUDA major and the GPU archs of _C, which
+#     the module's own CUDA_ARCHS repeats), and holds nsa_cp/_C*.so;
 #   * _C holds sm_90a machine code (cuobjdump --list-elf) and links neither libcuda nor libcudart;
 #   * in a fresh venv (torch 2.13 CPU), the wheel installs with its deps, nsa_cp and nsa_cp._C import,
 #     nsa_cp.rows._native.available() is False with a reason saying there is no GPU, and the wheel declares
@@ -38,8 +39,8 @@ awk '/nsa_cp build summary/ {n++} n == 1 && /builds  :/ {print; exit} n == 1' "$
 WHEEL="$(ls "$WORK"/dist/nsa_cp-*.whl)"
 NAME="$(basename "$WHEEL")"
 echo "wheel: $NAME"
-[[ "$NAME" =~ ^nsa_cp-[0-9.]+\+cu[0-9]+-cp3[0-9]+-cp3[0-9]+-linux_x86_64\.whl$ ]] ||
-  fail "unexpected wheel name $NAME (want nsa_cp-X+cuNN-cp3XX-cp3XX-linux_x86_64.whl)"
+[[ "$NAME" =~ ^nsa_cp-[0-9.]+\+cu[0-9]+(\.sm[0-9]+[af]?)+-cp3[0-9]+-cp3[0-9]+-linux_x86_64\.whl$ ]] ||
+  fail "unexpected wheel name $NAME (want nsa_cp-X+cuNN.smAA.smBB-cp3XX-cp3XX-linux_x86_64.whl)"
 
 step "inspect nsa_cp/_C in the wheel"
 mkdir -p "$WORK/unpacked"
@@ -97,8 +98,10 @@ from nsa_cp.rows import _native
 
 assert nsa_cp.__file__.startswith(__import__("sys").prefix), f"imported the wrong nsa_cp: {nsa_cp.__file__}"
 version = importlib.metadata.version("nsa_cp")
-# the CUDA wheel's version carries +cuXX, and nsa_cp.__version__ is the installed distribution's
-assert re.fullmatch(r"\d+(\.\d+)*\+cu\d+", version) and nsa_cp.__version__ == version, (version, nsa_cp.__version__)
+# the CUDA wheel's version carries +cuXX.smYY..., and nsa_cp.__version__ is the installed distribution's
+assert re.fullmatch(r"\d+(\.\d+)*\+cu\d+(\.sm\d+[af]?)+", version) and nsa_cp.__version__ == version, (version, nsa_cp.__version__)
+# the archs the name promises are the ones _C was built for
+assert version.split("+")[1].split(".")[1:] == [f"sm{a}" for a in C.CUDA_ARCHS.split(";")], (version, C.CUDA_ARCHS)
 assert _native.load() is C
 assert _native.available() is False, "a GPU is visible on the wheel builder?"
 reason = _native.unavailable_reason()

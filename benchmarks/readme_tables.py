@@ -44,9 +44,10 @@ RATIO_COLUMNS = [
 def uneven_rows(path):
     """{M: {method: csv row}} for the uneven configuration of every size (the one with padding)."""
     by_m = defaultdict(dict)
-    for row in csv.DictReader(open(path, newline="")):
-        if float(row["padding_frac"]) > 0:
-            by_m[int(row["max_rank_len"])][row["method"]] = row
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if float(row["padding_frac"]) > 0:
+                by_m[int(row["max_rank_len"])][row["method"]] = row
     return dict(sorted(by_m.items()))
 
 

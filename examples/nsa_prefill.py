@@ -55,8 +55,9 @@ Flags that choose the path:
 * ``--moe-padding masked|routed|both``: a padded gather's padding rows get routed ids -1 (a MoE that
   honours -1, triton fused_moe) or are routed like real rows (a MoE that routes inside its kernel,
   flashinfer's trtllm MoE); ``both`` runs each padded method both ways. Each method prints its MoE rows.
-* ``--quant fp8_e4m3_g128``: the MoE gather moves per-token-group FP8 rows (``prepare_mlp`` returns
-  ``(q, scale)``; the baseline quantizes with ``nsa_cp.quant_fp8_g128`` and gathers both); this
+* ``--quant fp8_e4m3_g128`` (SGLang's) or ``fp8_e4m3_g128_ue8m0`` (power-of-two scales, vLLM's; every format
+  of ``nsa_cp.geometry.wire.FORMATS``): the MoE gather moves per-token-group FP8 rows (``prepare_mlp``
+  returns ``(q, scale)``; the baseline quantizes with ``nsa_cp.quantize`` and gathers both); this
   example's MoE runs on the dequantized rows. The model without CP quantizes its MoE input at the same
   point, and the check takes the median token's error (TOLERANCE_FP8 says why).
 * ``--backend auto|nccl|p2p``: nsa_cp's transport; auto takes the intranode P2P transport where
@@ -100,6 +101,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import nsa_cp
+from nsa_cp.geometry.wire import FORMATS as WIRE_FORMATS
 
 # the baseline is written with the collectives users know; torch 2.13 renamed them (FutureWarning)
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
@@ -144,8 +146,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--comm", default=None,
                    help=f"what to run and check: a comma list of {', '.join(COMM_METHODS)}, or "
                         f"{', '.join(f'{k} ({v})' for k, v in COMM_ALIASES.items())} (default: nsa_cp on cpu, both on cuda)")
-    p.add_argument("--quant", choices=("none", "fp8_e4m3_g128"), default="none",
-                   help="the MoE gather's wire: fp8_e4m3_g128 moves per-token-group FP8 rows (checked against the "
+    p.add_argument("--quant", choices=("none", *WIRE_FORMATS), default="none",
+                   help="the MoE gather's wire: an FP8 format moves per-token-group FP8 rows (checked against the "
                         "model without CP quantizing the MoE input at the same point)")
     p.add_argument("--moe-padding", choices=("masked", "routed", "both"), default="masked",
                    help="a padded MoE gather's padding rows: masked to -1 (nsa_cp.mask_padding_topk_ids, a MoE that "
@@ -552,7 +554,7 @@ class BaselineComm:
     ``host_staged``: ranks sharing one GPU have no NCCL (it refuses two ranks on one GPU), so the same
     collectives run over the gloo group on host copies of the CUDA tensors: the check still holds, the
     time does not mean anything (it is not timed). ``quant``: the FP8 wire by hand, quantize the normed
-    rows (``nsa_cp.quant_fp8_g128``), then gather q and the scales (padding rows: q = 0, scale = 0)."""
+    rows (``nsa_cp.quantize``), then gather q and the scales (padding rows: q = 0, scale = 0)."""
 
     name = "baseline"
     compact = False
@@ -596,7 +598,7 @@ class BaselineComm:
         normed, residual = self.layers[i].post_attention_norm(attn, residual)
         if self.quant is None:
             return self._pad_gather(normed, self.layout), residual, normed
-        q, scale = nsa_cp.quant_fp8_g128(normed)
+        q, scale = nsa_cp.quantize(normed, self.quant)
         return (self._pad_gather(q, self.layout), self._pad_gather(scale, self.layout)), residual, (q, scale)
 
     def mlp_output_buffer(self, i, like):
@@ -704,7 +706,7 @@ def overlapped_moe(s: Shape, layer: Layer, i: int, comm, attn, residual, dtype: 
 
     def shared_mlp(normed):
         if comm.comms[i].quant is not None:
-            normed = moe_input(nsa_cp.quant_fp8_g128(normed), dtype)
+            normed = moe_input(nsa_cp.quantize(normed, comm.comms[i].quant), dtype)
         return swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
 
     out = comm.overlapped_mlp(i, attn, residual, consumer, shared_mlp)
@@ -729,7 +731,7 @@ def forward_reference(s: Shape, layers: List[Layer], final_norm, x: torch.Tensor
         attn = attention_core(s, layer, q, kv, batch, index_q, index_w, selections, i) @ layer.w_o
         normed, residual = layer.post_attention_norm(attn, residual)
         if quant is not None:
-            normed = moe_input(nsa_cp.quant_fp8_g128(normed), normed.dtype)
+            normed = moe_input(nsa_cp.quantize(normed, quant), normed.dtype)
         weights, ids = route(s, layer, normed, selections, tokens, i, x.shape[0])
         h = routed_experts(layer, normed, weights, ids).to(normed.dtype) + swiglu(normed, layer.w_shared_gate_up, layer.w_shared_down)
     return final_norm(h, residual)[0] if layers else final_norm(x)

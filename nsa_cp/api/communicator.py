@@ -200,6 +200,10 @@ class NSACPLayerCommunicator:
         Returns ``(hidden, residual)``: hidden is ``[M*P, H]`` (padded) or ``[T, H]`` (compact) in full
         mode with a layout (``(q, scale)`` with the FP8 wire), else local ``[n_r, H]``; residual is local
         ``[n_r, H]``. ``device_counts``: for CUDA graphs captured per bucket, see ``cp_all_gather``.
+
+        ``residual`` is updated IN PLACE: the tensor passed holds ``hidden_states + residual`` (rounded to its
+        dtype) afterwards and is the one returned (SGLang's and flashinfer's convention); clone it first to
+        keep the old values. ``residual=None``: ``hidden_states`` itself is returned as the residual.
         """
         check_layer_args("prepare_mlp", hidden_states, residual, layout)
         if hidden_states.is_floating_point():
@@ -222,6 +226,7 @@ class NSACPLayerCommunicator:
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``prepare_mlp``, the MLP and ``postprocess_layer`` in one call, the MLP as a per-row
         ``consumer(rows, chunk)`` run on each rank's rows as they land (``cp_overlapped_boundary``).
+        ``residual`` is updated IN PLACE, as ``prepare_mlp`` updates it (details below).
 
         Residual add + post_attention_layernorm on this rank's rows, then in full mode with a layout the
         overlapped boundary (the communicator's group and FP8 wire); otherwise, as ``prepare_mlp`` hands
@@ -230,8 +235,9 @@ class NSACPLayerCommunicator:
         [n_r, H]``: the shared expert on this rank's normed rows, added in fp32 before the one rounding.
         Returns ``(out [n_r, H], residual [n_r, H])``; ``out`` is not normed for the next layer
         (``set_next`` does not apply). ``out_dtype``, ``chunk_rows``: as for ``cp_overlapped_boundary``, which
-        runs on the communicator's ``backend`` and ``validate``. ``residual`` is updated in place (as
-        ``prepare_mlp`` updates it).
+        runs on the communicator's ``backend`` and ``validate``. ``residual [n_r, H]`` is updated in place: the
+        tensor passed holds ``hidden_states + residual`` afterwards and is the one returned (``residual=None``:
+        ``hidden_states`` is returned as the residual); clone it first to keep the old values.
         """
         check_layer_args("overlapped_mlp", hidden_states, residual, layout)
         normed, residual = self._norm("mlp", hidden_states, residual)

@@ -12,7 +12,6 @@ rank ends a spawned run at once with its traceback, and result rows carry no loc
 from __future__ import annotations
 
 import ast
-import csv
 import json
 import os
 import re
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import bench_scripts
+from bench_scripts import csv_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -151,7 +151,7 @@ def test_script_runs_at_a_tiny_size(script, case, tmp_path):
             rows = json.loads((tmp_path / name).read_text())["rows"]
             assert rows and all(str(ROOT) not in json.dumps(r) for r in rows), "a JSON row records the checkout's path"
     if "--kernels-before" in args:  # each row-kernel stage has its "before" row, checked and timed
-        rows = list(csv.DictReader((tmp_path / "ab.csv").open(newline="")))
+        rows = csv_rows(tmp_path / "ab.csv")
         before = {r["stage"]: r["check"] for r in rows if r["method"].endswith("(before)")}
         assert before == {"add + RMSNorm into slot": "ok", "FP8 quantization": "ok",
                           "add + RMSNorm + FP8 into slot": "ok"}, before
@@ -159,7 +159,7 @@ def test_script_runs_at_a_tiny_size(script, case, tmp_path):
 
 def _check_tags(path: Path) -> None:
     """Versions and devices, never a local path."""
-    rows = list(csv.DictReader(path.open(newline="")))
+    rows = csv_rows(path)
     assert rows, f"{path.name}: no rows"
     for key in ("date", "gpu", "torch", "nsa_cp", "git_rev"):
         assert key in rows[0], f"{path.name}: no {key!r} tag"
@@ -173,7 +173,7 @@ def test_committed_results_carry_versions_and_devices_not_local_names(name):
     """The committed rows carry the tags env_tags writes (versions and devices): no local path, no host name."""
     path = BENCH / "results" / name
     _check_tags(path)
-    rows = list(csv.DictReader(path.open(newline="")))
+    rows = csv_rows(path)
     assert "host" not in rows[0] and not any("nsa_cp_path" in k for k in rows[0]), sorted(rows[0])
     assert not [(k, v) for r in rows for k, v in r.items() if str(v).startswith(("/", "~"))], f"{name}: a local path"
     js = path.with_suffix(".json")
@@ -382,7 +382,7 @@ def test_gather_scatter_on_one_gpu_runs_the_stages(monkeypatch, tmp_path, capfd)
     gs.main(["--M", "16", "--hidden", "256", "--rounds", "1", "--warmup", "0", "--csv", str(out)])
     text = capfd.readouterr().out
     assert "one CUDA GPU: no link to time between ranks" in text and f"wrote {out}" in text, text[-2000:]
-    rows = list(csv.DictReader(out.open(newline="")))
+    rows = csv_rows(out)
     assert rows and {r["M"] for r in rows} == {"16"} and {r["rounds"] for r in rows} == {"1"}, rows[:2]
 
 

@@ -4,7 +4,6 @@ measured 2x H200 collectives and its projection, and the model's arithmetic (cos
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import os
 import re
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import bench_scripts
+from bench_scripts import csv_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -54,7 +54,7 @@ def test_overlap_smoke_run_says_smoke_and_emulated(tmp_path):
     table = proc.stdout.strip().splitlines()
     last = [line for line in table if not line.startswith("wrote ")]
     assert re.match(r"\s+4\s+16 rs\s+ce\s", last[-1]), f"the table is not last:\n{proc.stdout[-1500:]}"
-    rows = list(csv.DictReader(out.open(newline="")))
+    rows = csv_rows(out)
     # both mechanisms side by side (the default): a row per (cp, dir, mech), each checked
     assert sorted((r["cp"], r["dir"], r["mech"]) for r in rows) == sorted(
         (cp, d, m) for cp in ("2", "4") for d in ("ag", "rs") for m in ("sm", "ce"))
@@ -90,7 +90,7 @@ def test_overlap_smoke_runs_the_copy_engine_mechanism_alone(tmp_path):
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"rc {proc.returncode} after {took:.0f} s:\n{text[-4000:]}"
     assert "link EMULATED (ce)" in text and "link EMULATED (sm)" not in text, text[-3000:]
-    rows = list(csv.DictReader(out.open(newline="")))
+    rows = csv_rows(out)
     assert [(r["dir"], r["mech"], r["check"]) for r in rows] == [("ag", "ce", "ok"), ("rs", "ce", "ok")], rows
 
 
@@ -152,7 +152,7 @@ def test_cost_model_calibrates_then_projects(tmp_path):
     projected = {(int(m.group(1)), int(m.group(2))) for m in re.finditer(r"^\s+(\d)\s+(\d+)\s+\d+\.\d+", text, re.M)}
     assert projected == {(cp, M) for cp in (2, 4, 8) for M in (2048, 8192, 32768)}, projected
     assert "goal (projected): at cp = 8, M = 8192" in text
-    rows = list(csv.DictReader(out.open(newline="")))
+    rows = csv_rows(out)
     assert len(rows) == 9 and "projection" in rows[0]["gpu"]
 
 

@@ -155,18 +155,46 @@ def test_remove_in_tree_native(setup_py, tmp_path):
     assert setup_py.remove_in_tree_native(root) == []
 
 
-def test_pure_build_removes_a_stale_in_tree_module(tmp_path):
-    """`NSA_CP_BUILD_CUDA=0 pip install -e .` after a native build: setup.py (here on a copy of the tree's
-    build files) removes nsa_cp/_C*.so, so the editable install cannot import the old module."""
-    root = tmp_path / "tree"
+def _tree_copy(root: Path) -> Path:
+    """setup.py and what it reads, copied, with an earlier native build's module in nsa_cp/."""
     (root / "nsa_cp").mkdir(parents=True)
     for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "nsa_cp/__init__.py"):
         shutil.copy(ROOT / name, root / name)
-    module = root / "nsa_cp" / EXT_NAME
-    module.write_bytes(b"an earlier build")
-    env = {"PATH": "/usr/bin:/bin", "NSA_CP_BUILD_CUDA": "0"}
-    proc = subprocess.run([sys.executable, "setup.py", "--version"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not module.exists()
+    (root / "nsa_cp" / EXT_NAME).write_bytes(b"an earlier build")
+    return root
+
+
+def _setup_py(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "NSA_CP_BUILD_CUDA": "0", "HOME": str(root.parent)}
+    proc = subprocess.run([sys.executable, "setup.py", *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_pure_editable_install_removes_a_stale_in_tree_module(tmp_path):
+    """`NSA_CP_BUILD_CUDA=0 pip install -e .` after a native build: setup.py's editable_wheel (what pip runs
+    for it; here on a copy of the tree's build files) removes nsa_cp/_C*.so, so the editable install cannot
+    import the old module."""
+    root = _tree_copy(tmp_path / "tree")
+    proc = _setup_py(root, "editable_wheel", "--dist-dir", str(tmp_path / "dist"))
+    assert not (root / "nsa_cp" / EXT_NAME).exists()
     assert f"removed nsa_cp/{EXT_NAME}" in proc.stderr
+
+
+def test_pure_wheel_leaves_an_editable_installs_module(tmp_path):
+    """`NSA_CP_BUILD_CUDA=0 pip wheel .` (pip runs setup.py for the metadata, then bdist_wheel) in a checkout
+    with an editable native install keeps that install's nsa_cp/_C*.so, and the pure wheel holds no _C."""
+    import zipfile
+
+    root = _tree_copy(tmp_path / "tree")
+    module = root / "nsa_cp" / EXT_NAME
+    _setup_py(root, "--version")
+    (tmp_path / "meta").mkdir()
+    _setup_py(root, "dist_info", "--output-dir", str(tmp_path / "meta"))
+    proc = _setup_py(root, "bdist_wheel", "--dist-dir", str(tmp_path / "dist"))
+    assert module.read_bytes() == b"an earlier build", "a pure wheel build removed the editable install's _C"
+    assert "removed" not in proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("nsa_cp-*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if "/_C" in n]

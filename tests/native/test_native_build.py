@@ -36,8 +36,21 @@ def test_full_version(setup_py):
     assert setup_py.full_version("0.1.0", 13) == "0.1.0+cu13"
     assert setup_py.full_version("0.1.0", 12) == "0.1.0+cu12"
     assert setup_py.full_version("0.1.0+dev", 13) == "0.1.0+dev.cu13"
+    # the archs ride in the local version, so the wheel's file name says which GPUs it has code for
+    assert setup_py.full_version("0.1.0", 13, ["90a", "100a"]) == "0.1.0+cu13.sm90a.sm100a"
+    assert setup_py.full_version("0.1.0", None, ["90a"]) == "0.1.0"
     packaging_version = pytest.importorskip("packaging.version")
     assert str(packaging_version.Version(setup_py.full_version("0.1.0", 13))) == "0.1.0+cu13"
+    full = setup_py.full_version("0.1.0", 13, ["90a", "100a", "120f"])
+    assert str(packaging_version.Version(full)) == full == "0.1.0+cu13.sm90a.sm100a.sm120f"
+
+
+def test_old_setuptools_is_a_clear_error(setup_py):
+    for ok in ("77.0.3", "84.2.1", "100.0"):
+        setup_py.check_setuptools(ok)
+    with pytest.raises(setup_py.BuildConfigError) as info:
+        setup_py.check_setuptools("69.5.1")
+    assert "setuptools 69.5.1 is too old" in str(info.value) and "setuptools>=77" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +148,7 @@ def test_build_plan_with_cuda(setup_py, tmp_path):
     assert plan.build_cuda and plan.nvcc == str(home / "bin" / "nvcc")
     assert plan.cuda_version == (12, 8)
     assert plan.archs == ["90a", "100a"]
-    assert plan.version == setup_py.read_base_version() + "+cu12"
+    assert plan.version == setup_py.read_base_version() + "+cu12.sm90a.sm100a"
     summary = plan.summary()
     assert "CUDA 12.8" in summary and "90a;100a" in summary and "nsa_cp._C" in summary
     kwargs = setup_py.setup_kwargs(plan)
@@ -144,7 +157,7 @@ def test_build_plan_with_cuda(setup_py, tmp_path):
     assert "build_ext" in kwargs["cmdclass"]
 
     plan = setup_py.BuildPlan({"CUDA_HOME": str(home), "NSA_CP_CUDA_ARCHS": "90a"})
-    assert plan.archs == ["90a"] and plan.version.endswith("+cu12")
+    assert plan.archs == ["90a"] and plan.version.endswith("+cu12.sm90a")
 
 
 def test_build_plan_pure(setup_py, tmp_path):
@@ -154,7 +167,8 @@ def test_build_plan_pure(setup_py, tmp_path):
     assert plan.version == setup_py.read_base_version()
     assert "skipped: NSA_CP_BUILD_CUDA=0" in plan.summary()
     kwargs = setup_py.setup_kwargs(plan)
-    assert "ext_modules" not in kwargs and "cmdclass" not in kwargs  # -> py3-none-any wheel
+    assert "ext_modules" not in kwargs  # -> py3-none-any wheel
+    assert sorted(kwargs["cmdclass"]) == ["develop", "editable_wheel"]  # in-tree installs drop an old _C
     # a forced build with nvcc nowhere (PATH empty, CUDA_HOME bogus) is a clear error
     if not Path("/usr/local/cuda/bin/nvcc").exists():
         with pytest.raises(setup_py.BuildConfigError, match="nvcc was not found"):

@@ -51,6 +51,10 @@ CASES_2 = {
     "shared-kv-zero-token-rank-fp8": ([SHARED, "--seq-lens", "5,3", "--page-size", "8", "--comm", "all",
                                        "--quant", "fp8_e4m3_g128"], True),
     "fault-fp8-ref-without-quant": ([SHARED, "--quant", "fp8_e4m3_g128", "--fault", "ref_without_quant"], False),
+    # vLLM's power-of-two scales: the reference quantizes in the same format, and leaving it out must fail
+    "shared-kv-fp8-ue8m0-all": ([SHARED, "--comm", "all", "--quant", "fp8_e4m3_g128_ue8m0"], True),
+    "fault-fp8-ue8m0-ref-without-quant": ([SHARED, "--quant", "fp8_e4m3_g128_ue8m0", "--fault", "ref_without_quant"],
+                                          False),
     # the overlapped boundary (overlapped_mlp): the MoE per landed slot, the shared expert in the final sum
     "shared-kv-overlap-and-nsa_cp": ([SHARED, "--comm", "nsa_cp_overlap,nsa_cp", "--nsa-index-topk", "16"], True),
     "shared-kv-overlap-bf16": ([SHARED, "--comm", "nsa_cp_overlap", "--dtype", "bfloat16"], True),

@@ -97,3 +97,19 @@ def test_collectives_refuse_what_cannot_work(case):
         _RESULTS["world"] = run_world(1, "gloo", _worker, None, timeout_s=240)
     errors = case_failures(_RESULTS["world"], case)
     assert not errors, "\n".join(errors)
+
+
+def test_tests_from_the_checkouts_parent_folder_say_why(tmp_path):
+    """A checkout in a folder named nsa_cp, and pytest started in its parent: the folder comes first on sys.path
+    and would be imported as an empty namespace package (every test an AttributeError); tests/conftest.py
+    stops the run once, saying why and what to do."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "nsa_cp").symlink_to(Path(__file__).resolve().parents[2], target_is_directory=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "nsa_cp/tests/package/test_public_surface.py", "-q",
+                           "-p", "no:cacheprovider"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4, out[-3000:]
+    assert "the checkout's parent" in out and "cd nsa_cp" in out, out[-3000:]

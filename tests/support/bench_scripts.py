@@ -1,5 +1,6 @@
 """What the benchmark tests share: a module of benchmarks/ imported by name (benchmarks/ is no package)."""
 
+import csv
 import importlib
 import sys
 from pathlib import Path
@@ -14,3 +15,9 @@ def load(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+def csv_rows(path) -> list:
+    """A CSV a benchmark wrote, as dicts (the file closed before the test goes on)."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
