@@ -79,11 +79,14 @@ def run(name: str, adapter, theirs: Callable, compact_ok: bool, hidden_states, r
         ours = getattr(adapter, name)(hidden_states, residual, forward_batch, *args, geometry=geometry, **kwargs)
     if not due:
         return ours, None
-    given = _padded(copies[0], layout)
+    given = copies[0] if name == "gather" else _padded(copies[0], layout)  # a gather's input: the local rows
     spread = _spread(given, layout, adapter.group) if name == "reduce_scatter" else None  # before SGLang's writes
     theirs_out = theirs(given, copies[1], forward_batch, *args, **kwargs)
     difference = _compare(name, ours, theirs_out, layout, rank, rows, compact, spread)
-    return (theirs_out if CHECKS.settle(kind, difference, adapter.group) else ours), None
+    if CHECKS.settle(kind, difference, adapter.group):
+        core.declined(state.STATE, CHECKS.refused(kind), CHECKS.own)
+        return theirs_out, None
+    return ours, None
 
 
 def _compare(name, ours, theirs, layout, rank, rows, compact, spread) -> Optional[str]:

@@ -118,7 +118,7 @@ def _fp8_wire(qc: Any) -> Tuple[Optional[str], Optional[str]]:
     differs = []
     if getattr(qc, "use_nvfp4_w4a4", False):
         differs.append("NVFP4")
-    elif getattr(qc, "quant_dtype", None) == "mxfp8" or (block and list(block) == [1, 32]):
+    elif getattr(qc, "quant_dtype", None) == "mxfp8":
         differs.append("MXFP8 (e4m3, groups of 32, UE8M0 uint8 scales)")
     else:
         if getattr(qc, "quant_dtype", None) != fmt.dtype:

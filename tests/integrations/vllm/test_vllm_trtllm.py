@@ -18,7 +18,7 @@ What is vLLM's own here: the quant config, parallel state, ``PCPManager.partitio
   kernel's arithmetic and allocation (``column_major_scales`` included) are transcribed in
   ``vllm_env.cuda_group_quant``: the comparison is against the CUDA arithmetic;
 * the all-gather: gloo carries no float8, and the CUDA communicator's ``.contiguous()`` is mirrored
-  (``_cuda_like_gather``);
+  (``vllm_env.cuda_like_gather``);
 * the experts: a per-row stand-in that consumes what the monolithic experts consume (it transposes the scales
   as they do, routes from the gathered logits, computes every row, padding rows included).
 
@@ -47,7 +47,7 @@ STEPS = {
     "even": ([48], [True], None),
     "graph-bucket": ([37, 1, 1, 1, 10], [True, False, False, False, True], 48),
 }
-QUANTIZES_FIRST = str(vllm_env.version() or "").startswith("0.34")
+QUANTIZES_FIRST = vllm_env.quantizes_first()
 
 
 def _hidden(step, rank, rows):
@@ -57,35 +57,12 @@ def _hidden(step, rank, rows):
     return x.to(torch.bfloat16)
 
 
-def trtllm_quant_config():
-    """vLLM's own quant config for FP8 128x128 block experts on FLASHINFER_TRTLLM (its selector's choice on
-    Blackwell without EP)."""
-    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend, make_fp8_moe_quant_config
-
-    return make_fp8_moe_quant_config(Fp8MoeBackend.FLASHINFER_TRTLLM, w1_scale=torch.ones(1), w2_scale=torch.ones(1),
-                                     a1_scale=None, a2_scale=None, block_shape=[128, 128])
-
-
 def _quantizer(ue8m0: bool):
     import vllm.model_executor.layers.fused_moe.utils as moe_utils
     from vllm.model_executor.layers.quantization.utils import fp8_utils
 
     moe_utils.per_token_group_quant_fp8 = functools.partial(vllm_env.cuda_group_quant, use_ue8m0=ue8m0)
     fp8_utils.is_deep_gemm_e8m0_used = lambda: ue8m0
-
-
-def _cuda_like_gather(pcp_group) -> None:
-    """vLLM's CUDA all-gather on gloo: the input made contiguous (cuda_communicator.py, pynccl path), one-byte
-    floats moved as bytes (gloo carries no float8)."""
-    gather = pcp_group.all_gather
-
-    def all_gather(t, dim=0):
-        t = t.contiguous()
-        if t.element_size() == 1 and t.dtype.is_floating_point:
-            return gather(t.view(torch.uint8), dim).view(t.dtype)
-        return gather(t, dim)
-
-    pcp_group.all_gather = all_gather
 
 
 def monolithic_stand_in(rank):
@@ -132,7 +109,7 @@ def _check(rank, world, config, name, compact, ue8m0):
 
     lens, prefill, bucket = STEPS[name]
     _quantizer(ue8m0)
-    qc = trtllm_quant_config()
+    qc = vllm_env.trtllm_quant_config()
     assert qc.is_scale_transposed and qc.block_shape == [128, 128], "vLLM's TRTLLM config: column-major scales"
     runner = vllm_env.runner(world, quant_config=qc)
     consume = monolithic_stand_in(rank)
@@ -187,7 +164,7 @@ def _check(rank, world, config, name, compact, ue8m0):
 def _worker(rank, world, payload):
     vllm_env.prepare_process()
     config, pcp = vllm_env.setup_parallel(rank, world)
-    _cuda_like_gather(pcp)
+    vllm_env.cuda_like_gather(pcp)
     return run_cases({key: (rank, world, config, *args) for key, args in payload.items()}, _check)
 
 
