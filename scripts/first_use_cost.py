@@ -53,7 +53,10 @@ def _vllm(rank, world, args):
     import nsa_cp.integrations.vllm as nsa_vllm
     from nsa_cp.integrations.vllm import check
 
-    moe_utils.per_token_group_quant_fp8 = partial(vllm_env.cuda_group_quant, use_ue8m0=True)
+    from vllm.model_executor.layers.quantization.utils import fp8_utils
+
+    moe_utils.per_token_group_quant_fp8 = partial(vllm_env.cuda_group_quant, use_ue8m0=True)  # CUDA arithmetic
+    fp8_utils.is_deep_gemm_e8m0_used = lambda: True  # Blackwell's default: UE8M0 scales
     runner = vllm_env.runner(world, quant_config=None if args.bf16 else vllm_env.trtllm_quant_config())
     nsa_vllm.install()
     local = vllm_env.partition(vllm_env.manager(rank, world, max_num_tokens=8192), args.lens, [True] * len(args.lens))
