@@ -221,6 +221,13 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "before vLLM profiles memory for its KV cache) where the group is on one node and P2P can serve "
         "it, sized from max_num_batched_tokens; 0 never (nsa_cp's NCCL path)",
     ),
+    "NSA_CP_FIRST_USE_CHECKS": (
+        _int("NSA_CP_FIRST_USE_CHECKS", 1),
+        "engine plugins (SGLang, vLLM): on the first N calls of each kind of move in a process, also run the "
+        "engine's own move on the same inputs and compare (bitwise for data movement, a stated bound for "
+        "sums); a difference declines that kind for the process (one warning, status()['first_use']) and "
+        "the call returns the engine's own result. 0: no checks",
+    ),
     "NSA_CP_BUILD_CUDA": (
         _choice("NSA_CP_BUILD_CUDA", "auto", ("auto", "0", "1")),
         "setup.py: build nsa_cp._C with nvcc ('1'), never ('0'), or when nvcc is found ('auto')",

@@ -55,3 +55,54 @@ def apply(kind: str):
         setattr(MoERunner, name, ORIGINAL.pop(name))
 
     return says, undo
+
+
+# Value drifts: each keeps every contract nsa_cp knows (its code refers to the same names, returns as many
+# values), so the plugin installs; only what the values mean changed. The first-use checks must catch each
+# (tests/integrations/vllm/test_vllm_first_use.py). Each runs vLLM's own function underneath.
+
+def dispatch_returning_scale_second(self, hidden_states, router_logits):
+    """``_maybe_dispatch`` returning ``(hidden, scale, logits)``: the same arity, another order (a vLLM whose
+    ``_forward_impl`` unpacks it so would run; the plugin's result would be read in the wrong order)."""
+    if self.do_naive_dispatch_combine or self.moe_config.pcp_size < 1 or \
+            self.moe_config.moe_parallel_config.use_all2all_kernels:
+        pass
+    get_pcp_group = all_gather = _quantizes_before_pcp_gather = _quantize_input = None  # noqa: F841
+    hidden, logits, scale = ORIGINAL["_maybe_dispatch"](self, hidden_states, router_logits)
+    return hidden, scale, logits
+
+
+def partition_with_padding_first(self, input_batch, batch_desc):
+    """``PCPManager.partition_batch`` whose padding rows come first on each rank (its ``is_padding`` says so):
+    the counts are the same, the rows they name are not the ones nsa_cp takes for padding."""
+    import torch
+
+    local = ORIGINAL["partition_batch"](self, input_batch, batch_desc)
+    is_padding = local.is_padding
+    if is_padding is not None:
+        m = is_padding.shape[0] // self.pcp_world_size
+        flipped = is_padding.view(self.pcp_world_size, m).flip(1).reshape(-1).clone()
+        is_padding.copy_(flipped.to(torch.bool))
+    return local
+
+
+VALUE_DRIFTS = {
+    "reordered": ("MoERunner", "_maybe_dispatch", dispatch_returning_scale_second),
+    "padding-first": ("PCPManager", "partition_batch", partition_with_padding_first),
+}
+
+
+def apply_value(kind: str):
+    """Bind the value drift ``kind`` on vLLM's class; returns an undo."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+    cls_name, name, fn = VALUE_DRIFTS[kind]
+    cls = {"MoERunner": MoERunner, "PCPManager": PCPManager}[cls_name]
+    ORIGINAL[name] = cls.__dict__[name]
+    setattr(cls, name, fn)
+
+    def undo():
+        setattr(cls, name, ORIGINAL.pop(name))
+
+    return undo

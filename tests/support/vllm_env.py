@@ -201,3 +201,35 @@ def fp8_quant_config(block=(128, 128), transposed=False):
 
     return fp8_w8a8_moe_quant_config(w1_scale=torch.ones(1), w2_scale=torch.ones(1), block_shape=list(block),
                                      is_scale_transposed=transposed)
+
+
+def trtllm_quant_config():
+    """vLLM's own quant config (``oracle/fp8.py`` ``make_fp8_moe_quant_config``) for FP8 128x128 block experts on
+    FLASHINFER_TRTLLM, its selector's choice on Blackwell without EP: ``is_scale_transposed`` set, so vLLM
+    quantizes before the PCP gather with column-major scales."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend, make_fp8_moe_quant_config
+
+    return make_fp8_moe_quant_config(Fp8MoeBackend.FLASHINFER_TRTLLM, w1_scale=torch.ones(1), w2_scale=torch.ones(1),
+                                     a1_scale=None, a2_scale=None, block_shape=[128, 128])
+
+
+def cuda_like_gather(pcp_group) -> None:
+    """vLLM's CUDA all-gather on gloo: the input made contiguous (``cuda_communicator.py`` ``all_gather``, the
+    pynccl path, which a CUDA worker takes), one-byte floats moved as bytes (gloo carries no float8)."""
+    import torch
+
+    gather = pcp_group.all_gather
+
+    def all_gather(t, dim=0):
+        t = t.contiguous()
+        if t.element_size() == 1 and t.dtype.is_floating_point:
+            return gather(t.view(torch.uint8), dim).view(t.dtype)
+        return gather(t, dim)
+
+    pcp_group.all_gather = all_gather
+
+
+def quantizes_first() -> bool:
+    """Whether the installed vLLM may quantize before the PCP gather (0.34)."""
+    return str(version() or "").startswith("0.34")

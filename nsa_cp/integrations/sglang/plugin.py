@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ... import envs
 from .. import contracts, core
-from . import contract, overlap, scheduler, state
+from . import check, contract, overlap, scheduler, state
 from . import moves as _moves
 from .adapter import CpMovesAdapter, Declined
 from .runtime import sglang_version
@@ -73,8 +73,7 @@ def _is_ours(moves) -> bool:
     return getattr(moves.gather, "_nsa_cp_moves", False)
 
 
-def _passthrough(rows, residual):
-    """A read step that was already run: SGLang's gather then only moves ``rows``."""
+def _passthrough(rows, residual):  # a read step that was already run: SGLang's gather then only moves ``rows``
     def done(*args, **kwargs):
         return rows, residual
 
@@ -102,16 +101,15 @@ def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool
             adapter = adapter_of()
             reason, geometry = adapter.admit(name, hidden_states, forward_batch)
             if reason is None:
-                if name != "gather":
-                    return getattr(adapter, name)(hidden_states, residual, forward_batch, *args, geometry=geometry,
-                                                  **kwargs)
-                try:  # a layer call the overlap serves defers its FFN gather (``overlap``)
-                    return overlap.gather(adapter, compact_ok, hidden_states, residual, forward_batch, *args,
-                                          geometry=geometry, **kwargs)
+                try:  # checked on a kind's first calls; an FFN gather the overlap serves is deferred (``check``)
+                    done, reason = check.run(name, adapter, getattr(theirs, name), compact_ok, hidden_states, residual,
+                                             forward_batch, args, kwargs, geometry)
                 except Declined as declined:  # SGLang's read step ran: its gather moves what it returned
                     _declined(declined.reason)
                     kwargs["gather"] = _passthrough(declined.rows, declined.residual)
                     return theirs.gather(declined.rows, declined.residual, forward_batch, *args, **kwargs)
+                if reason is None:
+                    return done
             _declined(reason)
             return getattr(theirs, name)(hidden_states, residual, forward_batch, *args, **kwargs)
 
@@ -265,7 +263,8 @@ def status() -> dict:
       ``read_then_gather``), ``unfused``: why not fused, by reason, and ``reduce_scatter_norm`` (not fused
       inside SGLang: docs/sglang.md says why);
     * ``declined``: batches SGLang's own moves took, by reason; ``nccl_batches``: too large for P2P;
-    * ``overlap``: NSA_CP_SGLANG_OVERLAP, whether its contract holds and what ran (``overlap.as_status``).
+    * ``overlap``: NSA_CP_SGLANG_OVERLAP, whether its contract holds and what ran (``overlap.as_status``);
+      ``first_use``: the first-use checks (``check``), calls checked and kinds declined, by kind.
     """
     bound = {}
     for name in BOUNDARY_MODULES:
@@ -285,6 +284,7 @@ def status() -> dict:
                     "reduce_scatter_norm": "not fused: the exit and the next layer's entry are separate stages"},
         "sglang": version,
         "overlap": overlap.as_status(),
+        "first_use": check.CHECKS.as_status(),
     }
 
 

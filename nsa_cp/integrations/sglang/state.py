@@ -9,13 +9,16 @@ scheduler hook (the transport) and the moves (fusions, declined batches), and on
 from __future__ import annotations
 
 from ..core import IntegrationState, count, once, record, reset_logged, transport_decision
+from ..firstuse import Checks
 
-__all__ = ["STATE", "IntegrationState", "count", "once", "record", "transport_decision", "reset"]
+__all__ = ["STATE", "CHECKS", "IntegrationState", "count", "once", "record", "transport_decision", "reset"]
 
 STATE = IntegrationState()
+CHECKS = Checks("SGLang", "SGLang's own CP moves")  # the first-use checks (``check``)
 
 
 def reset() -> None:
     """A fresh state, in place (tests)."""
     STATE.reset()
     reset_logged()
+    CHECKS.reset()

@@ -45,7 +45,7 @@ import torch
 from ... import envs
 from .. import core
 from ...geometry.wire import FP8_E4M3_G128, FP8_E4M3_G128_UE8M0
-from . import runtime, step
+from . import check, runtime, step
 
 STATE = core.IntegrationState()
 PENDING: Dict[int, "_Pending"] = {}  # id(runner) -> what its served dispatch hands its combine
@@ -118,13 +118,15 @@ def _fp8_wire(qc: Any) -> Tuple[Optional[str], Optional[str]]:
     differs = []
     if getattr(qc, "use_nvfp4_w4a4", False):
         differs.append("NVFP4")
+    elif getattr(qc, "quant_dtype", None) == "mxfp8":
+        differs.append("MXFP8 (e4m3, groups of 32, UE8M0 uint8 scales)")
     else:
         if getattr(qc, "quant_dtype", None) != fmt.dtype:
             differs.append(f"dtype {getattr(qc, 'quant_dtype', None)}")
         if not block or int(block[-1]) != fmt.group:
             differs.append(f"block {block}")
-        if getattr(qc, "is_scale_transposed", False):
-            differs.append("column-major scales")
+        # column-major scales at quantization (TRTLLM's 128x128 blocks) are served: vLLM's CUDA all-gather makes
+        # its input contiguous, so the experts receive row-major [P * M, G] scales, as nsa_cp's gather returns
         if runtime.fp8_max() != fmt.max:
             differs.append(f"fp8 max {runtime.fp8_max()}")
     if differs:
@@ -133,9 +135,12 @@ def _fp8_wire(qc: Any) -> Tuple[Optional[str], Optional[str]]:
     return fmt.name, None
 
 
+OWN_MOVES = check.OWN
+
+
 def _declined(reason: str, original: Callable, runner, hidden_states, router_logits):
     """vLLM's own dispatch for this call; the reason counted, and logged once per kind."""
-    core.declined(STATE, reason, "vLLM's own PCP MoE moves")
+    core.declined(STATE, reason, OWN_MOVES)
     return original(runner, hidden_states, router_logits)
 
 
@@ -147,10 +152,14 @@ def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, route
     quant = None
     if reason is None:
         quant, reason = fp8_wire(runner)
+    compact = bool(envs.NSA_CP_VLLM_COMPACT)
+    kind = check.dispatch_kind(compact, quant, quant is not None and bool(
+        getattr(runner._quant_method.moe_quant_config, "is_scale_transposed", False)))
+    if reason is None:  # a kind a first-use check declined: its dispatch, or the combine it leads to
+        reason = check.CHECKS.refused(kind) or check.CHECKS.refused(check.combine_kind(compact))
     if reason is not None:
         return _declined(reason, original, runner, hidden_states, router_logits)
     layout, group, rank = current.layout, runtime.pcp_device_group(), runtime.pcp_rank()
-    compact = bool(envs.NSA_CP_VLLM_COMPACT)
     core.over_capacity(STATE, group, layout)
     try:  # nsa_cp checks before it moves anything; every rank sees the same shapes, so all refuse alike
         hidden = core.gather_rows(hidden_states, layout, rank, group, compact=compact, quant=quant)
@@ -160,16 +169,21 @@ def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, route
     scale = None
     if quant is not None:
         hidden, scale = hidden
+    if not compact:
+        logits = runtime.pcp_group().all_gather(router_logits, dim=0)
+    ours = (hidden, logits, scale) if _returns_scale() else (hidden, logits)
+    if check.CHECKS.due(kind):  # the first calls of a kind: vLLM's own dispatch beside it (``check``)
+        difference, _ = check.dispatch_difference(ours, original, runner, hidden_states, router_logits, layout, rank,
+                                                  compact, context)
+        if check.CHECKS.settle(kind, difference, group):
+            return _declined(check.CHECKS.refused(kind), original, runner, hidden_states, router_logits)
     saved = None
-    kind = ("compact" if compact else "padded") + (f" {quant}" if quant else "")
     if compact:
         saved = context.is_padding
         context.is_padding = current.compact_padding(hidden)
-    else:
-        logits = runtime.pcp_group().all_gather(router_logits, dim=0)
-    core.count(STATE.gathers, kind)
+    core.count(STATE.gathers, kind[len("dispatch "):])
     PENDING[id(runner)] = _Pending(current, compact, context, saved)
-    return (hidden, logits, scale) if _returns_scale() else (hidden, logits)
+    return ours
 
 
 def forward(original: Callable, runner: Any, *args, **kwargs):
@@ -191,11 +205,18 @@ def combine(original: Callable, runner: Any, shared_output, hidden_states):
     pending.restore()
     if not isinstance(hidden_states, torch.Tensor):  # vLLM raises the same for a deferred output
         raise RuntimeError("PCP reduce-scatter cannot consume a deferred MoE output.")
-    current = pending.step
+    current, kind = pending.step, check.combine_kind(pending.compact)
     out = core.reduce_scatter_rows(hidden_states, current.layout, runtime.pcp_rank(), current.rows,
                                    runtime.pcp_device_group())
-    core.count(STATE.scatters, "compact" if pending.compact else "padded")
+    ours = out
     if runner.shared_experts is not None:
         assert shared_output is not None
-        return shared_output, out
-    return out
+        ours = (shared_output, out)
+    if check.CHECKS.due(kind):  # the first calls of a kind: vLLM's own combine beside it (``check``)
+        difference, theirs = check.combine_difference(ours, original, runner, shared_output, hidden_states,
+                                                      current.layout, runtime.pcp_rank(), pending.compact)
+        if check.CHECKS.settle(kind, difference, runtime.pcp_device_group()):
+            core.declined(STATE, check.CHECKS.refused(kind), OWN_MOVES)
+            return theirs
+    core.count(STATE.scatters, kind[len("combine "):])
+    return ours

@@ -28,7 +28,7 @@ from typing import Callable, Dict
 
 from ... import envs
 from .. import contracts, core
-from . import contract, moe, runtime, step, worker
+from . import check, contract, moe, runtime, step, worker
 
 logger = logging.getLogger("nsa_cp")
 OWN_MOVES = "vLLM's own PCP MoE moves"
@@ -66,6 +66,7 @@ def install() -> contracts.Verdict:
     moe.STATE.contract = verdict.as_status()
     moe.STATE.handed = moe.STATE.registered = True
     moe.STATE.register_error = None
+    check.CHECKS.reset()  # a fresh process's checks: every kind is checked again on its first calls
     return verdict
 
 
@@ -116,7 +117,8 @@ def status() -> dict:
     and vLLM's own: ``patched``: each target of :data:`TARGETS` -> whether it is nsa_cp's wrapper now;
     ``active``: all are; ``compact``: NSA_CP_VLLM_COMPACT; ``gathers`` / ``reduce_scatters``: nsa_cp's moves
     that ran, by layout (and wire format); ``fusions``: none inside vLLM (docs/vllm.md says what blocks them);
-    ``vllm``: the version.
+    ``vllm``: the version; ``first_use``: the first-use checks (``check``): calls checked and kinds declined,
+    by kind, with what differed.
     """
     patched = {target: core.is_wrapped(target) for target in TARGETS}
     s = moe.STATE
@@ -128,6 +130,7 @@ def status() -> dict:
         "compact": envs.NSA_CP_VLLM_COMPACT,
         "gathers": dict(s.gathers),
         "reduce_scatters": dict(s.scatters),
+        "first_use": check.CHECKS.as_status(),
         "fusions": "none: the norm runs in the decoder layer, the moves inside the MoE's custom op (docs/vllm.md)",
         "vllm": version,
     }

@@ -55,7 +55,9 @@ def _check(rank, world, strategy, seq_lens, dtype, compact, full_row):
     assert on["full_row_rows"] == off["full_row_rows"] == full_rows, (on["full_row_rows"], full_rows)
     gathers = nsa_sglang.status()["fusions"]["gather"]
     # each layer's MoE gather; a full-row attention's input gather keeps SGLang's quantizing read step
-    assert gathers.get("fused_add_rmsnorm_all_gather", 0) == 2, gathers
+    assert gathers.get("fused_add_rmsnorm_all_gather", 0) == 2, (gathers, nsa_sglang.status()["first_use"])
+    first = nsa_sglang.status()["first_use"]  # every move's first call checked against SGLang's own: no difference
+    assert not first["declined"] and first["checked"].get(f"gather {'compact' if compact else 'padded'}") == 1, first
 
 
 def _worker(rank, world, payload):

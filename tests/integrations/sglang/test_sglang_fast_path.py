@@ -19,6 +19,7 @@ Skipped where SGLang does not import (failed instead with NSA_TEST_REQUIRE_SGLAN
 
 from __future__ import annotations
 
+import os
 import traceback
 from functools import partial
 from types import SimpleNamespace as NS
@@ -195,6 +196,8 @@ class _Recorder:
 
 def _check_declines(rank, world):
     from sglang.srt.layers.layer_boundary.contracts import CpMoves
+
+    os.environ["NSA_CP_FIRST_USE_CHECKS"] = "0"  # the recorder stands in for SGLang's moves: nothing to compare
 
     import nsa_cp.integrations.sglang as nsa_sglang
     from nsa_cp.integrations.sglang import plugin, runtime, state

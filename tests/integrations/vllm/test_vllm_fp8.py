@@ -13,7 +13,8 @@ and gloo, which carries no float8, moves vLLM's FP8 rows as their bytes (``_fp8_
 * served (e4m3, groups of 128, fp32 row-major scales, as they come or UE8M0): on every real row the FP8 bytes and the scales the
   experts receive are bitwise vLLM's own, padded and compact; nsa_cp's padding rows hold ``q = 0`` and the
   pad scale; the combine's real rows match vLLM's (an fp32 sum) and the routers' mask is vLLM's again after;
-* not served (column-major scales): vLLM's own moves, bitwise, the reason in ``status()``.
+* not served (groups of 32): vLLM's own moves, bitwise, the reason in ``status()``. Column-major
+  scales at quantization (the TRTLLM monolithic experts) are served: test_vllm_trtllm.py.
 
 Only where vLLM 0.34 (a contract with a quantized dispatch) is installed: 0.33 never quantizes before the
 gather, so these cases are not generated there (its venv runs the other vLLM tests).
@@ -91,11 +92,13 @@ def _check(rank, world, config, name, compact, variant):
 
     lens, prefill, bucket = STEPS[name]
     _quantizer(ue8m0=variant == "ue8m0")
-    runner = vllm_env.runner(world, quant_config=vllm_env.fp8_quant_config(transposed=variant == "column-major"))
+    runner = vllm_env.runner(world, quant_config=vllm_env.fp8_quant_config(block=(1, 32) if variant == "group32"
+                                                                           else (128, 128)))
     weight = torch.randn(H, H, generator=torch.Generator().manual_seed(99 + rank)) / H**0.5
 
     def partial_of(q, scale):  # this rank's expert shard on the dequantized rows: row-independent
-        return (q.float().reshape(q.shape[0], -1, 128) * scale.reshape(q.shape[0], -1, 1)).reshape(q.shape) @ weight
+        group = q.shape[1] // scale.shape[1]
+        return (q.float().reshape(q.shape[0], -1, group) * scale.reshape(q.shape[0], -1, 1)).reshape(q.shape) @ weight
 
     nsa_vllm.uninstall()
     local = vllm_env.partition(vllm_env.manager(rank, world), lens, prefill, bucket)
@@ -117,11 +120,11 @@ def _check(rank, world, config, name, compact, variant):
         os.environ.pop("NSA_CP_VLLM_COMPACT")
 
     assert off[0].dtype == torch.float8_e4m3fn and off[2].dtype == torch.float32, (off[0].dtype, off[2].dtype)
-    if variant == "column-major":
+    if variant == "group32":  # a format nsa_cp's wire does not carry: vLLM's own moves, bitwise, the reason said
         for a, b in zip(off[:4], on[:4]):
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-        assert any("column-major scales" in k for k in status["declined"]), status["declined"]
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                               b.view(torch.uint8) if b.element_size() == 1 else b)
+        assert any("block [1, 32]" in k for k in status["declined"]), status["declined"]
         assert not status["gathers"], status
         return
     offsets = [sum(counts[:q]) for q in range(world)]
@@ -160,7 +163,7 @@ CASES = {
     w: {**{f"{s}-{lay}": (s, lay == "compact", "served") for s in STEPS for lay in ("padded", "compact")},
         **{f"{s}-{lay}-ue8m0": (s, lay == "compact", "ue8m0") for s in ("uneven", "zero-token-ranks")
            for lay in ("padded", "compact")},
-        "uneven-column-major-declined": ("uneven", True, "column-major")}
+        "uneven-group32-declined": ("uneven", False, "group32")}
     for w in (2, 3, 4)
 } if QUANTIZES_FIRST else {}
 
@@ -196,7 +199,9 @@ def test_fp8_wire_declines_what_it_does_not_carry(monkeypatch):
     assert verdict() == ("fp8_e4m3_g128", None)
     assert "NVFP4" in verdict(use_nvfp4_w4a4=True, quant_dtype="nvfp4")[1]
     assert "block [1, 64]" in verdict(block_shape=[1, 64])[1]
-    assert "column-major" in verdict(is_scale_transposed=True)[1]
+    # TRTLLM's column-major scales at quantization: served (vLLM's CUDA gather hands the experts row-major scales)
+    assert verdict(is_scale_transposed=True) == ("fp8_e4m3_g128", None)
+    assert "MXFP8" in verdict(quant_dtype="mxfp8", block_shape=[1, 32])[1]
     monkeypatch.setattr(runtime, "fp8_scales_ue8m0", lambda: True)
     assert verdict() == ("fp8_e4m3_g128_ue8m0", None)
     monkeypatch.setattr(runtime, "fp8_scales_ue8m0", lambda: False)

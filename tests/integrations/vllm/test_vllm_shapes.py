@@ -193,7 +193,11 @@ def _refused(rank, world):
 
 
 def _worker(rank, world, payload):
+    import os
+
     import nsa_cp
+
+    os.environ["NSA_CP_FIRST_USE_CHECKS"] = "0"  # no vLLM here: nothing of the engine's to check against
 
     on_gpu = payload["gpu"]
     device = rank_device(rank) if on_gpu else torch.device("cpu")
