@@ -22,8 +22,8 @@ copy alone runs at ``--rate-gbs`` (default 356 GB/s, the 2x H200 P2P push; one P
 a high-priority side stream. While a copy may run, the consumer's cuBLASLt GEMMs leave the copy's SMs free
 (torch's SM carveout, ``--carveout``), as a GEMM beside an SM-driven NVLink kernel must.
 
-The copy-engine mechanisms (``ce``, ``ceb``; default all three side by side, their methods interleaved in
-one timing): copy-engine pulls. Each chunk moves as ``copy_`` of contiguous pieces (cudaMemcpyAsync D2D) on
+The copy-engine mechanisms (``ce``, ``ceb``; by default sm and ce side by side, ``--mechanism all`` adds ceb;
+their methods interleaved in one timing): copy-engine pulls. Each chunk moves as ``copy_`` of contiguous pieces (cudaMemcpyAsync D2D) on
 the side stream, one event per chunk, the consumer waiting for its chunk's event only, and no carveout (the
 copy takes no SMs). A copy engine on one GPU runs at HBM speed, so the link's rate is emulated, two ways that
 err on opposite sides (overlap_copy.py):
@@ -184,10 +184,10 @@ def parse_args(argv=None):
     p.add_argument("--M", type=int, nargs="+", help="per-rank max_rank_len (GPU: 2048 4096 8192; smoke: 16)")
     p.add_argument("--cp", type=int, nargs="+", help="emulated ranks (GPU: 2 4 8; smoke: 2 4)")
     p.add_argument("--rate-gbs", type=float, default=356.0, help="the emulated link's rate, GB/s one way")
-    p.add_argument("--mechanism", choices=tuple(MECHANISMS), default="all",
+    p.add_argument("--mechanism", choices=tuple(MECHANISMS), default="both",
                    help="the link's copy: sm (an SM-driven Triton copy), ce (copy-engine pieces paced by a sleep "
-                        "kernel), ceb (copy-engine pieces paced by L2-resident ballast copies), both (sm, ce) or all, "
-                        "side by side")
+                        "kernel), ceb (copy-engine pieces paced by L2-resident ballast copies), both (sm and ce, the "
+                        "default) or all, side by side")
     p.add_argument("--piece-mib", type=float, help="ce, ceb: the copy-engine piece in MiB (default, ce: the smallest of "
                                                    "1 2 4 8 16 that keeps up, calibrated; ceb: 16)")
     p.add_argument("--rounds", type=int, default=15)

@@ -19,9 +19,9 @@ from nsa_cp.support import Support
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args, pythonpath=None):
+def _run(*args, pythonpath=None, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*(pythonpath or []), str(ROOT)]))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
 
 
 def test_help():
@@ -121,7 +121,9 @@ def test_version_of_a_fresh_import(tmp_path):
     """What ``import nsa_cp`` sets, in a fresh process with the fake editable install of this checkout."""
     base = _source_version()
     path = _fake_install(tmp_path, f"{base}+cu13", f"file://{ROOT}")
-    proc = _run("-c", "import nsa_cp; print(nsa_cp.__version__)", pythonpath=[path])
+    # run from elsewhere: with -c the working directory is first on sys.path, and a checkout's build metadata
+    # (nsa_cp.egg-info, the real install's version) would be found before the fake one
+    proc = _run("-c", "import nsa_cp; print(nsa_cp.__version__)", pythonpath=[path], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"{base}+cu13"
     from importlib import metadata
