@@ -27,7 +27,7 @@ class TransportRow(NamedTuple):
 
 TRANSPORTS: Tuple[TransportRow, ...] = (
     TransportRow("p2p", "nsa_cp.transport.p2p.registry", "PROVIDER"),  # one node: peer memory, nsa_cp._C's kernels
-    TransportRow("nccl", "nsa_cp.transport.dist", "PROVIDER", serves_every_call=True),  # torch.distributed
+    TransportRow("nccl", "nsa_cp.transport.dist.provider", "PROVIDER", serves_every_call=True),  # torch.distributed
 )
 
 

@@ -11,7 +11,7 @@ for a consumer that is a per-row function (row i's output depends on row i only)
 rows and without waiting for the whole gather. The call goes the way every call goes: a request, its plan
 (nsa_cp/planning/overlap.py: the transport chosen once, validation), the transport's pipeline (P2P:
 copy-engine pulls, nsa_cp/transport/p2p/pulls.py; else torch.distributed point-to-point,
-nsa_cp/transport/dist_pipeline.py). The pipeline hands this module each chunk's rows as they land and takes
+nsa_cp/transport/dist/pipeline.py). The pipeline hands this module each chunk's rows as they land and takes
 each chunk's partials; it never calls the consumer. docs/design.md, "The overlapped boundary".
 """
 
@@ -31,7 +31,7 @@ from ..planning.checks import shape_str
 from ..planning.request import OverlapRequest, Request
 from ..rows.quant import check_fp8_g128_input
 from ..rows.topk import topk_reduce
-from ..transport import torch_dist
+from ..transport import groups
 
 __all__ = ["cp_overlapped_boundary", "explain", "Chunk", "TopK"]
 
@@ -120,7 +120,7 @@ def cp_overlapped_boundary(
     if isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("cp_overlapped_boundary cannot be captured in a CUDA graph (it waits per slot); "
                                "capture the serialized boundary (cp_all_gather, the MoE, cp_reduce_scatter)")
-    pg = torch_dist.resolve_group(group)
+    pg = groups.resolve_group(group)
     rank = pg.rank()
     row_shape, dtype, error = (), None, None
     try:
@@ -151,7 +151,7 @@ def explain(x: torch.Tensor, layout: ShardLayout, group: Optional[dist.ProcessGr
     the transport chosen and its mechanism, and every transport asked before it with the reason it
     declined (e.g. "the P2P pulls need CUDA tensors"). ``shared``: whether a shared output is passed.
     ValueError for arguments the call would refuse. Local: no collective."""
-    pg = torch_dist.resolve_group(group)
+    pg = groups.resolve_group(group)
     row_shape, dtype = _check(x, layout, lambda rows, chunk: None, pg, pg.rank(), quant, chunk_rows, out_row_shape,
                               out_dtype, None)
     req = OverlapRequest(Request.of(overlap_plan.CALL, x, layout, group, backend=backend, quant=quant), chunk_rows,

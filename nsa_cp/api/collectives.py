@@ -64,7 +64,7 @@ def cp_all_gather(
             True: compact ``[total_len, ...]``.
         out: optional contiguous output of exactly the result's shape, dtype and device (a ``(q, scale)``
             pair with ``quant``).
-        algo: compact only, NCCL only: "auto", "padded" or "coalesced" (nsa_cp/transport/dist_path.py).
+        algo: compact only, NCCL only: "auto", "padded" or "coalesced" (nsa_cp/transport/dist/moves.py).
         backend: "auto" (P2P for uneven layouts when ``nsa_cp.init_p2p`` registered a transport that
             serves the call, else NCCL/gloo; NSA_CP_BACKEND overrides), "nccl" or "p2p".
         validate: check with one small all-reduce that every rank passed the same layout and valid

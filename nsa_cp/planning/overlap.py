@@ -25,7 +25,7 @@ from .route import choose
 from ..errors import LayoutMismatchError
 from ..geometry.stage import OVERLAPPED_BOUNDARY
 from ..support import Support
-from ..transport import torch_dist
+from ..transport import groups
 from .request import OverlapRequest
 
 __all__ = ["OverlapPlan", "start", "lookup", "CALL"]
@@ -78,7 +78,7 @@ def start(req: OverlapRequest, x: torch.Tensor, local_error: Optional[ValueError
         except ValueError as err:
             local_error = err
     if validate:
-        rank, size = torch_dist.group_rank_and_size(req.group)
+        rank, size = groups.group_rank_and_size(req.group)
         device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
         validation.agree_on_fields(CALL, req.fields(), req.group, rank, size, device, local_error)
     elif local_error is not None:
@@ -94,7 +94,7 @@ def finish(req: OverlapRequest, pipeline, shared, topk: bool, validate: Optional
         validate = plans.validate_default()
     mismatch = None
     if validate:
-        rank, size = torch_dist.group_rank_and_size(req.group)
+        rank, size = groups.group_rank_and_size(req.group)
         device = shared.device if shared is not None else pipeline.device
         try:
             validation.agree_on_fields(CALL, {"consumer output (TopK or a tensor)": "TopK" if topk else "tensor"},

@@ -24,7 +24,7 @@ from .. import envs
 from ..rows.norm import norm_after, norm_before
 from .request import Request
 from ..geometry.stage import COPY, NORM
-from ..transport import base, groups, torch_dist
+from ..transport import base, groups
 
 __all__ = ["call", "lookup", "buffer", "GatherPlan", "ScatterPlan", "clear_cache", "cache_size"]
 
@@ -59,7 +59,7 @@ def lookup(req, plan_type=None):
     """The cached plan of ``req`` (its key: the request, the resolved group, ``envs.plan_state()``);
     built, running the plan checks, on a miss: a ``plan_type(req, group)`` (default: the request's gather
     or reduce-scatter plan)."""
-    pg = torch_dist.resolve_group(req.group)
+    pg = groups.resolve_group(req.group)
     generation = groups.latest_generation()  # P2P transports and native NCCL communicators alike
     if generation != _state["generation"]:
         _CACHE.clear()  # a transport came or went: drop every plan (and the references they hold)
@@ -70,7 +70,7 @@ def lookup(req, plan_type=None):
     except TypeError:  # an unhashable layout: the plan checks say what is wrong with it
         plan, key = None, None
     if plan is None:
-        torch_dist.forget_destroyed_groups(_CACHE)  # on a miss only: a new group may follow destroyed ones
+        groups.forget_destroyed_groups(_CACHE)  # on a miss only: a new group may follow destroyed ones
         plan = (plan_type or (GatherPlan if req.is_gather else ScatterPlan))(req, pg)
         if key is not None:
             if len(_CACHE) >= _CACHE_LIMIT:

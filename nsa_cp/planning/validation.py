@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import checks
 from ..errors import LayoutMismatchError
 from ..geometry.layout import ShardLayout
-from ..transport import torch_dist
+from ..transport import groups
 
 __all__ = ["LayoutMismatchError", "layout_fingerprint", "agree", "agree_on_plan", "agree_on_fields"]
 
@@ -91,7 +91,7 @@ def agree_on_plan(req, plan, error: Optional[ValueError], positions) -> None:
     """Collective: after this rank's plan checks (``plan``, or the ValueError ``error`` they raised), one small
     all-reduce whatever they said, so a rank with bad input or another layout makes every rank raise instead
     of leaving the others in a collective. Positions are also checked to be a permutation here."""
-    rank, size = torch_dist.group_rank_and_size(req.group)
+    rank, size = groups.group_rank_and_size(req.group)
     if error is None and positions is not None:
         try:
             checks.check_permutation(positions, req.layout.total_len)

@@ -1,7 +1,7 @@
 """How bytes move between ranks, and the transports' lifecycle.
 
-- ``torch_dist``: NCCL / gloo through torch.distributed's process groups (the path every call can take);
-- ``nccl_native``: nsa_cp's own NCCL communicator for a group's uneven calls (``init_nccl``);
+- ``dist/``: NCCL / gloo through torch.distributed's process groups (the path every call can take), with
+  nsa_cp's own NCCL communicator for a group's uneven calls (``dist/nccl.py``: ``init_nccl``);
 - ``p2p``: the intranode P2P transport (peer memory + the nsa_cp._C kernels; ``init_p2p``).
 
 The planner asks them through one seam (``base``: the ``Transport`` protocol), in the order of the static
@@ -16,7 +16,7 @@ and the two ``*_unavailable_reason`` (the use cases); its other lifecycle names 
 
 from ..geometry.workspace import workspace_bytes
 from .base import Route, Transport, register, unregister
-from .nccl_native import destroy_nccl, get_nccl, init_nccl, nccl_unavailable_reason
+from .dist.nccl import destroy_nccl, get_nccl, init_nccl, nccl_unavailable_reason
 from .p2p import destroy_p2p, get_p2p, init_p2p, p2p_unavailable_reason
 
 __all__ = ["init_p2p", "get_p2p", "destroy_p2p", "p2p_unavailable_reason", "init_nccl", "get_nccl", "destroy_nccl",

@@ -3,7 +3,7 @@
 A *transport* moves one process group's rows for the calls it accepts. nsa_cp's transports are the rows of
 a static table (nsa_cp/transports.py: name, provider module); the planner (nsa_cp/planning/plan.py) asks their
 providers in order for a request and takes the first whose verdict is yes; the torch.distributed
-transport (NCCL / gloo, nsa_cp/transport/dist.py) is last and serves every call. A verdict's reason feeds
+transport (NCCL / gloo, nsa_cp/transport/dist/provider.py) is last and serves every call. A verdict's reason feeds
 the fallback log and, when the caller insisted on that transport with ``backend=<name>``, the ValueError.
 
 A provider has a ``name`` (what ``backend=`` insists on) and ``open(req, group)`` returning the group's

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .nccl_native import init_nccl, nccl_unavailable_reason
+from .dist.nccl import init_nccl, nccl_unavailable_reason
 from .p2p import get_p2p, init_p2p, p2p_unavailable_reason
 
 __all__ = ["ensure_transport", "transport_decision", "fits"]

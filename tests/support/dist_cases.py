@@ -160,8 +160,8 @@ def _run_even_direct(case, rank, world, group, device, nsa_cp) -> Optional[str]:
     """An even layout makes exactly one equal-shard collective on the caller's tensor, no kernel, and the
     result is bitwise torch.distributed's own collective's."""
     import torch.distributed as dist
-    from nsa_cp.transport import dist_path as algorithms
-    from nsa_cp.transport.torch_dist import Collectives
+    from nsa_cp.transport.dist import moves as algorithms
+    from nsa_cp.transport.dist.collectives import Collectives
 
     dtype = DTYPES[case["dtype"]]
     layout = nsa_cp.ShardLayout(case["counts"])

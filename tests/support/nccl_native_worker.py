@@ -53,7 +53,7 @@ class EmulatedNative:
 
 def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]:
     import nsa_cp
-    from nsa_cp.transport.torch_dist import Collectives
+    from nsa_cp.transport.dist.collectives import Collectives
 
     group = dist.group.WORLD
     results: Dict[str, Optional[str]] = {}
@@ -113,7 +113,7 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
     def padded_scatter_by_rows():
         # with a native communicator the padded reduce-scatter sums each rank's real rows straight into
         # the result (grouped reduces at offsets q * M): against the fp64 sum, NaN-poisoned output
-        from nsa_cp.transport import dist_path as algorithms
+        from nsa_cp.transport.dist import moves as algorithms
         from nsa_cp.planning.request import Request
 
         for counts in ([3, 0, 5, 1, 2, 7, 0, 4][:world], [0] * world, [2] * world, [4] + [0] * (world - 1)):
@@ -152,7 +152,7 @@ def run_checks(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]]
     def cpu_plans_never_native():
         layout = nsa_cp.ShardLayout([rank + 2 for rank in range(world)])
         from nsa_cp.planning.request import Request
-        from nsa_cp.transport.dist import DistTransport
+        from nsa_cp.transport.dist.provider import DistTransport
 
         req = Request.of("cp_all_gather", torch.empty(layout.count(rank), 4), layout, group)
         coll, _ = DistTransport(group)._collectives(req, "padded")

@@ -365,7 +365,7 @@ def run_started(rank: int, world: int, payload: dict) -> Dict[str, Optional[str]
     import torch.distributed as dist
 
     import nsa_cp
-    from nsa_cp.transport import dist_pipeline as overlap
+    from nsa_cp.transport.dist import pipeline as overlap
 
     layout = nsa_cp.ShardLayout([3, 0, 2, 4][:world])
     x = gen(5, rank, layout.per_rank_actual_token[rank], (8,), torch.float32, "cpu")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ...rows import _native
 from ... import envs
-from ..torch_dist import check_group
+from ..groups import check_group
 
 __all__ = ["p2p_unavailable_reason", "survey", "share_function", "memory_kind"]
 

@@ -9,7 +9,7 @@ the default-group lookup, torch-function dispatch and two decorators. Inside a c
 instead. ``NSA_CP_NCCL_CALL=public`` makes every call take the public functions.
 
 A plan of an uneven movement passes ``native``: the group's ``NativeNccl`` (nsa_cp/transport/
-nccl_native.py, made by ``nsa_cp.init_nccl``). Its calls then go to NCCL from C++, without c10d's op
+dist/nccl.py, made by ``nsa_cp.init_nccl``). Its calls then go to NCCL from C++, without c10d's op
 around them; the even layout never gets one (torch's collective is its contract).
 
 The uneven collectives (``all_gather_rows`` / ``reduce_scatter_rows``: grouped broadcasts / reduces
@@ -24,59 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from .. import envs
+from ... import envs
 
-__all__ = ["Collectives", "check_group", "forget_destroyed_groups", "group_rank_and_size", "resolve_group"]
+__all__ = ["Collectives"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def check_group(group) -> None:
-    """ValueError naming ``group`` unless it is None or a ProcessGroup this process is a member of
-    (``dist.new_group`` hands a non-member a marker, not a group; a name or a rank is no group)."""
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return
-    if group is _c10d.GroupMember.NON_GROUP_MEMBER:
-        rank = dist.get_rank() if dist.is_initialized() else "?"
-        raise ValueError(f"group: expected a process group this rank is a member of (or None: the default group), "
-                         f"got GroupMember.NON_GROUP_MEMBER: global rank {rank} is not in the group "
-                         f"dist.new_group(ranks) made; call the collective on that group's ranks only")
-    raise ValueError(f"group: expected a torch.distributed ProcessGroup (or None: the default group), got "
-                     f"{group!r} ({type(group).__name__})")
-
-
-def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    """``group``, or the default group for None (raises when torch.distributed is not initialized);
-    ValueError naming ``group`` for anything that is not a group of this rank (``check_group``)."""
-    if group is not None:
-        if not isinstance(group, dist.ProcessGroup):
-            check_group(group)
-        return group
-    world = _c10d.GroupMember.WORLD  # the default group once initialized: an attribute read, not a call
-    if world is not None:
-        return world
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("nsa_cp collectives need torch.distributed to be initialized")
-    return _c10d._get_default_group()
-
-
-def forget_destroyed_groups(cache: dict) -> None:
-    """Drop the entries of a plan cache (keys ``(request, group, ...)``) whose group
-    ``dist.destroy_process_group`` has destroyed, and with them the plans' buffers and the group itself."""
-    live = getattr(getattr(_c10d, "_world", None), "pg_map", None)
-    if live is None:  # torch moved it: keep everything (the cache's size limit still bounds it)
-        return
-    dead = [key for key in cache if key[1] not in live]
-    for key in dead:
-        del cache[key]
-
-
-def group_rank_and_size(group: Optional[dist.ProcessGroup]):
-    """``(rank, size)`` of this process in ``group`` (None: the default group)."""
-    # ProcessGroup.rank()/size() are plain C++ getters: dist.get_rank() costs microseconds of checks
-    group = resolve_group(group)
-    return group.rank(), group.size()
 
 
 class Collectives:

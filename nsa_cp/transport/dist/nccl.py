@@ -27,11 +27,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..rows import _native
-from .. import envs
-from ..support import Support
-from .torch_dist import check_group, resolve_group
-from .groups import GroupRegistry
+from ...rows import _native
+from ... import envs
+from ...support import Support
+from ..groups import GroupRegistry, check_group, resolve_group
 
 __all__ = ["NativeNccl", "init_nccl", "get_nccl", "destroy_nccl", "nccl_support", "nccl_unavailable_reason", "NCCL_DTYPES"]
 

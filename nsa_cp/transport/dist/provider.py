@@ -1,7 +1,7 @@
 """The torch.distributed transport: NCCL on GPUs (with the group's native NCCL communicator where
 ``init_nccl`` made one), gloo on CPU. It serves every call, so the planner asks it last.
 
-Its movements (even, padded, padded+compact, coalesced, ordered) are nsa_cp/transport/dist_path.py's;
+Its movements (even, padded, padded+compact, coalesced, ordered) are nsa_cp/transport/dist/moves.py's;
 this module picks one per request (``algo``) and binds it to the group's ``Collectives``.
 """
 
@@ -11,16 +11,17 @@ import math
 
 import torch
 
-from .. import envs
-from ..support import Support
-from . import dist_path, dist_pipeline, nccl_native, torch_dist
-from .base import Route
+from ... import envs
+from ...support import Support
+from . import moves, pipeline, nccl
+from .collectives import Collectives
+from ..base import Route
 
 __all__ = ["DistTransport", "DistProvider"]
 
 
 def _algo(req, min_bytes: int) -> str:
-    """The movement: even, padded, padded+compact or coalesced (nsa_cp/transport/dist_path.py)."""
+    """The movement: even, padded, padded+compact or coalesced (nsa_cp/transport/dist/moves.py)."""
     layout = req.layout
     if layout.is_even and not req.has_device_counts:
         return "even"
@@ -47,23 +48,23 @@ class DistTransport:
     def _collectives(self, req, algo: str):
         """``(Collectives, backend word)``: with the group's native NCCL communicator for an uneven movement
         on its device; the even movement always keeps torch's collective (the contract)."""
-        native = nccl_native.get_nccl(self.group) if req.device.type == "cuda" and algo != "even" else None
+        native = nccl.get_nccl(self.group) if req.device.type == "cuda" and algo != "even" else None
         if native is not None and (native.device != req.device or native.closed):
             native = None
-        coll = torch_dist.Collectives(self.group, native)
+        coll = Collectives(self.group, native)
         backend = "nccl+native" if coll.native is not None else ("nccl" if req.device.type == "cuda" else "gloo")
         return coll, backend
 
     def gather(self, req, stage) -> Route:
         algo = _algo(req, envs.NSA_CP_COALESCED_GATHER_MIN_BYTES)
         coll, backend = self._collectives(req, algo)
-        source = dist_path.Source(stage, tuple(req.row_shape), req.dtype)
-        return Route(dist_path.gather_runner(coll, req, self.group.rank(), source, algo), backend, algo, stage.norm)
+        source = moves.Source(stage, tuple(req.row_shape), req.dtype)
+        return Route(moves.gather_runner(coll, req, self.group.rank(), source, algo), backend, algo, stage.norm)
 
     def scatter(self, req, stage) -> Route:
         algo = _algo(req, envs.NSA_CP_COALESCED_SCATTER_MIN_BYTES)
         coll, backend = self._collectives(req, algo)
-        return Route(dist_path.scatter_runner(coll, req, self.group.rank(), algo), backend, algo, False)
+        return Route(moves.scatter_runner(coll, req, self.group.rank(), algo), backend, algo, False)
 
     def buffer(self, req) -> torch.Tensor:
         return torch.empty((req.result_rows, *req.row_shape), dtype=req.dtype, device=req.device)
@@ -73,15 +74,15 @@ class DistTransport:
 
     def overlap(self, req):
         """``(start, mechanism)``: ``start(x, timeout_ms)`` posts every chunk's rows and returns the
-        :class:`~nsa_cp.transport.dist_pipeline.DistPipeline` (nsa_cp/planning/overlap.py's contract)."""
+        :class:`~nsa_cp.transport.dist.pipeline.DistPipeline` (nsa_cp/planning/overlap.py's contract)."""
         call, group, rank = req.call, self.group, self.group.rank()
 
         def start(x, timeout_ms):
-            return dist_pipeline.DistPipeline(x, call.layout, rank, group, quant=call.quant,
+            return pipeline.DistPipeline(x, call.layout, rank, group, quant=call.quant,
                                               out_row_shape=req.out_row_shape, out_dtype=req.out_dtype,
                                               timeout_ms=timeout_ms, chunk_rows=req.chunk_rows)
 
-        return start, dist_pipeline.MECHANISM
+        return start, pipeline.MECHANISM
 
 
 class DistProvider:

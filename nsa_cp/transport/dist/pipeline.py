@@ -37,12 +37,12 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..geometry.chunks import Chunk, pieces, schedule
-from ..geometry.layout import ShardLayout
-from ..geometry.wire import format_of
-from ..rows.quant import quantize
-from ..rows.slot_sum import slot_sum
-from .p2p.errors import P2PTimeoutError
+from ...geometry.chunks import Chunk, pieces, schedule
+from ...geometry.layout import ShardLayout
+from ...geometry.wire import format_of
+from ...rows.quant import quantize
+from ...rows.slot_sum import slot_sum
+from ..p2p.errors import P2PTimeoutError
 
 __all__ = ["DistPipeline", "MECHANISM"]
 

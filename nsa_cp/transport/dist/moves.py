@@ -1,4 +1,4 @@
-"""The torch.distributed path's movements (NCCL on GPUs, gloo on CPU); nsa_cp/transport/dist.py picks one
+"""The torch.distributed path's movements (NCCL on GPUs, gloo on CPU); nsa_cp/transport/dist/provider.py picks one
 per request and hands it to the planner.
 
 Every gather is one *source stage* then one *movement*:
@@ -37,11 +37,11 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from ..rows import reference
-from ..geometry.wire import FP8_DTYPES
-from ..geometry.layout import ShardLayout
-from ..geometry.stage import Stage
-from .torch_dist import Collectives
+from ...rows import reference
+from ...geometry.wire import FP8_DTYPES
+from ...geometry.layout import ShardLayout
+from ...geometry.stage import Stage
+from .collectives import Collectives
 
 __all__ = ["Source", "gather_runner", "scatter_runner"]
 
