@@ -47,7 +47,8 @@ NSA_CP_SGLANG_OVERLAP=1, on the GPU). Checked:
 
 A replicated shared expert (``SGLANG_SHARED_EXPERT_TP1=1``) is kept serialized on CUDA by the plugin (its
 overlap differed from the serialized plugin at 3 and 4 ranks on 1x H100, an open defect): those cases check
-the decline (both layers, with its reason) and that the forward is the serialized plugin's bit for bit.
+the decline (both layers, with its reason), that the forward is the serialized plugin's bit for bit, and the
+serialized plugin against the plugin off within the bound above.
 
 The even split runs with NSA_CP_BACKEND=p2p, as in test_sglang_boundary_gpu: in production an even batch keeps
 the plain NCCL collective, which two ranks on one GPU cannot have (and gloo has no CUDA reduce-scatter).
@@ -214,8 +215,11 @@ def check_case(rank, world, case, device, want_backend):
         # 3+ ranks): both layers declined with that reason, the forward the serialized plugin's bit for bit
         held = [v for k, v in overlap["serialized"].items() if "SGLANG_SHARED_EXPERT_TP1" in k]
         assert overlap["layers"] == 0 and held == [2] and not calls, overlap
+        rounding = sglang_stack.ROUNDING[DTYPE]
         for key in ("hidden", "residual"):
             _same(on[key][:n].cpu(), ser[key][:n].cpu(), f"{key}: declined overlap vs serialized plugin")
+            # the serialized plugin with a replicated shared expert against SGLang's own moves, as below
+            _close(ser[key][:n].cpu(), off[key][:n], (world + 4) * rounding, f"{key}: serialized plugin vs plugin off")
         return {"bitwise": True, "backends": []}
     # the overlap ran, on the transport asked for, and nothing took SGLang's or the NCCL path
     assert overlap["declined"] is None and overlap["layers"] == 2 and not overlap["serialized"], overlap
