@@ -82,6 +82,16 @@ class Request(NamedTuple):
         """Rows of the gathered result / the reduce-scatter's input: padded, compact or batch order."""
         return self.layout.global_len(self.compact or self.ordered)
 
+    def fields(self) -> dict:
+        """What the ranks must agree on, by argument name (the torch.distributed transport's agreement check
+        compares one hash of each, nsa_cp/transport/dist/agreement.py, and names the ones that differ)."""
+        layout = self.layout
+        if hasattr(layout, "per_rank_actual_token"):
+            layout = f"{tuple(layout.per_rank_actual_token)} align={layout.align}"
+        return {"call": self.op, "layout": layout, "compact": self.compact, "positions": self.ordered,
+                "quant": self.quant, "x": f"rows of {tuple(self.row_shape)} {self.dtype}",
+                "device_counts": self.has_device_counts, "algo": self.algo}
+
     def describe(self) -> str:
         """What the ranks must agree on, as text (the plan's signature, validation's fingerprint)."""
         quant = f"|quant={self.quant}" if self.quant is not None or self.is_gather else ""
