@@ -121,14 +121,10 @@ class OverlapRequest(NamedTuple):
 
     def fields(self) -> dict:
         """What the ranks must agree on, by argument name (validation names the ones that differ)."""
-        c = self.call
-        layout = c.layout
-        if hasattr(layout, "per_rank_actual_token"):
-            layout = f"{tuple(layout.per_rank_actual_token)} align={layout.align}"
-        return {"layout": layout,
-                "x": f"rows of {tuple(c.row_shape)} {c.dtype}", "quant": c.quant, "chunk_rows": self.chunk_rows,
+        c = self.call.fields()
+        return {"layout": c["layout"], "x": c["x"], "quant": c["quant"], "chunk_rows": self.chunk_rows,
                 "out_row_shape": self.out_row_shape, "out_dtype": self.out_dtype, "shared": self.shared,
-                "backend": c.backend}
+                "backend": self.call.backend}
 
     def describe(self) -> str:
         return "|".join(f"{k}={v}" for k, v in self.fields().items())
