@@ -30,8 +30,8 @@ def _nan(shape, dtype, device):
 
 
 def _counts(world, last):
-    """Counts of ``world`` ranks whose max is 6, the last rank holding ``last``."""
-    return [6] + [4] * (world - 2) + [last]
+    """Counts of ``world`` ranks whose max is 6, the last rank holding ``last`` (one rank: ``[last]``)."""
+    return [6] + [4] * (world - 2) + [last] if world > 1 else [last]
 
 
 def cases(world):
@@ -197,3 +197,74 @@ def run_device(rank, world, payload):
 
 # the device check needs the rows' collective to have the same size on every rank (NCCL: docs/design.md)
 DEVICE_CASES = ("counts-same-max", "quant", "compact", "positions", "reduce-scatter-counts", "reduce-scatter-compact")
+
+
+def gloo_cuda_probe(device) -> str:
+    """'' when this gloo group moves CUDA tensors in the path's collectives, else why not (the test skips)."""
+    import torch.distributed as dist
+
+    try:
+        x = torch.ones(4, device=device)
+        out = torch.empty(4 * dist.get_world_size(), device=device)
+        dist.all_gather_into_tensor(out, x)
+        dist.reduce_scatter_tensor(x, out)
+    except RuntimeError as err:
+        return f"gloo here does not move CUDA tensors in an equal-shard collective: {err}"
+    return ""
+
+
+def run_shared_gpu(rank, world, payload):
+    """Ranks sharing cuda:0 over gloo: the host-visible check (``kind`` "host") or the device check forced
+    (``kind`` "device": the kernel on the GPU, the pinned record copy), as on CPU."""
+    from dist_harness import rank_device
+
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    why = gloo_cuda_probe(device)
+    if why:
+        return {"__skip__": why}
+    fn = run_host if payload["kind"] == "host" else run_device
+    return fn(rank, world, {**payload, "device": str(device)})
+
+
+def run_one_rank(rank, world, payload):
+    """NCCL with one rank (one GPU): the check's every part on the device, where no rank can disagree. The
+    same calls with NSA_CP_AGREEMENT off / auto / separate are bitwise equal and finite; a mismatch recorded by
+    an earlier call (set here by hand, as the kernel sets it) poisons the next result with NaN (FP8: its
+    scales), the call after raises naming the field, and the one after that is clean again."""
+    import nsa_cp
+    from nsa_cp.rows.kernels.agree import SET_BIT
+    from nsa_cp.transport.dist import agreement
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    results = {}
+    got = {}
+    for mode in ("off", "auto", "separate"):
+        os.environ["NSA_CP_AGREEMENT"] = mode
+        got[mode] = [t.clone() for t in _agreeing(rank, world, device)]
+    bad = [m for m in ("auto", "separate") if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got["off"], got[m]))]
+    results["modes-bitwise"] = f"{bad} differ from off" if bad else None
+    finite = all(bool(torch.isfinite(t.float()).all()) for t in got["auto"])
+    results["modes-finite"] = None if finite else "a result of an agreeing call is not finite"
+    for mode in ("auto", "separate"):
+        os.environ["NSA_CP_AGREEMENT"] = mode
+        layout = nsa_cp.ShardLayout([5], align=8)
+        x = _x(5, device)
+        nsa_cp.cp_all_gather(x, layout, quant="fp8_e4m3_g128")  # the plan and its record exist
+        record = agreement._RECORDS[(torch.distributed.group.WORLD, device)]
+        record.device.fill_(SET_BIT | 1 << 1)  # bit 1: "layout" (Request.fields' second name)
+        q, scale = nsa_cp.cp_all_gather(x, layout, quant="fp8_e4m3_g128")
+        torch.cuda.synchronize()
+        problems = [] if torch.isnan(scale).all() else ["the scales were not poisoned"]
+        try:
+            nsa_cp.cp_all_gather(x, layout)
+            problems.append("the next call did not raise")
+        except nsa_cp.LayoutMismatchError as err:
+            if "layout" not in str(err):
+                problems.append(f"the error does not name layout: {err}")
+        clean = nsa_cp.cp_all_gather(x, layout)
+        if not torch.equal(clean[:5], x):
+            problems.append("the call after the error is not the plain gather")
+        results[f"poison-then-raise-{mode}"] = "; ".join(problems) or None
+    return results
