@@ -44,3 +44,14 @@ def test_separate_mode_catches_them_too(case_id):
 def test_device_check_poisons_the_result_and_the_next_call_raises(world, case_id):
     failures = case_failures(_device(world), case_id)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case_id", ["chunk-rows", "after"])
+def test_overlapped_boundary_chunk_rows_named_without_validate(case_id):
+    failures = case_failures(_overlap(), case_id)
+    assert not failures, "\n".join(failures)
+
+
+@functools.lru_cache(maxsize=None)
+def _overlap():
+    return run_world(3, "gloo", agreement_cases.run_overlap_chunk_rows, {}, timeout_s=120)

@@ -268,3 +268,25 @@ def run_one_rank(rank, world, payload):
             problems.append("the call after the error is not the plain gather")
         results[f"poison-then-raise-{mode}"] = "; ".join(problems) or None
     return results
+
+
+def run_overlap_chunk_rows(rank, world, payload):
+    """cp_overlapped_boundary over gloo, without validate=: ranks passing different ``chunk_rows`` raise
+    LayoutMismatchError naming it on every rank (before any transfer, never a timeout); the call after it,
+    agreeing, gives the sum."""
+    import nsa_cp
+
+    layout = nsa_cp.ShardLayout(_counts(world, 5))
+    x = torch.ones(layout.count(rank), 16)
+    results = {}
+    try:
+        nsa_cp.cp_overlapped_boundary(x, layout, lambda rows, chunk: rows, chunk_rows=2 if rank == world - 1 else 3,
+                                      timeout_ms=60000)
+        results["chunk-rows"] = f"rank {rank}: no error"
+    except nsa_cp.LayoutMismatchError as err:
+        results["chunk-rows"] = None if "disagree on chunk_rows" in str(err) else f"rank {rank}: {err}"
+    except Exception:  # noqa: BLE001
+        results["chunk-rows"] = f"rank {rank}: not a LayoutMismatchError:\n{traceback.format_exc()}"
+    got = nsa_cp.cp_overlapped_boundary(x, layout, lambda rows, chunk: rows, chunk_rows=2)
+    results["after"] = None if torch.equal(got, torch.full_like(x, world)) else f"rank {rank}: wrong sum {got}"
+    return results
