@@ -21,8 +21,11 @@ POISON_BITS = {
     torch.bfloat16: (torch.int16, 0x7FC0), torch.float16: (torch.int16, 0x7E00),
     torch.float8_e4m3fn: (torch.int8, -1), torch.float8_e5m2: (torch.int8, -1), torch.uint8: (torch.int8, -1),
     torch.int8: (torch.int8, -1), torch.int32: (torch.int32, -1), torch.int64: (torch.int64, -1),
+    # the fnuz formats' one NaN is 0x80
+    **{getattr(torch, n): (torch.int8, -128) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)},
 }
 
+_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BLOCK = 1024
 _MAX_PROGRAMS = 32  # poisoning runs only on a mismatch: a few programs, grid-stride
 
@@ -54,8 +57,9 @@ def check_and_poison(table: torch.Tensor, rank: int, record: torch.Tensor, out: 
     any differs (or ``record`` is already set), ``record[0] |= SET_BIT | (bit f per differing field f)`` and
     every element of ``out`` (contiguous, any dtype of POISON_BITS) is overwritten with its poison (NaN)."""
     size, nfields = table.shape
-    word, value = POISON_BITS[out.dtype]
-    flat = out.view(-1).view(word) if out.numel() else out.new_empty(0, dtype=word)
+    word, value = POISON_BITS.get(out.dtype) or (_WORDS[out.element_size()], -1)
+    # a strided result (never one of nsa_cp's own) keeps its values; the record is set all the same
+    flat = out.view(-1).view(word) if out.numel() and out.is_contiguous() else table.new_empty(0).view(word)
     numel = flat.numel()
     programs = max(1, min(_MAX_PROGRAMS, triton.cdiv(numel, _BLOCK)))
     _check_and_poison_kernel[(programs,)](
