@@ -53,9 +53,9 @@ def worker(rank: int, world: int, mode: str, port: int, args, out_path: str) -> 
     rows: List[dict] = []
     for m in args.M:
         for name, (layout, fn) in _calls(nsa, world, m, args.hidden, dtype, device).items():
-            g = torch.Generator(device="cpu").manual_seed(args.seed + m + rank)
-            sets = [(torch.randn(layout.count(rank), args.hidden, generator=g).to(dtype).to(device),
-                     torch.randn(layout.padded_len, args.hidden, generator=g).to(dtype).to(device))
+            g = torch.Generator(device=device).manual_seed(args.seed + m + rank)  # drawn where they are used
+            sets = [(torch.randn(layout.count(rank), args.hidden, generator=g, device=device).to(dtype),
+                     torch.randn(layout.padded_len, args.hidden, generator=g, device=device).to(dtype))
                     for _ in range(2)]
             results = {v: [r.clone() for r in _one(fn, layout, *sets[0], v)] for v in VARIANTS}
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))

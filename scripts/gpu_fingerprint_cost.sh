@@ -23,12 +23,12 @@ T0=$(date +%s)
 (cd / && $PY -c "import nsa_cp, torch, triton; print(nsa_cp.__file__, 'torch', torch.__version__, 'triton',
 triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU',
 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else '-')") >"$OUT/env.txt" 2>&1
-timeout 140 $PY benchmarks/gather_scatter.py --agreement --M 2048 8192 32768 --hidden 7168 --dtype bf16 \
+timeout 80 $PY benchmarks/gather_scatter.py --agreement --M 2048 8192 32768 --hidden 7168 --dtype bf16 \
   --rounds "${ROUNDS:-30}" --warmup 5 --ref-ms 2048=0.141,8192=0.488,32768=1.772 \
   --csv "$OUT/agreement_cost.csv" >"$OUT/agreement_cost.txt" 2>&1
 bench_rc=$?
 T1=$(date +%s)
-NSA_TEST_LOG_DIR="$OUT/test_logs" timeout 170 $PY -m pytest -q -rs tests/collectives/test_agreement_gpu.py \
+NSA_TEST_LOG_DIR="$OUT/test_logs" timeout 150 $PY -m pytest -q -rs tests/collectives/test_agreement_gpu.py \
   >"$OUT/tests.txt" 2>&1
 test_rc=$?
 T2=$(date +%s)
