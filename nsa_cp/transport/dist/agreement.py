@@ -101,8 +101,8 @@ class Agreement:
     def before(self) -> None:
         """Host-visible: exchange and compare now, raising on every rank. Device: raise for an earlier call's
         mismatch, then send the words (grouped with the first equal-shard collective, or alone, now)."""
-        if not self.device_check:
-            self.coll.all_gather_equal(self.table.view(-1), self.send)
+        if not self.device_check:  # CPU words through the group's own collective (gloo's: never a native one)
+            _all_gather_single(self.table.view(-1), self.send, group=self.coll.group)
             self._compare(self.table.tolist())
             return
         self.record.raise_pending(self.values["call"], self.rank)
