@@ -9,6 +9,7 @@ Usage::
     python benchmarks/gather_scatter.py --counts 4096,4096,7936,8192 --hidden 7168
     python benchmarks/gather_scatter.py --seq-lens '700*64' --seq-lens '32768,4096*6' --page-size 64
     python benchmarks/gather_scatter.py --cpu-ranks 2 --M 64 --rounds 3   # CPU/gloo smoke run
+    python benchmarks/gather_scatter.py --agreement --M 2048 8192          # the agreement check's cost (NCCL)
 
 Per configuration (a list of per-rank counts): every method checked once on NaN-poisoned outputs against
 the expected outputs each rank builds from seeded inputs (gathers exactly, reduce-scatters against the
@@ -492,6 +493,11 @@ def main(argv=None):
     args = parse_args(argv)
     harness.check_output_paths([("--csv", args.csv), ("--json", args.json)])  # before anything is measured
     harness.keep_multicast_off()
+    if args.agreement:  # the agreement check's cost: its own mode (gather_scatter_agreement.py)
+        import gather_scatter_agreement
+
+        gather_scatter_agreement.run(args)
+        return
     mode, world = choose_mode(args)
     if mode == "stages":
         print("one CUDA GPU: no link to time between ranks here (ranks sharing this GPU would move rows through "

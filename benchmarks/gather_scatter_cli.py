@@ -5,6 +5,8 @@ stages.py. A part of gather_scatter.py (no other benchmark imports it).
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import sys
 from typing import List, Tuple
@@ -50,12 +52,25 @@ def parse_args(argv=None, doc: str = ""):
     p.add_argument("--native-nccl", choices=("auto", "off"), default="auto",
                    help="auto: nsa_cp.init_nccl before the sweep, so the nsa_* NCCL rows use nsa_cp's own NCCL "
                         "communicator (the nsa_*_torch rows go through torch's); off: torch's everywhere")
+    p.add_argument("--agreement", action="store_true",
+                   help="time the agreement check's cost instead (gather_scatter_agreement.py): the same calls with "
+                        "NSA_CP_AGREEMENT off, auto and separate; NCCL, one rank per GPU, one GPU is enough")
+    p.add_argument("--ref-ms", type=_ref_ms, metavar="M=ms,...",
+                   help="--agreement: a gather's time per M (e.g. 2048=0.141: 2 ranks' even all-gather) to give "
+                        "the check's added time as a share of")
     p.add_argument("--csv", help="write one row per (configuration, method)")
     p.add_argument("--json", help="same rows as JSON")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds must be >= 1 and --warmup >= 0")
     return args
+
+
+def _ref_ms(text: str):
+    try:
+        return {int(m): float(ms) for m, ms in (item.split("=") for item in text.split(",") if item.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected M=ms,..., got {text!r}") from None
 
 
 def choose_mode(args) -> Tuple[str, int]:

@@ -125,6 +125,13 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
         "input; raise LayoutMismatchError / ValueError on every rank otherwise (calls with "
         "validate=None follow this)",
     ),
+    "NSA_CP_AGREEMENT": (
+        _choice("NSA_CP_AGREEMENT", "auto", ("auto", "separate", "off")),
+        "the torch.distributed path's check on every call that the ranks agree (a fingerprint gathered beside "
+        "the rows): 'auto' (on NCCL in the same NCCL group as the rows' collective where it can, else a tiny "
+        "all-gather just before; gloo: before the rows), 'separate' (always the tiny all-gather before), "
+        "'off'. Must be the same on every rank",
+    ),
     "NSA_CP_ROW_KERNELS": (
         _choice("NSA_CP_ROW_KERNELS", "auto", ("auto", "native", "triton")),
         "the NCCL path's pack / compact / expand kernels on CUDA: 'native' (nsa_cp._C), 'triton' (the "
@@ -244,7 +251,7 @@ ENVIRONMENT_VARIABLES: Dict[str, Tuple[Callable[[], Any], str]] = {
 # change takes effect on the next call.
 PLAN_VARIABLES = (
     "NSA_CP_COMPACT_ALGO", "NSA_CP_COALESCED_GATHER_MIN_BYTES", "NSA_CP_COALESCED_SCATTER_MIN_BYTES",
-    "NSA_CP_BACKEND", "NSA_CP_ROW_KERNELS", "NSA_CP_NCCL_CALL", "NSA_CP_P2P_ENGINE", "NSA_CP_P2P_CE_MIN_BYTES",
+    "NSA_CP_BACKEND", "NSA_CP_ROW_KERNELS", "NSA_CP_NCCL_CALL", "NSA_CP_AGREEMENT", "NSA_CP_P2P_ENGINE", "NSA_CP_P2P_CE_MIN_BYTES",
 )
 _PLAN_KEYS = tuple(os.environ.encodekey(n) for n in PLAN_VARIABLES) if _ENVIRON_DATA is not None else None
 

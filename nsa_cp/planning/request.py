@@ -82,6 +82,16 @@ class Request(NamedTuple):
         """Rows of the gathered result / the reduce-scatter's input: padded, compact or batch order."""
         return self.layout.global_len(self.compact or self.ordered)
 
+    def fields(self) -> dict:
+        """What the ranks must agree on, by argument name (the torch.distributed transport's agreement check
+        compares one hash of each, nsa_cp/transport/dist/agreement.py, and names the ones that differ)."""
+        layout = self.layout
+        if hasattr(layout, "per_rank_actual_token"):
+            layout = f"{tuple(layout.per_rank_actual_token)} align={layout.align}"
+        return {"call": self.op, "layout": layout, "compact": self.compact, "positions": self.ordered,
+                "quant": self.quant, "x": f"rows of {tuple(self.row_shape)} {self.dtype}",
+                "device_counts": self.has_device_counts, "algo": self.algo}
+
     def describe(self) -> str:
         """What the ranks must agree on, as text (the plan's signature, validation's fingerprint)."""
         quant = f"|quant={self.quant}" if self.quant is not None or self.is_gather else ""
@@ -111,14 +121,10 @@ class OverlapRequest(NamedTuple):
 
     def fields(self) -> dict:
         """What the ranks must agree on, by argument name (validation names the ones that differ)."""
-        c = self.call
-        layout = c.layout
-        if hasattr(layout, "per_rank_actual_token"):
-            layout = f"{tuple(layout.per_rank_actual_token)} align={layout.align}"
-        return {"layout": layout,
-                "x": f"rows of {tuple(c.row_shape)} {c.dtype}", "quant": c.quant, "chunk_rows": self.chunk_rows,
+        c = self.call.fields()
+        return {"layout": c["layout"], "x": c["x"], "quant": c["quant"], "chunk_rows": self.chunk_rows,
                 "out_row_shape": self.out_row_shape, "out_dtype": self.out_dtype, "shared": self.shared,
-                "backend": c.backend}
+                "backend": self.call.backend}
 
     def describe(self) -> str:
         return "|".join(f"{k}={v}" for k, v in self.fields().items())

@@ -63,6 +63,16 @@ def test_p2p_unavailable_reason_before_init_process_group_is_a_reason(monkeypatc
     assert isinstance(reason, str) and "init_process_group" in reason, reason
 
 
+@pytest.mark.parametrize("call", ["cp_overlapped_boundary", "cp_all_gather"])
+def test_a_call_before_init_process_group_says_so_in_nsa_cps_words(monkeypatch, call):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    layout, x = nsa_cp.ShardLayout([4, 2]), torch.randn(4, 8)
+    calls = {"cp_overlapped_boundary": lambda: nsa_cp.cp_overlapped_boundary(x, layout, lambda rows, chunk: rows),
+             "cp_all_gather": lambda: nsa_cp.cp_all_gather(x, layout)}
+    with pytest.raises(RuntimeError, match="need torch.distributed to be initialized"):
+        calls[call]()
+
+
 def _worker(rank, world, payload):
     results = {}
     layout, x = nsa_cp.ShardLayout([4] * world), torch.randn(4, 8)

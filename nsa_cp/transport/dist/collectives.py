@@ -37,6 +37,9 @@ class Collectives:
 
     def __init__(self, group: dist.ProcessGroup, native=None):
         self.group = group
+        # (table, words): the agreement's fingerprint all-gather, to go in the same NCCL group as the next
+        # equal-shard collective (nsa_cp/transport/dist/agreement.py); taken by it
+        self.rider = None
         self.native = native if envs.NSA_CP_NCCL_CALL == "auto" else None
         self._gather_opts = _c10d.AllgatherOptions()
         self._scatter_opts = _c10d.ReduceScatterOptions()
@@ -57,6 +60,9 @@ class Collectives:
     def all_gather_equal(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """Equal-shard all-gather of ``shard [m, ...]`` into ``out [P*m, ...]``; ``shard`` may be ``out``'s
         own slot (in place)."""
+        if self.rider is not None:
+            self._grouped(out, shard, gather=True)
+            return
         if self.native is not None and not self._coalescing():
             self.native.all_gather(out, shard)
             return
@@ -69,6 +75,9 @@ class Collectives:
 
     def reduce_scatter_equal(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """Sum ``full [P*m, ...]`` over ranks; this rank's ``[m, ...]`` chunk lands in ``out``."""
+        if self.rider is not None:
+            self._grouped(out, full, gather=False)
+            return
         if self.native is not None and not self._coalescing():
             self.native.reduce_scatter(out, full)
             return
@@ -78,6 +87,27 @@ class Collectives:
                 work.wait()
             return
         _reduce_scatter_single(out, full, group=self.group)
+
+    def _grouped(self, out: torch.Tensor, inp: torch.Tensor, gather: bool) -> None:
+        """The rider's all-gather and this equal-shard collective in one NCCL group (one launch), through
+        the process group's coalescing (what ``torch.distributed._coalescing_manager`` does for mixed ops)."""
+        (table, words), self.rider = self.rider, None
+        pg = self.group
+        if not hasattr(pg, "_start_coalescing") or self._coalescing():
+            self.all_gather_equal(table, words)  # no group to join: the words go just before
+            (self.all_gather_equal if gather else self.reduce_scatter_equal)(out, inp)
+            return
+        pg._start_coalescing(out.device)
+        try:
+            pg._allgather_base(table, words, self._gather_opts)
+            if gather:
+                pg._allgather_base(out, inp, self._gather_opts)
+            else:
+                pg._reduce_scatter_base(out, inp, self._scatter_opts)
+        finally:
+            work = pg._end_coalescing(out.device)
+        if work is not None:
+            work.wait()
 
     def all_gather_rows(self, out: torch.Tensor, shard: torch.Tensor, rows) -> None:
         """Uneven all-gather into ``out [T, ...]`` (contiguous): rank q's rows land at rows

@@ -32,6 +32,7 @@ result.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -41,6 +42,7 @@ from ...rows import reference
 from ...geometry.wire import FP8_DTYPES
 from ...geometry.layout import ShardLayout
 from ...geometry.stage import Stage
+from .agreement import agreement_for, checked as _checked
 from .collectives import Collectives
 
 __all__ = ["Source", "gather_runner", "scatter_runner"]
@@ -245,10 +247,12 @@ def gather_runner(coll: Collectives, req, rank: int, source: Source, algo: str) 
     are the caller's output tensors (checked)."""
     g = _Gather(coll, req, rank, source)
     rows = g.total if (req.compact or req.ordered) else g.padded_len
+    # the result checked for the ranks' agreement (poisoned on a device-side mismatch): FP8's scales
+    checked = functools.partial(_checked, agreement_for(coll, req, rank, g.size, algo), len(g.streams) - 1)
     if g.total == 0:
         def empty(x, outs, device_counts, positions, norm_args):
             return outs if outs is not None else g.new(x, rows)
-        return empty
+        return checked(empty)
     even_plain = algo == "even" and source.plain and not req.has_device_counts
     move = (_even_plain if even_plain else _MOVES[algo])(g)
     if not req.ordered:
@@ -256,7 +260,7 @@ def gather_runner(coll: Collectives, req, rank: int, source: Source, algo: str) 
             outs = outs if outs is not None else g.new(x, rows)
             move(x, outs, device_counts, norm_args)
             return outs
-        return run
+        return checked(run)
     streams, total = g.streams, g.total
 
     def run_ordered(x, outs, device_counts, positions, norm_args):
@@ -267,7 +271,8 @@ def gather_runner(coll: Collectives, req, rank: int, source: Source, algo: str) 
         for (_, _, wire), out, s in zip(streams, outs, staged):
             _wire(out, wire).index_copy_(0, rows_, _wire(s, wire))
         return outs
-    return run_ordered
+    return checked(run_ordered)
+
 
 
 # --------------------------------------------------------------------------- reduce-scatters
@@ -278,6 +283,7 @@ def scatter_runner(coll: Collectives, req, rank: int, algo: str) -> Callable:
     layout, compact, ordered = req.layout, req.compact, req.ordered
     m, n = layout.max_rank_len, layout.count(rank)
     total = layout.total_len
+    checked = functools.partial(_checked, agreement_for(coll, req, rank, layout.cp_size, algo), None)
 
     def new_out(y, out):
         return out if out is not None else y.new_empty((n, *y.shape[1:]))
@@ -285,7 +291,7 @@ def scatter_runner(coll: Collectives, req, rank: int, algo: str) -> Callable:
     if total == 0:
         def run(y, out, device_counts, positions):
             return new_out(y, out)
-        return run
+        return checked(run)
 
     if algo == "even":
         def reduce(y, out):
@@ -328,4 +334,4 @@ def scatter_runner(coll: Collectives, req, rank: int, algo: str) -> Callable:
         def run(y, out, device_counts, positions):
             # batch order -> rank-major compact order, one gather of rows; then the compact path
             return reduce(y.index_select(0, positions.clamp(0, total - 1)), out)
-    return run
+    return checked(run)

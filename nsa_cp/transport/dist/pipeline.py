@@ -43,6 +43,7 @@ from ...geometry.wire import format_of
 from ...rows.quant import quantize
 from ...rows.slot_sum import slot_sum
 from ..p2p.errors import P2PTimeoutError
+from .agreement import agree_now
 
 __all__ = ["DistPipeline", "MECHANISM"]
 
@@ -115,7 +116,8 @@ def _peer_failed(e: RuntimeError, what: str, gloo: bool, timeout_ms: int) -> Exc
     if not gloo:
         return e
     err = P2PTimeoutError(f"overlapped boundary: {what} did not complete within {timeout_ms} ms "
-                          f"(NSA_CP_P2P_TIMEOUT_MS), or the peer is gone: {e}")
+                          f"(NSA_CP_P2P_TIMEOUT_MS), or the peer is gone (or it is in another call: "
+                          f"NSA_CP_VALIDATE=1 names an argument the ranks disagree on): {e}")
     err.__cause__ = e
     return err
 
@@ -156,7 +158,7 @@ class DistPipeline:
 
     def __init__(self, x: torch.Tensor, layout: ShardLayout, rank: int, group, *, quant: Optional[str],
                  out_row_shape: Tuple[int, ...], out_dtype: torch.dtype, timeout_ms: int,
-                 chunk_rows: Optional[int] = None):
+                 chunk_rows: Optional[int] = None, fields: Optional[dict] = None):
         size, counts = layout.cp_size, layout.per_rank_actual_token
         self.layout, self.rank, self.group, self.quant, self.chunk_rows = layout, rank, group, quant, chunk_rows
         self.out_row_shape, self.out_dtype, self.timeout_ms, self.device = out_row_shape, out_dtype, timeout_ms, x.device
@@ -164,6 +166,8 @@ class DistPipeline:
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
         if not self.gloo:
             _started(group, x.device)
+        elif fields is not None:  # host-visible: ranks that disagree (chunk_rows, ...) raise now, never time out
+            agree_now(group, "cp_overlapped_boundary", fields, rank, size)
         self.most = max(len(pieces(c, chunk_rows)) for c in counts)
         self.mine, self.own = _wire(x, self.n, quant), pieces(self.n, chunk_rows)
         sent = tuple(t.cpu() for t in self.mine) if self.gloo else self.mine  # gloo sends host memory: stage once

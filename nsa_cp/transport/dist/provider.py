@@ -80,7 +80,8 @@ class DistTransport:
         def start(x, timeout_ms):
             return pipeline.DistPipeline(x, call.layout, rank, group, quant=call.quant,
                                               out_row_shape=req.out_row_shape, out_dtype=req.out_dtype,
-                                              timeout_ms=timeout_ms, chunk_rows=req.chunk_rows)
+                                              timeout_ms=timeout_ms, chunk_rows=req.chunk_rows,
+                                              fields=None if envs.NSA_CP_AGREEMENT == "off" else req.fields())
 
         return start, pipeline.MECHANISM
 
