@@ -92,7 +92,7 @@ def _fill_reference(stage: Stage, slots, x: torch.Tensor, n: int, norm_args) -> 
 def _norm_rows(slot: torch.Tensor, x: torch.Tensor, n: int, norm_args) -> None:
     """slot[:n] = add + RMSNorm of x's n rows (residual in place), slot[n:] = 0, with the local norm of
     nsa_cp.rows.norm (flashinfer where it suits: a cheaper launch than the Triton kernel's)."""
-    from ..rows.norm import fused_add_rmsnorm_into
+    from ...rows.norm import fused_add_rmsnorm_into
 
     if n:
         fused_add_rmsnorm_into(x, *norm_args, out=slot if n == slot.shape[0] else slot[:n])
@@ -103,11 +103,11 @@ def _norm_rows(slot: torch.Tensor, x: torch.Tensor, n: int, norm_args) -> None:
 def _fill_cuda(stage: Stage, slots, x: torch.Tensor, count: torch.Tensor, norm_args) -> None:
     fmt = stage.fmt
     if not stage.norm and fmt is None:
-        from ..rows.kernels import pack
+        from ...rows.kernels import pack
 
         pack.pack_into_slot(x, slots[0], count)
         return
-    from ..rows.kernels import norm_rows as kernels  # the fused source stages: one Triton kernel each
+    from ...rows.kernels import norm_rows as kernels  # the fused source stages: one Triton kernel each
 
     if not stage.norm:
         kernels.quant_into(x, slots[0], slots[1], count, fmt.name)
@@ -119,7 +119,7 @@ def _fill_cuda(stage: Stage, slots, x: torch.Tensor, count: torch.Tensor, norm_a
 
 def _padded_to_compact(padded: torch.Tensor, layout: ShardLayout, compact: torch.Tensor) -> None:
     if padded.is_cuda:
-        from ..rows.kernels import compact as kernels
+        from ...rows.kernels import compact as kernels
 
         kernels.padded_to_compact(padded, layout, compact)
     else:
@@ -128,7 +128,7 @@ def _padded_to_compact(padded: torch.Tensor, layout: ShardLayout, compact: torch
 
 def _compact_to_padded(compact: torch.Tensor, layout: ShardLayout, padded: torch.Tensor) -> None:
     if compact.is_cuda:
-        from ..rows.kernels import compact as kernels
+        from ...rows.kernels import compact as kernels
 
         kernels.compact_to_padded(compact, layout, padded)
     else:
@@ -167,7 +167,7 @@ class _Gather:
             if coll.native is not None:
                 self.pack_gather = coll.native.pack_gather_launcher(self.m, self.row_len * element_size, self.count0)
             else:
-                from ..rows.kernels import pack as kernels
+                from ...rows.kernels import pack as kernels
 
                 self.pack = kernels.launcher(req.device, self.row_len, element_size, self.count0)
 
