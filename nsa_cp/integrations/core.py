@@ -40,8 +40,7 @@ import torch.distributed as dist
 
 from ..api.collectives import cp_all_gather, cp_reduce_scatter
 from ..geometry.layout import ShardLayout
-from ..transport.p2p import get_p2p
-from ..transport.policy import ensure_transport, transport_decision
+from ..transport.policy import capacity, ensure_transport, holds_rows, transport_decision
 from . import contracts
 
 logger = logging.getLogger("nsa_cp")
@@ -240,7 +239,7 @@ def create_transport(group: Optional[dist.ProcessGroup], max_tokens_per_rank: in
     ``p2p`` and the group can take it (an existing transport that fits is kept), else nsa_cp's NCCL
     communicator where the group is NCCL. Collective. ``off_reason`` is the reason recorded when ``p2p`` is
     False (the engine's off switch). Returns :func:`transport_decision`."""
-    return ensure_transport(group, max_tokens_per_rank, hidden_size, dtype, device, p2p=p2p, nccl=True,
+    return ensure_transport(group, max_tokens_per_rank, hidden_size, dtype, device, create=p2p, communicator=True,
                             off_reason=off_reason)
 
 
@@ -253,8 +252,9 @@ def setup_transport_once(state: IntegrationState, decide: Callable[[], dict], gr
     decision = decide()
     state.p2p = decision
     if decision["on"]:
-        logger.info("nsa_cp: P2P transport of the %s group on: %d rows per rank, %.1f MiB on this GPU, created "
-                    "before %s", group, decision["max_tokens_per_rank"], decision["bytes"] / 2**20, before)
+        logger.info("nsa_cp: %s transport of the %s group on: %d rows per rank, %.1f MiB on this GPU, created "
+                    "before %s", str(decision["transport"]).upper(), group, decision["max_tokens_per_rank"],
+                    (decision["bytes"] or 0) / 2**20, before)
     else:
         logger.info("nsa_cp: P2P transport off (%s); the MoE gather and reduce-scatter take the NCCL path "
                     "through %s", decision["reason"], decision["nccl"] or "torch's process group")
@@ -290,12 +290,12 @@ def then_setup(original: Callable, setup: Callable[[Any], Any], owner, *args, **
 def over_capacity(state: IntegrationState, group: Optional[dist.ProcessGroup], layout: ShardLayout) -> bool:
     """Whether this batch is larger than ``group``'s P2P transport serves (it then takes the NCCL path:
     counted in ``state.nccl_batches``, logged once per process)."""
-    transport = get_p2p(group)
-    if transport is None or layout.is_even or layout.max_rank_len <= transport.max_tokens_per_rank:
+    rows = capacity(group)
+    if rows is None or layout.is_even or layout.max_rank_len <= rows:
         return False
     state.nccl_batches += 1
     once("p2p-capacity", logging.INFO, "nsa_cp: a batch of %d rows per rank exceeds the P2P transport's %d: such "
-         "batches take the NCCL path", layout.max_rank_len, transport.max_tokens_per_rank)
+         "batches take the NCCL path", layout.max_rank_len, rows)
     return True
 
 
@@ -345,4 +345,4 @@ def take_back_rows(full: torch.Tensor, layout: ShardLayout, rank: int, rows: int
         return out
     start = rank * layout.max_rank_len
     back = full[start : start + rows]
-    return back.clone() if get_p2p(group) is not None else back
+    return back.clone() if holds_rows(group) else back
