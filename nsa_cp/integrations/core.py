@@ -103,7 +103,7 @@ def targets(table: Iterable[Target], known: Iterable[contracts.Contract]) -> Dic
     return out
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Plugin:
     """One engine's plugin (module docstring). ``bind(patches)`` patches the engine (all or nothing:
     ImportError / AttributeError naming what does not resolve); ``bindings()`` the paths it patches (for
@@ -128,6 +128,9 @@ class Plugin:
     on_uninstall: Callable[[], None] = lambda: None
     state: IntegrationState = field(default_factory=IntegrationState)
     installed: Optional[Installed] = None
+
+    def __repr__(self) -> str:
+        return f"Plugin({self.engine!r}, installed={self.installed is not None})"
 
     def install(self) -> Installed:
         """Verify the engine's code against :attr:`contracts`, then patch it in this process (all or nothing).

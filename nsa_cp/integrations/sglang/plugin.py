@@ -222,20 +222,8 @@ def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> core.Install
     return PLUGIN.install()
 
 
-def uninstall() -> None:
-    """The handle's ``uninstall()``: SGLang's functions back."""
-    PLUGIN.uninstall()
-
-
-def sglang_plugin() -> None:
-    """SGLang's entry point (group ``sglang.srt.plugins``, name ``nsa_cp``): :func:`install` where
-    ``NSA_CP_SGLANG`` is on, never raising into SGLang (a failure is logged with its cause, nothing patched)."""
-    PLUGIN.entry_point()
-
-
-def status() -> dict:
-    """Where nsa_cp stands in this process, for a running SGLang server (call it in a scheduler process,
-    e.g. from a plugin or a debugger) or a test: the keys both plugins report, with the same meaning
-    (``integrations.state.status``); ``bound`` maps each binding of :data:`BINDINGS` (and the overlap's, when
-    on) to whether it is nsa_cp's wrapper now."""
-    return PLUGIN.status()
+# the record's names, as the module's (vLLM's plugin module has the same): uninstall(): the handle's;
+# sglang_plugin(): SGLang's entry point (group sglang.srt.plugins, name nsa_cp), which runs install() where
+# NSA_CP_SGLANG is on and never raises into SGLang; status(): integrations.state.status's keys, in a scheduler
+# process (a debugger, a plugin of your own) or a test
+uninstall, sglang_plugin, status = PLUGIN.uninstall, PLUGIN.entry_point, PLUGIN.status

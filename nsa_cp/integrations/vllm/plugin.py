@@ -85,28 +85,10 @@ PLUGIN = core.Plugin(
     on_install=_installed, on_uninstall=_uninstalled, state=moe.STATE)
 
 
-def install() -> core.Installed:
-    """Check vLLM's code against the known contracts, then wrap every target of :data:`TARGETS` in this
-    process (the one install path: :func:`vllm_plugin` runs it). All or nothing: a contract that does not
-    hold raises :class:`~..contracts.ContractMismatch`, a target that does not import ImportError /
-    AttributeError, and nothing is wrapped. A second call wraps nothing and returns the first handle.
-    Returns the undo handle (``uninstall()``; ``verdict.contract``: the contract served)."""
-    return PLUGIN.install()
-
-
-def uninstall() -> None:
-    """The handle's ``uninstall()``: vLLM's functions back (tests; a process that wants vLLM's own moves again)."""
-    PLUGIN.uninstall()
-
-
-def vllm_plugin() -> None:
-    """vLLM's entry point (group ``vllm.general_plugins``, name ``nsa_cp``): :func:`install` where
-    ``NSA_CP_VLLM`` is on, never raising into vLLM (a failure is logged with its cause, nothing wrapped)."""
-    PLUGIN.entry_point()
-
-
-def status() -> dict:
-    """Where nsa_cp stands in this process (call it in a worker, e.g. through ``collective_rpc``, or a test):
-    the keys both plugins report, with the same meaning (``integrations.state.status``); ``bound`` maps each
-    target of :data:`TARGETS` to whether it is nsa_cp's wrapper now."""
-    return PLUGIN.status()
+# the record's names, as the module's (SGLang's plugin module has the same):
+# install(): verify vLLM's code against the known contracts, then wrap every target of TARGETS in this process,
+#   all or nothing (ContractMismatch, or ImportError / AttributeError for a target that does not import, and
+#   nothing is wrapped); returns the undo handle; a second call wraps nothing and returns the first handle
+# uninstall(): the handle's; vllm_plugin(): vLLM's entry point (group vllm.general_plugins, name nsa_cp), which
+#   runs install() where NSA_CP_VLLM is on and never raises into vLLM; status(): integrations.state.status's keys
+install, uninstall, vllm_plugin, status = PLUGIN.install, PLUGIN.uninstall, PLUGIN.entry_point, PLUGIN.status

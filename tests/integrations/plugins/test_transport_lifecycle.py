@@ -60,120 +60,114 @@ def _use_and_close(rank, group, made_for, moves):
     assert len(loopback_transport.CALLS) == before, "the closed stand-in still ran"
 
 
-def _communicator_worker(rank, world, payload):
-    try:
-        import torch
+def _communicator_case(rank, world):
+    import torch
 
-        import lifecycle_transport
-        import nsa_cp
+    import lifecycle_transport
+    import nsa_cp
 
-        _with_row()
-        norm = lambda: torch.nn.RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)  # noqa: E731
-        comm = nsa_cp.NSACPLayerCommunicator(None, norm(), norm(), p2p_max_tokens_per_rank=8, hidden_size=H,
-                                             dtype=torch.bfloat16)
-        again = nsa_cp.NSACPLayerCommunicator(None, norm(), norm(), p2p_max_tokens_per_rank=6, hidden_size=H,
-                                              dtype=torch.bfloat16)
-        assert lifecycle_transport.EVENTS == [("create", 8)], lifecycle_transport.EVENTS  # one that fits is kept
+    _with_row()
+    norm = lambda: torch.nn.RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)  # noqa: E731
+    comm = nsa_cp.NSACPLayerCommunicator(None, norm(), norm(), p2p_max_tokens_per_rank=8, hidden_size=H,
+                                         dtype=torch.bfloat16)
+    nsa_cp.NSACPLayerCommunicator(None, norm(), norm(), p2p_max_tokens_per_rank=6, hidden_size=H, dtype=torch.bfloat16)
+    assert lifecycle_transport.EVENTS == [("create", 8)], lifecycle_transport.EVENTS  # one that fits is kept
 
-        def moves(x, layout):
-            comm.prepare_mlp(x, None, layout)  # the fused add + RMSNorm gather
-            full = nsa_cp.cp_all_gather(x, layout, None)
-            buf = comm.mlp_output_buffer(layout, full)
-            buf.copy_(full)
-            summed, _ = comm.postprocess_layer(buf, None, layout)
-            return full, summed
+    def moves(x, layout):
+        comm.prepare_mlp(x, None, layout)  # the fused add + RMSNorm gather
+        full = nsa_cp.cp_all_gather(x, layout, None)
+        buf = comm.mlp_output_buffer(layout, full)
+        buf.copy_(full)
+        summed, _ = comm.postprocess_layer(buf, None, layout)
+        return full, summed
 
-        _use_and_close(rank, None, 8, moves)
-        del again
-        return {"communicator": None}
-    except Exception:  # noqa: BLE001
-        return {"communicator": traceback.format_exc()}
+    _use_and_close(rank, None, 8, moves)
 
 
-def test_the_communicator_creates_uses_and_closes_a_stand_in_transport():
-    failures = case_failures(run_world(2, "gloo", _communicator_worker, None, timeout_s=300), "communicator")
-    assert not failures, "\n".join(failures)
-
-
-def _engine_moves(rank, group):
-    """The plugins' own row moves (nsa_cp/integrations/): a padded gather and the reduce-scatter of it."""
+def _engine_case(rank, setup):
+    """An engine plugin's worker setup (``setup()`` -> (decision, rows per rank it sized for, the group, the
+    plugin's status())) made the stand-in once for its sizes and reports it; the plugins' own row moves
+    (nsa_cp/integrations/moves.py: a padded gather and the reduce-scatter of it) go through it; it closes."""
+    import lifecycle_transport
     from nsa_cp.integrations import moves
+
+    _with_row()
+    decision, rows, group, status = setup()
+    assert decision["on"] and decision["transport"] == "standin", decision
+    assert lifecycle_transport.EVENTS == [("create", rows)], lifecycle_transport.EVENTS
+    assert status["p2p"] == decision, status["p2p"]
 
     def run(x, layout):
         gathered = moves.gather_rows(x, layout, rank, group, compact=False)
         return gathered, moves.reduce_scatter_rows(gathered.clone(), layout, rank, layout.count(rank), group)
 
-    return run
+    _use_and_close(rank, group, rows, run)
 
 
-def _sglang_worker(rank, world, payload):
+def _sglang_setup(rank, world):
+    import torch
+
+    import sglang_env
+
+    coordinator = sglang_env.setup_parallel(rank, world)
+    import nsa_cp.integrations.sglang as nsa_sglang
+    from nsa_cp.integrations.sglang import runtime, scheduler
+
+    nsa_sglang.configure(coordinator.device_group)
+    runner = NS(server_args=NS(chunked_prefill_size=32, max_prefill_tokens=32, enable_symm_mem=False),
+                model_config=NS(hidden_size=H, dtype=torch.bfloat16))
+    with mock.patch.object(runtime, "cp_gathers_over_attn_cp", return_value=True):
+        decision = scheduler.setup_transport(runner)
+    rows = scheduler.max_tokens_per_rank(runner.server_args, world, runtime.cp_align(world))
+    return decision, rows, coordinator.device_group, nsa_sglang.status()
+
+
+def _vllm_setup(rank, world):
+    import torch
+
+    import vllm_env
+    from vllm.config import SchedulerConfig
+
+    import nsa_cp.integrations.vllm as nsa_vllm
+    from nsa_cp.integrations.vllm import worker
+
+    _, coordinator = vllm_env.setup_parallel(rank, world)
+    limits = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2, max_model_len=32, is_encoder_decoder=False)
+    fake = NS(vllm_config=NS(scheduler_config=limits, model_config=NS(get_hidden_size=lambda: H, dtype=torch.bfloat16)),
+              device=torch.device("cpu"))
+    decision = worker.setup_transport(fake)
+    return decision, worker.max_tokens_per_rank(limits, world), coordinator.device_group, nsa_vllm.status()
+
+
+def _worker(rank, world, case):
     try:
-        import torch
-
-        import lifecycle_transport
-        import sglang_env
-
-        _with_row()
-        coordinator = sglang_env.setup_parallel(rank, world)
-        import nsa_cp.integrations.sglang as nsa_sglang
-        from nsa_cp.integrations.sglang import runtime, scheduler
-
-        nsa_sglang.configure(coordinator.device_group)
-        runner = NS(server_args=NS(chunked_prefill_size=32, max_prefill_tokens=32, enable_symm_mem=False),
-                    model_config=NS(hidden_size=H, dtype=torch.bfloat16))
-        with mock.patch.object(runtime, "cp_gathers_over_attn_cp", return_value=True):
-            decision = scheduler.setup_transport(runner)
-        rows = scheduler.max_tokens_per_rank(runner.server_args, world, runtime.cp_align(world))
-        assert decision["on"] and decision["transport"] == "standin", decision
-        assert lifecycle_transport.EVENTS == [("create", rows)], lifecycle_transport.EVENTS
-        assert nsa_sglang.status()["p2p"] == decision
-        _use_and_close(rank, coordinator.device_group, rows, _engine_moves(rank, coordinator.device_group))
-        return {"sglang": None}
+        if case == "communicator":
+            _communicator_case(rank, world)
+        else:
+            _engine_case(rank, lambda: (_sglang_setup if case == "sglang" else _vllm_setup)(rank, world))
+        return {case: None}
     except Exception:  # noqa: BLE001
-        return {"sglang": traceback.format_exc()}
+        return {case: traceback.format_exc()}
+
+
+def _run(case):
+    failures = case_failures(run_world(2, "gloo", _worker, case, timeout_s=300), case)
+    assert not failures, "\n".join(failures)
+
+
+def test_the_communicator_creates_uses_and_closes_a_stand_in_transport():
+    _run("communicator")
 
 
 def test_sglangs_setup_creates_uses_and_closes_a_stand_in_transport():
     import sglang_env
 
     sglang_env.require_sglang()
-    failures = case_failures(run_world(2, "gloo", _sglang_worker, None, timeout_s=300), "sglang")
-    assert not failures, "\n".join(failures)
-
-
-def _vllm_worker(rank, world, payload):
-    try:
-        import torch
-
-        import lifecycle_transport
-        import vllm_env
-
-        _with_row()
-        from vllm.config import SchedulerConfig
-
-        import nsa_cp.integrations.vllm as nsa_vllm
-        from nsa_cp.integrations.vllm import worker
-
-        config, coordinator = vllm_env.setup_parallel(rank, world)
-        scheduler = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2, max_model_len=32,
-                                    is_encoder_decoder=False)
-        fake = NS(vllm_config=NS(scheduler_config=scheduler,
-                                 model_config=NS(get_hidden_size=lambda: H, dtype=torch.bfloat16)),
-                  device=torch.device("cpu"))
-        decision = worker.setup_transport(fake)
-        rows = worker.max_tokens_per_rank(scheduler, world)
-        assert decision["on"] and decision["transport"] == "standin", decision
-        assert lifecycle_transport.EVENTS == [("create", rows)], lifecycle_transport.EVENTS
-        assert nsa_vllm.status()["p2p"] == decision
-        _use_and_close(rank, coordinator.device_group, rows, _engine_moves(rank, coordinator.device_group))
-        return {"vllm": None}
-    except Exception:  # noqa: BLE001
-        return {"vllm": traceback.format_exc()}
+    _run("sglang")
 
 
 def test_vllms_setup_creates_uses_and_closes_a_stand_in_transport():
     import vllm_env
 
     vllm_env.require_vllm()
-    failures = case_failures(run_world(2, "gloo", _vllm_worker, None, timeout_s=300), "vllm")
-    assert not failures, "\n".join(failures)
+    _run("vllm")
