@@ -8,7 +8,10 @@ The planner (nsa_cp/planning/plan.py) asks the rows in order, after any provider
 even-shard path) and empty calls. ``envs.NSA_CP_BACKEND`` accepts ``"auto"`` and these names.
 
 Adding a transport is one module (a provider: ``name`` and ``open(req, group)`` returning the group's
-``Transport`` or a ``Support.no``; the protocol is nsa_cp/transport/base.py) and one row here.
+``Transport`` or a ``Support.no``; the protocol is nsa_cp/transport/base.py) and one row here. A transport
+that has to be made (buffers, a communicator) also owns that lifecycle on its provider (``base.Lifecycle``);
+the communicator and the engine plugins then create it through the one creation policy
+(nsa_cp/transport/policy.py), which asks these rows in order and names none.
 """
 
 from __future__ import annotations

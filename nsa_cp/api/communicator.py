@@ -117,9 +117,11 @@ class NSACPLayerCommunicator:
             # collective, the same verdict on every rank (transport.policy): backend="auto" falls back to
             # NCCL (e.g. a group spanning nodes), backend="p2p" insists
             decision = ensure_transport(group, p2p_max_tokens_per_rank, hidden_size, dtype,
-                                        insist=backend == "p2p", workspace_bytes=workspace_bytes)
+                                        insist=None if backend == "auto" else backend,
+                                        workspace_bytes=workspace_bytes)
             if not decision["on"]:
-                logger.info("nsa_cp communicator: P2P transport unavailable (%s); using NCCL", decision["reason"])
+                logger.info("nsa_cp communicator: no transport with buffers of its own (%s); using NCCL",
+                            decision["reason"])
         self.group = group
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm

@@ -7,8 +7,11 @@ transport (NCCL / gloo, nsa_cp/transport/dist/provider.py) is last and serves ev
 the fallback log and, when the caller insisted on that transport with ``backend=<name>``, the ValueError.
 
 A provider has a ``name`` (what ``backend=`` insists on) and ``open(req, group)`` returning the group's
-``Transport`` (or a ``Support.no`` saying why there is none). A new transport of nsa_cp's is a module
-and a row of the table; code outside nsa_cp may add one at run time::
+``Transport`` (or a ``Support.no`` saying why there is none). A provider that makes its transport (P2P's
+buffers, nsa_cp's NCCL communicator) also owns that lifecycle (:class:`Lifecycle`: can it serve a group and
+why not, create collectively for given :class:`Sizes`, fit, the current one, close); the one creation
+policy (nsa_cp/transport/policy.py) asks the rows that have one, in order, and names none. A new transport
+of nsa_cp's is a module and a row of the table; code outside nsa_cp may add one at run time::
 
     nsa_cp.transport.register(MyTransports())      # asked before the others; unregister(name) removes it
 
@@ -18,7 +21,7 @@ Registering or unregistering drops every cached plan (the group registries' gene
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Dict, List, NamedTuple, Protocol, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Union
 
 import torch
 
@@ -27,7 +30,8 @@ from ..support import Support
 from ..transports import TransportRow
 from . import groups
 
-__all__ = ["Transport", "Provider", "Route", "register", "unregister", "providers", "fallback", "names"]
+__all__ = ["Transport", "Provider", "Lifecycle", "Sizes", "Route", "register", "unregister", "providers", "fallback",
+           "lifecycle", "names"]
 
 
 class Route(NamedTuple):
@@ -71,6 +75,52 @@ class Provider(Protocol):
 
     def open(self, req, group) -> Union[Transport, Support]:
         ...
+
+
+class Sizes(NamedTuple):
+    """What a transport is created for: up to ``max_tokens_per_rank`` rows a rank of ``hidden_size``
+    ``dtype`` elements, on this rank's ``device`` (None: the current one), within ``workspace_bytes`` (None:
+    no budget; a transport that needs more says so in its log)."""
+
+    max_tokens_per_rank: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: Optional[torch.device] = None
+    workspace_bytes: Optional[int] = None
+
+
+class Lifecycle(Protocol):
+    """The optional half of a provider: one transport object per process group, made by the provider.
+
+    Every method but ``current`` / ``fits`` / ``describe`` is collective over ``group``: every rank calls
+    it, in the same order, and every rank gets the same answer (a verdict reads values that agree across
+    ranks, or exchanges them)."""
+
+    def unavailable_reason(self, group, device=None) -> Optional[str]:
+        """None where ``create`` can work for ``group`` here, else why not (a sentence)."""
+
+    def current(self, group):
+        """The group's transport this provider made, or None."""
+
+    def fits(self, transport, sizes: Sizes) -> bool:
+        """Whether ``transport`` (this provider's) serves rows of ``sizes``: kept instead of made again."""
+
+    def create(self, group, sizes: Sizes):
+        """Make (or remake, closing the old one) and register the group's transport for ``sizes``."""
+
+    def close(self, group) -> None:
+        """Unregister and release the group's transport (nothing when there is none)."""
+
+    def describe(self, transport, reason: Optional[str] = None) -> dict:
+        """What the creation decision reports of ``transport`` (None: there is none, ``reason`` says why):
+        for a transport with buffers of its own ``bytes`` and ``max_tokens_per_rank``; for the row that
+        serves every call, ``nccl`` (what its path runs through). nsa_cp/transport/policy.py says the keys."""
+
+
+def lifecycle(provider: Provider) -> Optional[Lifecycle]:
+    """``provider`` as a :class:`Lifecycle`, or None where it has none (it only opens what exists)."""
+    needed = ("unavailable_reason", "current", "fits", "create", "close", "describe")
+    return provider if all(callable(getattr(provider, name, None)) for name in needed) else None
 
 
 _REGISTERED: List[Provider] = []  # providers registered at run time: asked before the table's

@@ -18,8 +18,8 @@ def test_vllm_doc_counts_the_wrapped_methods():
     text = (ROOT / "docs" / "vllm.md").read_text()
     n = len(vllm_plugin.TABLE)
     assert len(vllm_plugin.TARGETS) == n  # one path per role: what the log line counts
-    logged = [int(m) for m in re.findall(r"vLLM plugin registered \((\d+) methods wrapped", text)]
-    assert logged == [n], f"docs/vllm.md quotes the log line with {logged} methods wrapped; the plugin wraps {n}"
+    logged = [int(m) for m in re.findall(r"vLLM plugin registered \((\d+) bindings patched", text)]
+    assert logged == [n], f"docs/vllm.md quotes the log line with {logged} bindings patched; the plugin wraps {n}"
     said = re.findall(r"wraps (\w+) methods", text)
     assert said and all(WORDS.get(w, w) in (n, str(n)) for w in said), (said, n)
     # the table under "What the plugin changes": one row per wrapped method, named by its class and method

@@ -12,9 +12,11 @@ Contract:
   with ``NSA_CP_SGLANG_COMPACT=1``, the compact one (``adapter``, with the shapes).
 * :func:`configure` and the module-level ``gather`` / ``take_back`` / ``reduce_scatter`` /
   ``reduce_scatter_group`` run on the process's configured adapter (``moves``).
-* :func:`sglang_plugin` (the entry point ``nsa_cp`` of the group ``sglang.srt.plugins``), :func:`install`
-  and :func:`status` bind those moves into SGLang's ``_cp_moves`` (``plugin``); in every scheduler the
-  plugin also creates the attention-CP transport after the model loads (``scheduler``). Whether SGLang's
+* :data:`PLUGIN` (the plugin record, the same shape as vLLM's: ``integrations.core.Plugin``), with
+  :func:`sglang_plugin` (the entry point ``nsa_cp`` of the group ``sglang.srt.plugins``), :func:`install`
+  (the one install path the entry point runs), :func:`uninstall` and :func:`status`, binds those moves into
+  SGLang's ``_cp_moves`` (``plugin``); in every scheduler the plugin also creates the attention-CP
+  transport after the model loads (``scheduler``). Whether SGLang's
   read step fuses with the gather: ``readstep``; what ran, for ``status()``: ``state``.
 
 Only the DSA/MLA kind of CP moves is replaced; GQA's MoE-CP moves, and batches the adapter declines
@@ -25,7 +27,7 @@ gets in and what the adapter changes: docs/sglang.md.
 from .adapter import CpMovesAdapter
 from .metadata import layout_from_cp_metadata
 from .moves import configure, gather, mask_padding_topk_ids_for_batch, reduce_scatter, reduce_scatter_group, take_back
-from .plugin import BOUNDARY_MODULES, HOOK_TARGET, HOOKS, TABLE, Installed, install, sglang_plugin, status
+from .plugin import BINDINGS, BOUNDARY_MODULES, HOOK_TARGET, HOOKS, PLUGIN, TABLE, install, sglang_plugin, status, uninstall
 from .contract import KNOWN
 
 __all__ = [
@@ -38,7 +40,9 @@ __all__ = [
     "reduce_scatter_group",
     "mask_padding_topk_ids_for_batch",
     "install",
-    "Installed",
+    "uninstall",
+    "PLUGIN",
+    "BINDINGS",
     "BOUNDARY_MODULES",
     "HOOK_TARGET",
     "HOOKS",

@@ -35,7 +35,7 @@ from ...api.collectives import fused_add_rmsnorm_all_gather
 from ...api.communicator import NSACPLayerCommunicator
 from ...geometry.layout import ShardLayout
 from ...rows.norm import fused_add_rmsnorm_into
-from .. import core
+from .. import moves as row_moves, state as shared
 from . import readstep, runtime, state
 from .metadata import int_list, layout_from_cp_metadata, physical_rows
 
@@ -119,11 +119,11 @@ class CpMovesAdapter:
 
     def create_transport(self, max_tokens_per_rank: int, hidden_size: int, dtype: torch.dtype, device=None,
                          *, p2p: bool = True) -> dict:
-        """Create this group's transport (``integrations.core.create_transport``): P2P where ``p2p`` and the
+        """Create this group's transport (``integrations.state.create_transport``): P2P where ``p2p`` and the
         group can take it (one node, ``nsa_cp._C``, CUDA), else nsa_cp's NCCL communicator where the group is
         NCCL. Collective: every rank of the group calls it, and every rank reaches the same decision. Returns
         the decision ``{"on", "bytes", "max_tokens_per_rank", "reason", "nccl"}``."""
-        return core.create_transport(self.group, max_tokens_per_rank, hidden_size, dtype, device, p2p=p2p,
+        return shared.create_transport(self.group, max_tokens_per_rank, hidden_size, dtype, device, p2p=p2p,
                                      off_reason="NSA_CP_SGLANG_P2P=0")
 
     def _transport_once(self) -> None:
@@ -145,7 +145,7 @@ class CpMovesAdapter:
         return bool(wanted) and bool(int_list(md, "per_rank_logical_token"))
 
     def _first_use(self, compact: bool) -> None:
-        self.used = True
+        self.used = state.STATE.used = True
         logger.info("nsa_cp: SGLang CP moves in use (rank %d of the attention-CP group, %s MoE gather)",
                     dist.get_rank(self.group), "compact" if compact else "padded")
 
@@ -200,7 +200,7 @@ class CpMovesAdapter:
         if not self.used:
             self._first_use(compact)
         self._transport_once()
-        core.over_capacity(state.STATE, self.group, layout)
+        row_moves.over_capacity(state.STATE, self.group, layout)
         kw = dict(group=self.group, compact=compact, backend=self.backend, validate=self.validate)
         fused, x, residual = self._read_step(hidden_states, residual, forward_batch, norm, gather, update, cache,
                                              call, n, rank, rows)
@@ -210,7 +210,7 @@ class CpMovesAdapter:
             state.count(state.STATE.gathers, "fused_add_rmsnorm_all_gather")
             return gathered, residual
         state.count(state.STATE.gathers, "read_then_gather")
-        return core.gather_rows(x, layout, rank, **kw), residual
+        return row_moves.gather_rows(x, layout, rank, **kw), residual
 
     def read_local(self, hidden_states, residual, forward_batch, norm, *, gather: Callable, update=NOT_GIVEN,
                    cache=None, geometry: Optional[tuple] = None, **call):
@@ -264,14 +264,14 @@ class CpMovesAdapter:
         view, or a copy where a P2P transport serves the group) or compact ``[sum(n), H]`` (a copy, the
         rows past the real count zero)."""
         _, layout, rank, rows = geometry or self._geometry(forward_batch)
-        return core.take_back_rows(hidden_states, layout, rank, rows, self.group), residual
+        return row_moves.take_back_rows(hidden_states, layout, rank, rows, self.group), residual
 
     def reduce_scatter(self, hidden_states, residual, forward_batch, *, geometry: Optional[tuple] = None,
                        **kwargs):
         """Sum the ranks' partials (padded ``[max_rank_len * cp, H]`` or compact ``[sum(n), H]``) and return
         this rank's ``[physical, H]`` rows (the rows past the real count zero), in a fresh tensor."""
         _, layout, rank, rows = geometry or self._geometry(forward_batch)
-        out = core.reduce_scatter_rows(hidden_states, layout, rank, rows, self.group, backend=self.backend,
+        out = row_moves.reduce_scatter_rows(hidden_states, layout, rank, rows, self.group, backend=self.backend,
                                        validate=self.validate)
         return out, residual
 

@@ -27,7 +27,9 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import core, firstuse
+from .. import firstuse
+from ..moves import which_layout
+from ..state import declined
 from . import overlap, state
 
 CHECKS = state.CHECKS
@@ -36,7 +38,7 @@ MOVES = ("gather", "take_back", "reduce_scatter")
 
 def _padded(rows: torch.Tensor, layout) -> torch.Tensor:
     """Compact ``[T, ...]`` rows placed rank-major ``[cp * M, ...]``, zero padding rows (padded rows: as they are)."""
-    if not core.which_layout("hidden_states", rows, layout) or layout.is_even:
+    if not which_layout("hidden_states", rows, layout) or layout.is_even:
         return rows
     out = rows.new_zeros((layout.padded_len, *rows.shape[1:]))
     for q, n in enumerate(layout.per_rank_actual_token):
@@ -67,7 +69,7 @@ def run(name: str, adapter, theirs: Callable, compact_ok: bool, hidden_states, r
                                   geometry=geometry, **kwargs), None
         compact = compact_ok and adapter._use_compact(md)
     else:
-        compact = core.which_layout("hidden_states", hidden_states, layout) and not layout.is_even
+        compact = which_layout("hidden_states", hidden_states, layout) and not layout.is_even
     kind = _kind(name, compact)
     if refused(name, compact) is not None:
         return None, refused(name, compact)
@@ -88,7 +90,7 @@ def run(name: str, adapter, theirs: Callable, compact_ok: bool, hidden_states, r
     fused = state.STATE.gathers.get("fused_add_rmsnorm_all_gather", 0) > fused  # nsa_cp's norm ran, not SGLang's
     difference = _compare(name, ours, theirs_out, layout, rank, rows, compact, spread if not fused else "norm")
     if CHECKS.settle(kind, difference, adapter.group):
-        core.declined(state.STATE, CHECKS.refused(kind), CHECKS.own)
+        declined(state.STATE, CHECKS.refused(kind), CHECKS.own)
         return theirs_out, None
     return ours, None
 

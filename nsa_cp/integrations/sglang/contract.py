@@ -6,7 +6,7 @@ tests against it (docs/development.md, "A new engine version").
 Roles: ``cp_moves`` (``boundary._cp_moves``, hooked: it must still pick the DSA/MLA moves by
 ``_cp_gathers_over_attn_cp`` and build a ``CpMoves``), ``moves_type`` (``CpMoves``' fields), the three
 DSA/MLA moves nsa_cp replaces with the same call shape (``gather`` / ``take_back`` / ``reduce_scatter``),
-``bind_stage`` and ``initialize`` (hooked), the hook registry, and the helpers nsa_cp reads (the CP
+``bind_stage`` and ``initialize`` (hooked), and the helpers nsa_cp reads (the CP
 predicate, the padding alignment, the parallel context, the read step's residual add and norm).
 """
 
@@ -33,8 +33,6 @@ V0_5_23 = Contract("SGLang 0.5.23 layer boundary", {
                            frozenset({2})),
     "bind_stage": Spec((f"{LB}.construction._bind_stage",), ("declaration", MORE)),
     "initialize": Spec(("sglang.srt.model_executor.model_runner.ModelRunner.initialize",), ("self", MORE)),
-    "hooks": Spec(("sglang.srt.plugins.hook_registry.HookRegistry.register",), ("cls", "target", "hook", "hook_type",
-                                                                                 MORE)),
     "cp_predicate": Spec((f"{LB}.layout._cp_gathers_over_attn_cp",), (), frozenset({1})),
     "cp_align": Spec(("sglang.srt.layers.cp.padding.get_cp_padding_align_size",), (), frozenset({1})),
     "parallel": Spec(("sglang.srt.runtime_context.get_parallel",), ()),

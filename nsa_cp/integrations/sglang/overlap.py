@@ -43,7 +43,7 @@ import torch
 from ... import envs
 from ...api.boundary import cp_overlapped_boundary
 from ...geometry.layout import ShardLayout
-from .. import core
+from .. import core, state as shared
 from . import contract
 from .metadata import layout_from_cp_metadata
 
@@ -128,7 +128,7 @@ def as_status() -> dict:
 
 
 def _serialized(reason: str) -> None:
-    core.record(STATE.serialized, reason, "nsa_cp: overlapped boundary not used for such layer calls (%s); the "
+    shared.record(STATE.serialized, reason, "nsa_cp: overlapped boundary not used for such layer calls (%s); the "
                 "serialized moves run")
 
 

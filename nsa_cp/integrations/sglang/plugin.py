@@ -1,32 +1,31 @@
-"""Getting nsa_cp's moves into SGLang: the plugin entry point, :func:`install`, :func:`status`.
+"""Getting nsa_cp's moves into SGLang: :data:`PLUGIN`, the plugin record (``integrations.core.Plugin``), and
+its module-level names: :func:`sglang_plugin`, :func:`install` / :func:`uninstall`, :func:`status`.
 
 Contract:
 
 * :func:`sglang_plugin` is the entry point ``nsa_cp`` of the group ``sglang.srt.plugins``
-  (``nsa_cp.integrations.sglang:sglang_plugin``). It registers three ``AROUND`` hooks with SGLang's
-  ``HookRegistry`` (the target table :data:`TABLE`: a contract role and its hook; :data:`HOOKS`, the same
-  by path), which SGLang's ``load_plugins()`` then applies (in every module that imported a target by
-  name): ``_cp_moves`` (nsa_cp's moves), ``construction._bind_stage`` (which stage the
-  moves are bound for: compact only for FFN stages) and ``ModelRunner.initialize`` (the transport, once
-  per scheduler, before the KV cache is sized: ``scheduler``). ``NSA_CP_SGLANG=0``: nothing registered.
-  Registering twice is a no-op.
-* Before anything is registered, SGLang's code is checked against the contracts nsa_cp knows
-  (``contract.KNOWN``: the signature, the number of values returned and the helpers read of every function
-  it hooks, replaces or reads). Anything else: nothing is registered, one warning names what differs,
-  ``status()["contract"]`` says why, and SGLang's own moves run.
-* The log says what happened: "hooks handed to SGLang" when registered; "registered" only once SGLang
-  has applied them (checked from the first hook that runs); the cause when the target module does not
-  import (the usual reason SGLang then fails to apply them).
-* :func:`install` patches the same bindings by hand, in this process only; ``Installed.uninstall()``
-  undoes it. Neither stacks on the other.
+  (``nsa_cp.integrations.sglang:sglang_plugin``), which every scheduler's ``load_plugins()`` calls. It runs
+  the one install path (:func:`install`) where ``NSA_CP_SGLANG`` is on, and never raises into SGLang.
+* :func:`install` checks SGLang's code against the contracts nsa_cp knows (``contract.KNOWN``: the
+  signature, the number of values returned and the helpers read of every function it wraps, replaces or
+  reads), then wraps the target table (:data:`TABLE`: a contract role and its body; :data:`HOOKS`, the same
+  by path) in place, all or nothing: ``_cp_moves`` (nsa_cp's moves) in every module of
+  :data:`BOUNDARY_MODULES` (each binds it by name), ``construction._bind_stage`` (which stage the moves are
+  bound for: compact only for FFN stages; in ``factories`` too) and ``ModelRunner.initialize`` (the
+  transport, once per scheduler, before the KV cache is sized: ``scheduler``); with
+  ``NSA_CP_SGLANG_OVERLAP=1`` the overlapped boundary's two, under a contract of their own (``overlap``).
+  Anything else: nothing is patched, one warning names what differs, ``status()["contract"]`` says why, and
+  SGLang's own moves run. A second install (the entry point after :func:`install`, or the reverse) patches
+  nothing and returns the first handle; ``uninstall()`` (the handle's, or this module's) undoes it.
+* The log says what happened: "registered" once every binding is patched; else the cause.
 * The patched ``_cp_moves`` asks SGLang's for its choice and replaces only the DSA/MLA kind (the one with
   a ``reduce_scatter``); GQA's moves keep SGLang's. Every batch nsa_cp declines (graph capture, attention
   DP, geometry: ``CpMovesAdapter.admit``) runs SGLang's own move, logged once per reason.
-* :func:`status` says what is bound and what ran in this process. ``NSA_CP_SGLANG_OVERLAP=1`` adds the
-  overlapped boundary's two hooks, under a contract of their own (``overlap``).
+* :func:`status`: the keys both plugins report (``integrations.state.status``), from the live bindings.
 
 How SGLang loads plugins and why these bindings: docs/sglang.md.
 """
+
 
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ import contextvars
 import importlib
 import logging
 import sys
-from typing import Any, Callable, List, Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -58,17 +57,6 @@ BOUNDARY_MODULES = (
 _STAGE_KIND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("nsa_cp_stage_kind", default=None)
 
 
-class Installed:
-    """What :func:`install` patched; ``uninstall()`` puts SGLang's functions back (``core.Patches``)."""
-
-    def __init__(self, adapter: CpMovesAdapter, original: Callable, patches: core.Patches, patched: List[Any]):
-        self.adapter, self.original, self.patched, self._patches = adapter, original, patched, patches
-
-    def uninstall(self) -> None:
-        self._patches.undo()
-        self.patched = []
-
-
 def _is_ours(moves) -> bool:
     return getattr(moves.gather, "_nsa_cp_moves", False)
 
@@ -81,7 +69,7 @@ def _passthrough(rows, residual):  # a read step that was already run: SGLang's 
 
 
 def _declined(reason: str) -> None:
-    core.declined(state.STATE, reason, OWN_MOVES)
+    state.declined(state.STATE, reason, OWN_MOVES)
 
 
 def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool = False):
@@ -124,27 +112,10 @@ def _moves_on(theirs, adapter_of: Callable[[], CpMovesAdapter], compact_ok: bool
     )
 
 
-def _confirm_applied(where: str) -> None:
-    """The first of nsa_cp's hooks to run says what SGLang applied ("registered" only when it did)."""
-    if not state.STATE.handed or state.STATE.registered or state.STATE.register_error:
-        return
-    bound = status()["bound"]
-    if bound and all(bound.values()):
-        state.STATE.registered = True
-        logger.info("nsa_cp: SGLang plugin registered: SGLang applied its hooks (%s bound in %s; seen from %s)",
-                    HOOK_TARGET.rsplit(".", 1)[1], ", ".join(m.rsplit(".", 1)[1] for m in bound), where)
-    else:
-        state.STATE.registered = False
-        state.STATE.register_error = f"SGLang did not apply the _cp_moves hook in {bound}"
-        logger.error("nsa_cp: SGLang plugin NOT active: SGLang did not apply its _cp_moves hook (%s); see SGLang's "
-                     "'Failed to apply hooks' line for the cause", bound)
-
-
 def _cp_moves_hook(original_fn: Callable, *args, **kwargs):
     """The plugin's ``AROUND`` hook on SGLang's ``_cp_moves``: nsa_cp's moves on the module-level adapter
     (:func:`configure`), resolved when the moves run (after SGLang's distributed init); compact allowed
     only for an FFN stage's boundary."""
-    _confirm_applied("_cp_moves")
     theirs = original_fn(*args, **kwargs)
     try:
         return _moves_on(theirs, _moves.configured, compact_ok=_STAGE_KIND.get() == "FFN")
@@ -166,7 +137,6 @@ def _bind_stage_hook(original_fn: Callable, declaration, *args, **kwargs):
 def _initialize_hook(original_fn: Callable, runner, *args, **kwargs):
     """The plugin's ``AROUND`` hook on ``ModelRunner.initialize``: the model loads, then this scheduler's
     attention-CP transport is created (before SGLang sizes the KV cache)."""
-    _confirm_applied("ModelRunner.initialize")
     return core.then_setup(original_fn, scheduler.setup_transport, runner, *args, **kwargs)
 
 
@@ -181,170 +151,79 @@ HOOKS = core.targets(TABLE, contract.KNOWN)
 HOOK_TARGET = next(path for path, hook in HOOKS.items() if hook is _cp_moves_hook)
 
 
-def _binds_nsa_cp(fn: Any) -> bool:
-    """Whether a ``_cp_moves`` binding is nsa_cp's, by its markers: install()'s function carries
-    ``_nsa_cp_adapter``; SGLang's hook wrapper carries ``__wrapped__`` (functools' marker of a wrapper: the
-    original is SGLang's bare function) and is nsa_cp's once the plugin handed its hook for this target to
-    SGLang's registry (SGLang chains every hook of a target into that one wrapper)."""
-    if fn is None:
-        return False
-    if getattr(fn, "_nsa_cp_adapter", None) is not None:
-        return True
-    return state.STATE.handed and getattr(fn, "__wrapped__", None) is not None
+# every binding install() patches: the hooked targets and the modules that bind them by name
+BINDINGS = (*(f"{m}._cp_moves" for m in BOUNDARY_MODULES), *(f"{m}._bind_stage" for m in BOUNDARY_MODULES[1:]),
+            *(path for path in HOOKS if not path.endswith(("._cp_moves", "._bind_stage"))))
 
 
-def _target_problem() -> Optional[str]:
-    """Why SGLang will not be able to apply the hooks: its layer_boundary does not import here (SGLang
-    only logs 'Failed to apply hooks ...', without the cause)."""
-    try:
-        importlib.import_module(HOOK_TARGET.rsplit(".", 1)[0])
-    except Exception as e:  # noqa: BLE001  any import failure is the answer
-        return f"{HOOK_TARGET.rsplit('.', 1)[0]} does not import: {type(e).__name__}: {e}"
-    return None
-
-
-def sglang_plugin() -> None:
-    """SGLang's entry point (group ``sglang.srt.plugins``, name ``nsa_cp``): route SGLang's DSA/MLA
-    prefill-CP moves through nsa_cp, and create the attention-CP transport, in every process that calls
-    ``load_plugins()`` (every scheduler).
-
-    Registers the ``AROUND`` hooks of :data:`HOOKS`; SGLang's ``apply_hooks`` then patches each target and
-    every module that imported it by name. Imports SGLang's hook registry and the ``_cp_moves`` target's
-    module (which SGLang imports to apply the hook anyway), so that a module that does not import is
-    reported with its cause and nothing is registered. ``NSA_CP_SGLANG=0``: registers nothing.
-    Registering twice in one process is a no-op. Logs one line either way.
-    """
-    if not envs.NSA_CP_SGLANG:
-        logger.info("nsa_cp: NSA_CP_SGLANG=0, SGLang plugin off: SGLang's own CP moves are used")
-        return
-    if state.STATE.handed:
-        return
-    problem = _target_problem()
-    if problem is not None:
-        state.STATE.register_error = problem
-        logger.error("nsa_cp: SGLang plugin NOT registered, SGLang's own CP moves are used: %s", problem)
-        return
-    version = sglang_version()
-    verdict = contract.verify()
-    if verdict.contract is None:
-        core.decline_contract(state.STATE, "SGLang", version, verdict, OWN_MOVES)
-        return
-    state.STATE.contract = verdict.as_status()
-    try:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-        hooks = {**HOOKS, **overlap.hooks()}
-        for target, hook in hooks.items():
-            HookRegistry.register(target, hook, HookType.AROUND)
-    except Exception as e:
-        state.STATE.register_error = f"{type(e).__name__}: {e}"
-        logger.error("nsa_cp: SGLang plugin NOT registered, SGLang's own CP moves are used (%s: %s)",
-                     type(e).__name__, e)
-        raise
-    state.STATE.handed = True
-    logger.info("nsa_cp: SGLang plugin hooks handed to SGLang's HookRegistry (%s; SGLang %s meets the contract %r; "
-                "compact MoE gather %s, P2P %s, overlapped boundary %s); 'registered' follows once SGLang has applied "
-                "them", ", ".join(hooks), version, verdict.contract.name, "on" if envs.NSA_CP_SGLANG_COMPACT else "off",
-                "on" if envs.NSA_CP_SGLANG_P2P else "off", overlap.switch())
-
-
-def status() -> dict:
-    """Where nsa_cp stands in this process, for a running SGLang server (call it in a scheduler process,
-    e.g. from a plugin or a debugger) or a test:
-
-    * ``bound``: every module of :data:`BOUNDARY_MODULES` that is imported -> whether its ``_cp_moves`` is
-      nsa_cp's; ``active``: all three are;
-    * ``plugin_registered``: the hooks were handed to SGLang; ``hooks_applied``: SGLang applied them (seen
-      from a hook that ran); ``register_error``: why not;
-    * ``used``: the moves have run; ``compact``: NSA_CP_SGLANG_COMPACT;
-    * ``p2p``: the scheduler's transport decision (``on``, ``bytes``, ``max_tokens_per_rank``, ``reason``,
-      ``nccl``), None before the model runner decided;
-    * ``fusions``: what the MoE gathers ran as, by kind (``fused_add_rmsnorm_all_gather``,
-      ``read_then_gather``), ``unfused``: why not fused, by reason, and ``reduce_scatter_norm`` (not fused
-      inside SGLang: docs/sglang.md says why);
-    * ``declined``: batches SGLang's own moves took, by reason; ``nccl_batches``: too large for P2P;
-    * ``overlap``: NSA_CP_SGLANG_OVERLAP, whether its contract holds and what ran (``overlap.as_status``);
-      ``first_use``: the first-use checks (``check``), calls checked and kinds declined, by kind.
-    """
-    bound = {}
+def _verify() -> contracts.Verdict:
+    """SGLang's boundary modules import (ImportError with the cause: SGLang itself then could not run the
+    moves), then its code is checked against the known contracts."""
     for name in BOUNDARY_MODULES:
-        module = sys.modules.get(name)
-        if module is not None:
-            bound[name] = _binds_nsa_cp(getattr(module, "_cp_moves", None))
-    s = state.STATE
-    version = sglang_version()
+        importlib.import_module(name)
+    return contract.verify()
+
+
+def _bind(patches: core.Patches) -> None:
+    """Wrap every hook in place; the modules that imported ``_cp_moves`` / ``_bind_stage`` by name get the
+    wrapper too (all or nothing: the caller undoes ``patches`` on an error)."""
+    core.wrap(patches, {**HOOKS, **overlap.hooks()})
+    modules = [sys.modules[name] for name in BOUNDARY_MODULES]
+    for attr, source, others in (("_cp_moves", modules[0], modules[1:]), ("_bind_stage", modules[1], modules[2:])):
+        wrapper = getattr(source, attr)
+        for module in others:
+            if getattr(module, attr, None) is wrapper._nsa_cp_original:
+                patches.set(module, attr, wrapper)
+
+
+def _bindings():
+    return (*BINDINGS, *(overlap.HOOKS if overlap.switch() == "on" else ()))
+
+
+def _describe() -> dict:
     return {
-        **core.status_fields(s, "SGLang", version),
-        "active": len(bound) == len(BOUNDARY_MODULES) and all(bound.values()),
-        "bound": bound,
-        "hooks_applied": s.registered,
-        "used": _moves.configured().used,
         "compact": envs.NSA_CP_SGLANG_COMPACT,
-        "fusions": {"gather": dict(s.gathers), "unfused": dict(s.unfused),
-                    "reduce_scatter_norm": "not fused: the exit and the next layer's entry are separate stages"},
-        "sglang": version,
+        "fusions": {"gather": "add + RMSNorm fused into the gather where SGLang's read step is the plain one "
+                              "(fused_add_rmsnorm_all_gather); any other step runs, then the gather",
+                    "reduce_scatter": "not fused: the exit and the next layer's entry are separate stages "
+                                      "(docs/sglang.md)"},
         "overlap": overlap.as_status(),
         "first_use": check.CHECKS.as_status(),
     }
 
 
-def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> Installed:
-    """Route SGLang's DSA/MLA prefill-CP moves through nsa_cp in THIS process, before the model is built.
+PLUGIN = core.Plugin(
+    engine="SGLang", contracts=contract.KNOWN, targets=TABLE, own_moves=OWN_MOVES, switch_name="NSA_CP_SGLANG",
+    switch=lambda: bool(envs.NSA_CP_SGLANG), version=sglang_version, verify=_verify, bind=_bind,
+    bindings=_bindings, describe=_describe,
+    summary=lambda: (f"compact MoE gather {'on' if envs.NSA_CP_SGLANG_COMPACT else 'off'}, P2P "
+                     f"{'on' if envs.NSA_CP_SGLANG_P2P else 'off'}, overlapped boundary {overlap.switch()}"),
+    state=state.STATE)
 
-    When it works: a model built in the calling process (your own loop over SGLang's model classes, an
-    in-process test). When it does not: ``sglang.launch_server`` / ``sglang.Engine`` build the model in
-    scheduler processes started with ``spawn``, where a patch made here is lost; there the SGLang plugin
-    does it (:func:`sglang_plugin`, on by default once nsa_cp is installed: docs/sglang.md).
 
-    Patches ``_cp_moves`` in every module of :data:`BOUNDARY_MODULES` (each imports it by name), and
-    ``_bind_stage`` in ``construction`` and ``factories`` (so compact reaches FFN stages only). The
-    patched function asks SGLang's for its choice and replaces only the DSA/MLA kind (the one with a
-    ``reduce_scatter``), keeping SGLang's ``reduce_scatter_group`` (its GroupCoordinator); a batch the
-    adapter declines (graph capture, attention DP, geometry) takes SGLang's own moves. It creates no
-    transport: call ``nsa_cp.init_p2p`` or ``CpMovesAdapter.create_transport`` for that.
-    Never stacks: on top of the plugin's hook it patches nothing (the moves are nsa_cp's already) and
-    makes ``group`` / ``kwargs`` the plugin adapter's (:func:`configure`); a second install raises.
+def install(group: Optional[dist.ProcessGroup] = None, **kwargs) -> core.Installed:
+    """Route SGLang's DSA/MLA prefill-CP moves through nsa_cp in THIS process (the one install path:
+    :func:`sglang_plugin` runs it in every scheduler). ``group`` / ``kwargs``: the adapter's
+    (:func:`configure`; None: SGLang's attention-CP group, found when the moves run).
 
-    Args:
-        group, **kwargs: for :class:`CpMovesAdapter` (group None: SGLang's attention-CP group).
+    Where it is enough: a model built in the calling process (your own loop over SGLang's model classes, an
+    in-process test). ``sglang.launch_server`` / ``sglang.Engine`` build the model in scheduler processes
+    started with ``spawn``, where a patch made here is lost: there the entry point does it (on by default
+    once nsa_cp is installed: docs/sglang.md).
+
+    Returns the undo handle (``uninstall()``). A second call patches nothing and returns the first handle.
 
     Raises:
         ImportError when SGLang (its ``layer_boundary`` package) is not importable;
-        ``contracts.ContractMismatch`` when SGLang's code meets no contract nsa_cp knows (nothing patched);
-        RuntimeError when install() already patched these modules.
+        ``contracts.ContractMismatch`` when SGLang's code meets no contract nsa_cp knows (nothing patched).
     """
-    modules = [importlib.import_module(name) for name in BOUNDARY_MODULES]
-    verdict = contract.verify()
-    if verdict.contract is None:
-        raise contracts.ContractMismatch(verdict)
-    state.STATE.contract = verdict.as_status()
+    if group is not None or kwargs:
+        _moves.configure(group, **kwargs)
+    return PLUGIN.install()
 
-    original = modules[0]._cp_moves
-    if getattr(original, "_nsa_cp_adapter", None) is not None:
-        raise RuntimeError("nsa_cp.integrations.sglang.install: already installed (uninstall() the first)")
-    if _binds_nsa_cp(original):
-        adapter = _moves.configure(group, **kwargs) if (group is not None or kwargs) else _moves.configured()
-        logger.info("nsa_cp: install(): the SGLang plugin's moves are already bound; nothing patched")
-        return Installed(adapter, original, core.Patches(), [])
-    adapter = CpMovesAdapter(group, **kwargs)
 
-    def cp_moves():
-        return _moves_on(original(), lambda: adapter, compact_ok=_STAGE_KIND.get() == "FFN")
-
-    cp_moves._nsa_cp_adapter = adapter
-    patches, patched = core.Patches(), []
-    for module in modules:
-        if getattr(module, "_cp_moves", None) is original:
-            patches.set(module, "_cp_moves", cp_moves)
-            patched.append(module)
-    bind_stage = getattr(modules[1], "_bind_stage", None)
-
-    def bind_stage_kind(declaration, *args, **kw):
-        return _bind_stage_hook(bind_stage, declaration, *args, **kw)
-
-    for module in modules[1:] if bind_stage is not None else ():
-        if getattr(module, "_bind_stage", None) is bind_stage:
-            patches.set(module, "_bind_stage", bind_stage_kind)
-    core.wrap(patches, overlap.hooks())
-    logger.info("nsa_cp: SGLang CP moves installed in %s", ", ".join(m.__name__ for m in patched))
-    return Installed(adapter, original, patches, patched)
+# the record's names, as the module's (vLLM's plugin module has the same): uninstall(): the handle's;
+# sglang_plugin(): SGLang's entry point (group sglang.srt.plugins, name nsa_cp), which runs install() where
+# NSA_CP_SGLANG is on and never raises into SGLang; status(): integrations.state.status's keys, in a scheduler
+# process (a debugger, a plugin of your own) or a test
+uninstall, sglang_plugin, status = PLUGIN.uninstall, PLUGIN.entry_point, PLUGIN.status

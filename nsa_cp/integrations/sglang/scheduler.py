@@ -19,7 +19,7 @@ import logging
 from typing import Any, Optional
 
 from ... import envs
-from .. import core
+from .. import state as shared
 from . import moves, runtime, state
 
 logger = logging.getLogger("nsa_cp")
@@ -37,7 +37,7 @@ def max_tokens_per_rank(server_args: Any, cp_size: int, align: int) -> Optional[
 
 def setup_transport(runner: Any) -> dict:
     """Create (or reuse) this scheduler's attention-CP transport; returns and records the decision."""
-    return core.setup_transport_once(state.STATE, lambda: _decide(runner), "attention-CP",
+    return shared.setup_transport_once(state.STATE, lambda: _decide(runner), "attention-CP",
                                      "SGLang sizes its KV cache")
 
 
@@ -57,5 +57,5 @@ def _decide(runner: Any) -> dict:
         # separate allocations, and its moves replace the two collectives that would read that pool here
         logger.info("nsa_cp: --enable-symm-mem: SGLang's symmetric pool and nsa_cp's P2P buffers are separate "
                     "allocations; the CP MoE gather and reduce-scatter go through nsa_cp")
-    return core.create_sized(rows, hidden, dtype, lambda r, h, d: moves.configured().create_transport(
+    return shared.create_sized(rows, hidden, dtype, lambda r, h, d: moves.configured().create_transport(
         r, h, d, p2p=envs.NSA_CP_SGLANG_P2P), "SGLang")

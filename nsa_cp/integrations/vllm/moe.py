@@ -43,11 +43,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ... import envs
-from .. import core
+from .. import moves, state
 from ...geometry.wire import FP8_E4M3_G128, FP8_E4M3_G128_UE8M0
 from . import check, runtime, step
 
-STATE = core.IntegrationState()
+STATE = state.IntegrationState()
 PENDING: Dict[int, "_Pending"] = {}  # id(runner) -> what its served dispatch hands its combine
 CONTRACT: List[Optional[Any]] = [None]  # the verified contract (plugin.install sets it)
 _WIRE: Dict[int, tuple] = {}  # id(quant config) -> (the config, fp8_wire's verdict on it)
@@ -140,7 +140,7 @@ OWN_MOVES = check.OWN
 
 def _declined(reason: str, original: Callable, runner, hidden_states, router_logits):
     """vLLM's own dispatch for this call; the reason counted, and logged once per kind."""
-    core.declined(STATE, reason, OWN_MOVES)
+    state.declined(STATE, reason, OWN_MOVES)
     return original(runner, hidden_states, router_logits)
 
 
@@ -160,10 +160,10 @@ def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, route
     if reason is not None:
         return _declined(reason, original, runner, hidden_states, router_logits)
     layout, group, rank = current.layout, runtime.pcp_device_group(), runtime.pcp_rank()
-    core.over_capacity(STATE, group, layout)
+    moves.over_capacity(STATE, group, layout)
     try:  # nsa_cp checks before it moves anything; every rank sees the same shapes, so all refuse alike
-        hidden = core.gather_rows(hidden_states, layout, rank, group, compact=compact, quant=quant)
-        logits = core.gather_rows(router_logits, layout, rank, group, compact=True) if compact else None
+        hidden = moves.gather_rows(hidden_states, layout, rank, group, compact=compact, quant=quant)
+        logits = moves.gather_rows(router_logits, layout, rank, group, compact=True) if compact else None
     except ValueError as e:
         return _declined(f"nsa_cp refused the call ({e})", original, runner, hidden_states, router_logits)
     scale = None
@@ -181,7 +181,8 @@ def dispatch(original: Callable, runner: Any, hidden_states: torch.Tensor, route
     if compact:
         saved = context.is_padding
         context.is_padding = current.compact_padding(hidden)
-    core.count(STATE.gathers, kind[len("dispatch "):])
+    state.count(STATE.gathers, kind[len("dispatch "):])
+    STATE.used = True
     PENDING[id(runner)] = _Pending(current, compact, context, saved)
     return ours
 
@@ -206,7 +207,7 @@ def combine(original: Callable, runner: Any, shared_output, hidden_states):
     if not isinstance(hidden_states, torch.Tensor):  # vLLM raises the same for a deferred output
         raise RuntimeError("PCP reduce-scatter cannot consume a deferred MoE output.")
     current, kind = pending.step, check.combine_kind(pending.compact)
-    out = core.reduce_scatter_rows(hidden_states, current.layout, runtime.pcp_rank(), current.rows,
+    out = moves.reduce_scatter_rows(hidden_states, current.layout, runtime.pcp_rank(), current.rows,
                                    runtime.pcp_device_group())
     ours = out
     if runner.shared_experts is not None:
@@ -216,7 +217,7 @@ def combine(original: Callable, runner: Any, shared_output, hidden_states):
         difference, theirs = check.combine_difference(ours, original, runner, shared_output, hidden_states,
                                                       current.layout, runtime.pcp_rank(), pending.compact)
         if check.CHECKS.settle(kind, difference, runtime.pcp_device_group()):
-            core.declined(STATE, check.CHECKS.refused(kind), OWN_MOVES)
+            state.declined(STATE, check.CHECKS.refused(kind), OWN_MOVES)
             return theirs
-    core.count(STATE.scatters, kind[len("combine "):])
+    state.count(STATE.scatters, kind[len("combine "):])
     return ours

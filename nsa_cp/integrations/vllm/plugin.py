@@ -1,10 +1,12 @@
-"""Getting nsa_cp's moves into vLLM: the plugin entry point, :func:`install` / :func:`uninstall`, :func:`status`.
+"""Getting nsa_cp's moves into vLLM: :data:`PLUGIN`, the plugin record (``integrations.core.Plugin``), and
+its module-level names: :func:`vllm_plugin`, :func:`install` / :func:`uninstall`, :func:`status`.
 
 Contract:
 
 * :func:`vllm_plugin` is the entry point ``nsa_cp`` of the group ``vllm.general_plugins``
   (``nsa_cp.integrations.vllm:vllm_plugin``), which vLLM loads in every process it starts, workers
   included, before distributed init and model load (``VLLM_PLUGINS``, where set, must name ``nsa_cp``).
+  It runs the one install path (:func:`install`) where ``NSA_CP_VLLM`` is on, and never raises into vLLM.
 * Before anything is patched, vLLM's code is checked against the contracts nsa_cp knows
   (``contract.KNOWN``: the signature, the number of values returned and the helpers read of every function
   it wraps or reads). A known contract is served: the methods of the target table (:data:`TABLE`, a
@@ -18,7 +20,7 @@ Contract:
   ``NSA_CP_VLLM=0``: nothing is checked or wrapped. Loading twice is a no-op.
 * The log says what happened: "registered" only when every target was wrapped; otherwise what differs
   or which target did not import, with the cause, and nothing is wrapped.
-* :func:`status` reads the live bindings (is each target nsa_cp's wrapper now?) and what ran.
+* :func:`status`: the keys both plugins report (``integrations.state.status``), from the live bindings.
 """
 
 from __future__ import annotations
@@ -50,87 +52,43 @@ TABLE = (
 # "module.Class.method" -> its body, the paths from the known contracts (which agree on them)
 TARGETS: Dict[str, Callable] = core.targets(TABLE, contract.KNOWN)
 
-_PATCHES = core.Patches()  # what install() wrapped, for uninstall()
+
+def _describe() -> dict:
+    return {
+        "compact": envs.NSA_CP_VLLM_COMPACT,
+        "fusions": {"gather": "not fused: the norm runs in the decoder layer, the moves inside the MoE's custom op "
+                              "(docs/vllm.md)",
+                    "reduce_scatter": "not fused: the next norm runs in the next decoder layer (docs/vllm.md)"},
+        "overlap": {"on": False, "declined": "no overlapped boundary in vLLM's plugin", "chunk_rows": None,
+                    "contract": None, "layers": 0, "serialized": {}},
+        "first_use": check.CHECKS.as_status(),
+    }
 
 
-def install() -> contracts.Verdict:
-    """Check vLLM's code against the known contracts, then wrap every target of :data:`TARGETS` in this
-    process (what :func:`vllm_plugin` does). All or nothing: a contract that does not hold raises
-    :class:`~..contracts.ContractMismatch`, a target that does not import ImportError / AttributeError, and nothing is
-    wrapped. A second call is a no-op. Returns the verdict (``verdict.contract``: the contract served)."""
-    verdict = contract.verify()
-    if verdict.contract is None:
-        raise contracts.ContractMismatch(verdict)
-    core.wrap(_PATCHES, TARGETS)
+def _installed(verdict: contracts.Verdict) -> None:
     moe.CONTRACT[0] = verdict.contract
-    moe.STATE.contract = verdict.as_status()
-    moe.STATE.handed = moe.STATE.registered = True
-    moe.STATE.register_error = None
     check.CHECKS.reset()  # a fresh process's checks: every kind is checked again on its first calls
-    return verdict
 
 
-def uninstall() -> None:
-    """Put vLLM's functions back (tests; a process that wants vLLM's own moves again)."""
-    _PATCHES.undo()
-    moe.STATE.handed = moe.STATE.registered = False
+def _uninstalled() -> None:
     moe.CONTRACT[0] = None
     moe.PENDING.clear()
     step.set_current(None)
 
 
-def vllm_plugin() -> None:
-    """vLLM's entry point (group ``vllm.general_plugins``, name ``nsa_cp``): route the PCP MoE gather and
-    reduce-scatter through nsa_cp and create the PCP transport, in every process that loads plugins, where
-    vLLM's code meets a contract nsa_cp knows. Never raises into vLLM: a contract that does not hold or a
-    target that does not import is logged with its cause (nothing wrapped)."""
-    if not envs.NSA_CP_VLLM:
-        logger.info("nsa_cp: NSA_CP_VLLM=0, vLLM plugin off: %s are used", OWN_MOVES)
-        return
-    if moe.STATE.registered:
-        return
-    version = runtime.vllm_version()
-    try:
-        verdict = install()
-    except contracts.ContractMismatch as e:
-        core.decline_contract(moe.STATE, "vLLM", version, e.verdict, OWN_MOVES)
-        return
-    except Exception as e:  # noqa: BLE001  any failure: vLLM's own moves, said with its cause
-        moe.STATE.register_error = f"{type(e).__name__}: {e}"
-        logger.error("nsa_cp: vLLM plugin NOT registered, %s are used: %s", OWN_MOVES, moe.STATE.register_error)
-        return
-    logger.info("nsa_cp: vLLM plugin registered (%d methods wrapped; vLLM %s meets the contract %r; compact MoE "
-                "gather %s, P2P %s)", len(_PATCHES), version, verdict.contract.name,
-                "on" if envs.NSA_CP_VLLM_COMPACT else "off", "on" if envs.NSA_CP_VLLM_P2P else "off")
+PLUGIN = core.Plugin(
+    engine="vLLM", contracts=contract.KNOWN, targets=TABLE, own_moves=OWN_MOVES, switch_name="NSA_CP_VLLM",
+    switch=lambda: bool(envs.NSA_CP_VLLM), version=runtime.vllm_version, verify=contract.verify,
+    bind=lambda patches: core.wrap(patches, TARGETS), bindings=lambda: TARGETS, describe=_describe,
+    summary=lambda: (f"compact MoE gather {'on' if envs.NSA_CP_VLLM_COMPACT else 'off'}, "
+                     f"P2P {'on' if envs.NSA_CP_VLLM_P2P else 'off'}"),
+    on_install=_installed, on_uninstall=_uninstalled, state=moe.STATE)
 
 
-def status() -> dict:
-    """Where nsa_cp stands in this process (call it in a worker, e.g. through ``collective_rpc``, or a test).
-    The keys every engine plugin reports (``core.status_fields``):
-
-    * ``engine``, ``version``; ``contract``: the contract served (``served``) or what differs
-      (``problem``), and where each function was found; ``plugin_registered``; ``register_error``: why not;
-    * ``p2p``: the worker's transport decision (``on``, ``bytes``, ``max_tokens_per_rank``, ``reason``,
-      ``nccl``), None before the model loaded; ``declined``: calls vLLM's own moves took, by reason;
-      ``nccl_batches``: too large for P2P;
-
-    and vLLM's own: ``patched``: each target of :data:`TARGETS` -> whether it is nsa_cp's wrapper now;
-    ``active``: all are; ``compact``: NSA_CP_VLLM_COMPACT; ``gathers`` / ``reduce_scatters``: nsa_cp's moves
-    that ran, by layout (and wire format); ``fusions``: none inside vLLM (docs/vllm.md says what blocks them);
-    ``vllm``: the version; ``first_use``: the first-use checks (``check``): calls checked and kinds declined,
-    by kind, with what differed.
-    """
-    patched = {target: core.is_wrapped(target) for target in TARGETS}
-    s = moe.STATE
-    version = runtime.vllm_version()
-    return {
-        **core.status_fields(s, "vLLM", version),
-        "active": all(patched.values()),
-        "patched": patched,
-        "compact": envs.NSA_CP_VLLM_COMPACT,
-        "gathers": dict(s.gathers),
-        "reduce_scatters": dict(s.scatters),
-        "first_use": check.CHECKS.as_status(),
-        "fusions": "none: the norm runs in the decoder layer, the moves inside the MoE's custom op (docs/vllm.md)",
-        "vllm": version,
-    }
+# the record's names, as the module's (SGLang's plugin module has the same):
+# install(): verify vLLM's code against the known contracts, then wrap every target of TARGETS in this process,
+#   all or nothing (ContractMismatch, or ImportError / AttributeError for a target that does not import, and
+#   nothing is wrapped); returns the undo handle; a second call wraps nothing and returns the first handle
+# uninstall(): the handle's; vllm_plugin(): vLLM's entry point (group vllm.general_plugins, name nsa_cp), which
+#   runs install() where NSA_CP_VLLM is on and never raises into vLLM; status(): integrations.state.status's keys
+install, uninstall, vllm_plugin, status = PLUGIN.install, PLUGIN.uninstall, PLUGIN.entry_point, PLUGIN.status

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ... import envs
-from .. import core
+from .. import state
 from . import moe, runtime
 
 def max_tokens_per_rank(scheduler_config: Any, pcp: int) -> Optional[int]:
@@ -32,7 +32,7 @@ def max_tokens_per_rank(scheduler_config: Any, pcp: int) -> Optional[int]:
 
 def setup_transport(worker: Any) -> dict:
     """Create (or reuse) this worker's PCP transport; returns and records the decision."""
-    return core.setup_transport_once(moe.STATE, lambda: _decide(worker), "PCP",
+    return state.setup_transport_once(moe.STATE, lambda: _decide(worker), "PCP",
                                      "vLLM profiles memory for its KV cache")
 
 
@@ -40,12 +40,12 @@ def _decide(worker: Any) -> dict:
     coordinator = runtime.pcp_group_or_none()
     pcp = getattr(coordinator, "world_size", 1)
     if pcp < 2:
-        return core.transport_decision(reason=f"prefill context parallel size {pcp}")
+        return state.transport_decision(reason=f"prefill context parallel size {pcp}")
     config = getattr(worker, "vllm_config", None)
     model_config = getattr(config, "model_config", None)
     rows = max_tokens_per_rank(getattr(config, "scheduler_config", None), pcp)
     hidden = model_config.get_hidden_size() if hasattr(model_config, "get_hidden_size") else None
     dtype = getattr(model_config, "dtype", None)
-    return core.create_sized(rows, hidden, dtype, lambda r, h, d: core.create_transport(
+    return state.create_sized(rows, hidden, dtype, lambda r, h, d: state.create_transport(
         coordinator.device_group, r, h, d, getattr(worker, "device", None), p2p=envs.NSA_CP_VLLM_P2P,
         off_reason="NSA_CP_VLLM_P2P=0"), "vLLM")

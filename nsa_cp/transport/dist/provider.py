@@ -8,6 +8,7 @@ this module picks one per request (``algo``) and binds it to the group's ``Colle
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -87,13 +88,37 @@ class DistTransport:
 
 
 class DistProvider:
-    """Every group has one: torch.distributed serves every call (nsa_cp/transports.py: its row is asked last)."""
+    """Every group has one: torch.distributed serves every call (nsa_cp/transports.py: its row is asked last).
+
+    Its lifecycle (nsa_cp/transport/base.py's ``Lifecycle``) is nsa_cp's own NCCL communicator for the
+    group (``dist/nccl.py``: ``init_nccl`` / ``get_nccl`` / ``destroy_nccl``), which the uneven movements
+    take where it exists; it holds no rows, so any live one fits."""
 
     name = "nccl"
 
     def open(self, req, group):
         return DistTransport(group)
 
+    def unavailable_reason(self, group, device=None) -> Optional[str]:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        return nccl.nccl_unavailable_reason(group)
+
+    def current(self, group):
+        return nccl.get_nccl(group)
+
+    def fits(self, comm, sizes) -> bool:
+        return not comm.closed and (sizes.device is None or comm.device == torch.device(sizes.device))
+
+    def create(self, group, sizes):
+        return nccl.init_nccl(group, sizes.device)
+
+    def close(self, group) -> None:
+        nccl.destroy_nccl(group)
+
+    def describe(self, comm, reason: Optional[str] = None) -> dict:
+        """``nccl``: what the torch.distributed path's uneven calls run through."""
+        return {"nccl": "nsa_cp's NCCL communicator" if comm is not None else f"torch's process group ({reason})"}
 
 
 PROVIDER = DistProvider()  # its row in nsa_cp/transports.py

@@ -1,6 +1,7 @@
 """One P2P transport per process group: ``init_p2p`` creates and registers it, ``get_p2p`` finds it,
 ``destroy_p2p`` releases it; ``PROVIDER`` hands the planner a group's transport (the P2P row of
-nsa_cp/transports.py).
+nsa_cp/transports.py) and owns that lifecycle for the creation policy (nsa_cp/transport/base.py's
+``Lifecycle``: a transport that fits the sizes is kept, else one is made for them).
 
 ``generation`` is ``nsa_cp.transport.groups.latest_generation``, the one generation of every group
 registry (the plan-cache key): ``init_p2p`` and ``destroy_p2p`` change it.
@@ -14,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ...support import Support
+from ..base import Sizes
 from ..groups import GroupRegistry, latest_generation
+from .memory import p2p_unavailable_reason
 from .transport import P2PTransport
 
 __all__ = ["init_p2p", "get_p2p", "destroy_p2p", "any_registered", "generation", "P2PProvider", "PROVIDER"]
@@ -74,9 +77,33 @@ _NOT_CUDA = ("'p2p' cannot serve {device} tensors: the P2P transport moves rows 
 
 
 class P2PProvider:
-    """The group's P2P transport, where ``init_p2p`` made one (the transport is the planner's Transport)."""
+    """The group's P2P transport, where ``init_p2p`` made one (the transport is the planner's Transport),
+    and its lifecycle (``init_p2p`` / ``get_p2p`` / ``destroy_p2p`` / ``p2p_unavailable_reason``)."""
 
     name = "p2p"
+
+    def unavailable_reason(self, group, device=None) -> Optional[str]:
+        return p2p_unavailable_reason(group, device)  # collective: one verdict for the group
+
+    def current(self, group) -> Optional[P2PTransport]:
+        return get_p2p(group)
+
+    def fits(self, transport: P2PTransport, sizes: Sizes) -> bool:
+        """A larger transport serves smaller batches; the row's elements and dtype must be its own."""
+        return transport.max_tokens_per_rank >= sizes.max_tokens_per_rank \
+            and transport.hidden_size == sizes.hidden_size and transport.dtype == sizes.dtype
+
+    def create(self, group, sizes: Sizes) -> P2PTransport:
+        return init_p2p(group, sizes.max_tokens_per_rank, sizes.hidden_size, sizes.dtype, sizes.device,
+                        workspace_bytes=sizes.workspace_bytes)
+
+    def close(self, group) -> None:
+        destroy_p2p(group)
+
+    def describe(self, transport: Optional[P2PTransport], reason: Optional[str] = None) -> dict:
+        if transport is None:
+            return {}
+        return {"bytes": transport.workspace_bytes, "max_tokens_per_rank": transport.max_tokens_per_rank}
 
     def open(self, req, group) -> Union[P2PTransport, Support]:
         transport = get_p2p(req.group) if any_registered() else None

@@ -11,6 +11,8 @@ staged through an aligned copy (the aligned case adds no frame).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ...support import Support
@@ -21,7 +23,32 @@ __all__ = ["P2PRoutes"]
 
 
 class P2PRoutes:
-    """The planner's Transport protocol over a transport's ``support`` and runners (``P2PTransport``'s base)."""
+    """The planner's Transport protocol over a transport's ``support`` and runners (``P2PTransport``'s base).
+
+    What it reads of its subclass is declared here: the ``device`` and the error record (``_broken``,
+    ``check_error``), the verdict (``support``) and the runners and buffer (nsa_cp/transport/p2p/transport.py
+    says what each does)."""
+
+    device: torch.device
+    _broken: Optional[tuple]
+
+    def support(self, layout, row_shape, dtype, device, *, quant=None, norm=False) -> Support:
+        raise NotImplementedError
+
+    def check_error(self) -> None:
+        raise NotImplementedError
+
+    def gather_runner(self, layout, compact, row_shape, *, engine="auto", quant=None, ordered=False, checked=False):
+        raise NotImplementedError
+
+    def norm_gather_runner(self, layout, compact, row_shape, *, quant=None, ordered=False, checked=False):
+        raise NotImplementedError
+
+    def reduce_scatter_runner(self, layout, compact, row_shape, *, ordered=False, norm=False, checked=False):
+        raise NotImplementedError
+
+    def reduce_buffer(self, layout, compact, row_shape=None) -> torch.Tensor:
+        raise NotImplementedError
 
     def serves(self, req, stage) -> Support:
         fmt = stage.fmt

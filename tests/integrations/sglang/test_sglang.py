@@ -204,7 +204,8 @@ def test_cp_moves_on_gloo(moves_world, case_id):
 def fake_sglang(monkeypatch):
     """Stand-ins for the SGLang modules install() touches, with the same names and binding by name."""
     names = ["sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.layer_boundary",
-             "sglang.srt.layers.layer_boundary.contracts", *adapter_mod.BOUNDARY_MODULES]
+             "sglang.srt.layers.layer_boundary.contracts", *adapter_mod.BOUNDARY_MODULES, "sglang.srt.model_executor",
+             "sglang.srt.model_executor.model_runner"]
     mods = {name: types.ModuleType(name) for name in names}
 
     class CpMoves:  # msgspec.Struct in SGLang; the fields are what matter
@@ -227,8 +228,21 @@ def fake_sglang(monkeypatch):
             return CpMoves(theirs("gather"), theirs("take_back"), theirs("reduce_scatter"), lambda: coordinator)
         return CpMoves(theirs("moe_gather"), theirs("moe_take_back"))
 
+    def _bind_stage(declaration, *args, **kwargs):
+        return declaration
+
+    class ModelRunner:
+        def initialize(self):
+            return "initialized"
+
     for name in adapter_mod.BOUNDARY_MODULES:
         mods[name]._cp_moves = _cp_moves
+    for name in adapter_mod.BOUNDARY_MODULES[1:]:
+        mods[name]._bind_stage = _bind_stage
+    mods["sglang.srt.model_executor.model_runner"].ModelRunner = ModelRunner
+    for name in names[1:]:  # a package's attribute is its submodule, as after an import
+        parent, child = name.rsplit(".", 1)
+        setattr(mods[parent], child, mods[name])
     for name, module in mods.items():
         monkeypatch.setitem(sys.modules, name, module)
     return NS(mods=mods, original=_cp_moves, state=state, coordinator=coordinator, CpMoves=CpMoves)
@@ -268,11 +282,12 @@ def test_install_patches_every_binding_and_uninstalls(fake_sglang, monkeypatch):
         fake_sglang.state.kind = "moe_cp"
         other = patched[0]()
         assert other.reduce_scatter is None and other.take_back() == "sglang-moe_take_back"
-        with pytest.raises(RuntimeError, match="already installed"):
-            adapter_mod.install()
+        assert adapter_mod.install() is handle, "a second install patched again"  # the plugin's too: one path
+        assert adapter_mod.status()["active"], adapter_mod.status()["bound"]
     finally:
         handle.uninstall()
     assert all(fake_sglang.mods[name]._cp_moves is fake_sglang.original for name in adapter_mod.BOUNDARY_MODULES)
+    assert not adapter_mod.status()["active"] and not adapter_mod.status()["plugin_registered"]
 
 
 def test_install_without_sglang_raises_import_error(monkeypatch):

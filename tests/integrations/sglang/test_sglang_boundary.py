@@ -53,7 +53,7 @@ def _check(rank, world, strategy, seq_lens, dtype, compact, full_row):
     assert on["moe_rows"] == [total if compact else physical * world] * 2, on["moe_rows"]
     full_rows = [physical * world] if full_row else []
     assert on["full_row_rows"] == off["full_row_rows"] == full_rows, (on["full_row_rows"], full_rows)
-    gathers = nsa_sglang.status()["fusions"]["gather"]
+    gathers = nsa_sglang.status()["gathers"]
     # each layer's MoE gather; a full-row attention's input gather keeps SGLang's quantizing read step
     assert gathers.get("fused_add_rmsnorm_all_gather", 0) == 2, (gathers, nsa_sglang.status()["first_use"])
     first = nsa_sglang.status()["first_use"]  # every move's first call checked against SGLang's own: no difference

@@ -69,7 +69,7 @@ def _case(rank, world, strategy, seq_lens, compact, full_row, device):
     if even:
         os.environ["NSA_CP_BACKEND"] = "p2p"
         kw["seq_lens"] = [2 * world * world]
-    before = dict(nsa_sglang.status()["fusions"]["gather"])
+    before = dict(nsa_sglang.status()["gathers"])
     try:
         on = sglang_stack.run_stack(rank, world, **kw)
     finally:
@@ -91,7 +91,7 @@ def _case(rank, world, strategy, seq_lens, compact, full_row, device):
     physical, total = off["physical"], sum(off["logical"])
     assert on["moe_rows"] == [total if compact else physical * world] * 2, on["moe_rows"]
     assert on["full_row_rows"] == ([physical * world] if full_row else []), on["full_row_rows"]
-    after = nsa_sglang.status()["fusions"]["gather"]
+    after = nsa_sglang.status()["gathers"]
     fused = after.get("fused_add_rmsnorm_all_gather", 0) - before.get("fused_add_rmsnorm_all_gather", 0)
     assert fused == 2, (before, after)
     transport = get_p2p(sglang_stack.ensure_parallel(rank, world).device_group)

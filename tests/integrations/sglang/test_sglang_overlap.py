@@ -98,7 +98,7 @@ def _check(rank, world, seq_lens, dtype, compact, shared_tp1, chunk_rows):
     n, physical, logical = off["n_real"], off["physical"], off["logical"]
     overlap = status["overlap"]
     assert overlap["declined"] is None and overlap["layers"] == 2, overlap
-    assert status["fusions"]["gather"].get("fused_add_rmsnorm_overlapped") == 2, status["fusions"]
+    assert status["gathers"].get("fused_add_rmsnorm_overlapped") == 2, status["gathers"]
     # the MoE saw each rank's real rows (in chunks of at most chunk_rows), never the gathered tensor
     per_layer = sorted(c for q in logical for c in _chunks(q, chunk_rows))
     assert sorted(on["moe_rows"]) == sorted(per_layer * 2), (on["moe_rows"], per_layer)
@@ -192,7 +192,7 @@ def _check_drift(rank, world, kind):
     overlap = status["overlap"]
     assert overlap["on"] and says in (overlap["declined"] or "") and overlap["layers"] == 0, overlap
     # the serialized moves stay on: both MoE gathers ran as nsa_cp's fused gather
-    assert status["contract"]["served"] and status["fusions"]["gather"] == {"fused_add_rmsnorm_all_gather": 2}, status
+    assert status["contract"]["served"] and status["gathers"] == {"fused_add_rmsnorm_all_gather": 2}, status
     physical = ser["physical"]
     assert drifted["moe_rows"] == ser["moe_rows"] == [physical * world] * 2, drifted["moe_rows"]
     n = ser["n_real"]

@@ -223,9 +223,9 @@ def check_case(rank, world, case, device, want_backend):
         return {"bitwise": True, "backends": []}
     # the overlap ran, on the transport asked for, and nothing took SGLang's or the NCCL path
     assert overlap["declined"] is None and overlap["layers"] == 2 and not overlap["serialized"], overlap
-    assert status["fusions"]["gather"].get("fused_add_rmsnorm_overlapped") == 2, status["fusions"]
+    assert status["gathers"].get("fused_add_rmsnorm_overlapped") == 2, status["gathers"]
     assert ser_status["overlap"]["layers"] == 0 and not ser_calls, ser_status["overlap"]
-    assert ser_status["fusions"]["gather"].get("fused_add_rmsnorm_all_gather") == 2, ser_status["fusions"]
+    assert ser_status["gathers"].get("fused_add_rmsnorm_all_gather") == 2, ser_status["gathers"]
     for st in (ser_status, status):
         assert st["nccl_batches"] == 0 and not st["declined"], st
     assert len(calls) == 2, calls

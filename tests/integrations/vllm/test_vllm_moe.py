@@ -150,7 +150,7 @@ def _check(rank, world, config, name, compact, declined=False, with_shared=False
     if drift is not None:
         assert torch.equal(out_on, out_off), "a drifted vLLM must run its own moves, bit-equal to the plugin off"
         assert status["contract"]["served"] is None and says in status["contract"]["problem"], status
-        assert not any(status["patched"].values()) and not status["gathers"], status
+        assert not any(status["bound"].values()) and not status["gathers"], status
         return
     if declined:
         assert torch.equal(out_on, out_off), "a declined call must run vLLM's own moves"

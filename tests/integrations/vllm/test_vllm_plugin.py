@@ -75,9 +75,9 @@ def _spawned(**env):
 def test_entry_point_loads_in_a_spawned_process_and_wraps_every_target():
     out = _spawned()
     status = out["status"]
-    assert status["active"] and all(status["patched"].values()), status
+    assert status["active"] and all(status["bound"].values()), status
     assert status["plugin_registered"] and status["register_error"] is None, status
-    assert status["vllm"] == vllm_env.version() and status["contract"]["served"], status
+    assert status["version"] == vllm_env.version() and status["contract"]["served"], status
     registered = [m for m in out["logs"] if "vLLM plugin registered" in m]
     assert len(registered) == 1, out["logs"]  # loaded twice, registered once
 
@@ -89,7 +89,7 @@ def test_a_drifted_contract_patches_nothing_logs_one_line_and_says_why(drift):
     the difference, and status() reports it under "contract"."""
     out = _spawned(DRIFT=drift)
     status, says = out["status"], out["says"]
-    assert not any(status["patched"].values()) and not status["plugin_registered"], status
+    assert not any(status["bound"].values()) and not status["plugin_registered"], status
     assert status["contract"]["served"] is None and says in status["contract"]["problem"], status["contract"]
     assert says in status["register_error"] and status["version"] == vllm_env.version(), status
     lines = [m for m in out["logs"] if says in m]
@@ -104,13 +104,13 @@ def test_whitelist_naming_nsa_cp_loads_it():
 
 def test_whitelist_without_nsa_cp_leaves_vllm_untouched():
     out = _spawned(VLLM_PLUGINS="some_other_plugin")
-    assert not any(out["status"]["patched"].values()) and not out["status"]["plugin_registered"], out
+    assert not any(out["status"]["bound"].values()) and not out["status"]["plugin_registered"], out
     assert out["logs"] == [], out["logs"]
 
 
 def test_off_switch_wraps_nothing_and_says_so():
     out = _spawned(NSA_CP_VLLM="0")
-    assert not any(out["status"]["patched"].values()) and not out["status"]["plugin_registered"], out
+    assert not any(out["status"]["bound"].values()) and not out["status"]["plugin_registered"], out
     assert any("NSA_CP_VLLM=0" in m for m in out["logs"]), out["logs"]
 
 
@@ -127,7 +127,7 @@ def test_a_target_that_does_not_import_is_reported_and_nothing_is_wrapped(monkey
         nsa_vllm.vllm_plugin()
     status = nsa_vllm.status()
     assert not status["plugin_registered"] and "vllm.no_such_module" in status["register_error"], status
-    assert not any(status["patched"].values()), status  # all or nothing
+    assert not any(status["bound"].values()), status  # all or nothing
     assert "NOT registered" in caplog.text and "vllm.no_such_module" in caplog.text
     moe.STATE.reset()
 
@@ -146,7 +146,7 @@ def test_install_and_uninstall_put_vllm_functions_back():
     finally:
         nsa_vllm.uninstall()
     assert MoERunner.__dict__["_maybe_dispatch"] is original
-    assert not any(nsa_vllm.status()["patched"].values())
+    assert not any(nsa_vllm.status()["bound"].values())
 
 
 def test_transport_sizing_from_vllm_limits():

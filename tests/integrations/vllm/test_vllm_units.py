@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from nsa_cp.integrations import core
+from nsa_cp.integrations import state
 from nsa_cp.integrations.vllm import plugin, step, worker
 
 
@@ -71,13 +71,13 @@ def test_worker_hook_sets_up_the_transport_after_vllm_loads_the_model(monkeypatc
 
 
 def test_transport_decision_without_vllms_sizes_says_which_is_missing():
-    decision = core.create_sized(None, 7168, torch.bfloat16, lambda *a: pytest.fail("created"), "vLLM")
+    decision = state.create_sized(None, 7168, torch.bfloat16, lambda *a: pytest.fail("created"), "vLLM")
     assert not decision["on"] and "vLLM's sizes not found (rows per rank None" in decision["reason"]
 
     def raises(rows, hidden, dtype):
         raise RuntimeError("cudaMalloc failed")
 
-    decision = core.create_sized(4608, 7168, torch.bfloat16, raises, "vLLM")
+    decision = state.create_sized(4608, 7168, torch.bfloat16, raises, "vLLM")
     assert decision["reason"] == "creating it failed (RuntimeError: cudaMalloc failed)"
 
 
