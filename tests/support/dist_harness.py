@@ -32,6 +32,7 @@ import traceback
 from typing import Any, Callable, Dict, List
 
 Results = Dict[str, Any]
+_DEAD_GRACE_S = 10.0  # a rank's queued result may trail its exit; after this long it is not coming
 
 
 def rank_log(message: str) -> None:
@@ -112,7 +113,8 @@ def run_world(
 ) -> List[Results]:
     """Run ``fn`` on every rank; ``timeout_s`` is the longest wait for the next rank's result. A rank in
     ``may_exit`` may leave without a result (a test of a dying peer): its result is then
-    ``{"__exited__": exit code}``."""
+    ``{"__exited__": exit code}``. Any other rank that exits without a result (a crash) fails the world
+    ``_DEAD_GRACE_S`` after its exit, not at ``timeout_s``: its peers may be blocked on it forever."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,22 +132,35 @@ def run_world(
         per_rank: Dict[int, Results] = {}
         try:
             deadline = time.monotonic() + timeout_s
+            dead_since: Dict[int, float] = {}
+            crashed = None  # once a rank crashed: the latest the others may still answer
             while len(per_rank) < world_size:
                 try:
-                    rank, result = results.get(timeout=1.0 if may_exit else timeout_s)
+                    rank, result = results.get(timeout=1.0)
                 except queue.Empty:
-                    for rank in may_exit:
-                        if rank not in per_rank and procs[rank].exitcode is not None:
-                            per_rank[rank] = {"__exited__": procs[rank].exitcode}
-                    if time.monotonic() < deadline:
+                    now = time.monotonic()
+                    for rank, proc in enumerate(procs):
+                        if rank in per_rank or proc.exitcode is None:
+                            continue
+                        if rank in may_exit:
+                            per_rank[rank] = {"__exited__": proc.exitcode}
+                        elif now - dead_since.setdefault(rank, now) > _DEAD_GRACE_S:  # its result never came
+                            per_rank[rank] = {"__world__": f"rank {rank} exited (code {proc.exitcode}) without "
+                                                           f"sending its result: a crash (see its log)"}
+                            # its peers may wait on it in a collective: they get a short while, not timeout_s
+                            crashed = deadline = min(deadline, now + 3 * _DEAD_GRACE_S)
+                    if len(per_rank) == world_size:
+                        break
+                    if now < deadline:
                         continue
                     raise
                 per_rank[rank] = result
-                deadline = time.monotonic() + timeout_s
+                deadline = time.monotonic() + timeout_s if crashed is None else crashed
         except queue.Empty:
             missing = sorted(set(range(world_size)) - set(per_rank))
+            why = "after a peer crashed" if crashed is not None else f"within {timeout_s:.0f} s"
             for rank in missing:
-                per_rank[rank] = {"__world__": f"rank {rank} sent no result within {timeout_s:.0f} s"}
+                per_rank[rank] = {"__world__": f"rank {rank} sent no result {why}"}
         finally:
             for proc in procs:
                 proc.join(timeout=30)
