@@ -48,6 +48,6 @@ def test_shared_gpu_host_check(world, case_id):
     _check_shared(world, "host", case_id)
 
 
-@pytest.mark.parametrize("world,case_id", [(w, c) for w in (2, 3) for c in agreement_cases.DEVICE_CASES])
+@pytest.mark.parametrize("world,case_id", [(w, c) for w in (2, 3) for c in agreement_cases.DEVICE_CASES_CUDA])
 def test_shared_gpu_device_check(world, case_id):
     _check_shared(world, "device", case_id)
