@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 import harness
 
+harness.part_of("gather_scatter.py", __name__)  # run as a script, it says which script to run
+
 VARIANTS = ("off", "auto", "separate")
 _SLEEP_CYCLES = 2_000_000  # ~1 ms at 2 GHz: the host has enqueued the call before the device reaches it
 
