@@ -25,6 +25,7 @@ import zlib
 
 import torch
 
+import engines
 import vllm_drift
 import vllm_env
 from dist_harness import run_cases
@@ -160,21 +161,11 @@ def _check(rank, world, config, variant, log):
     assert len(warned) == 1 and want.split(":")[0] in warned[0].getMessage(), [r.getMessage() for r in warned]
 
 
-class _Records(logging.Handler):
-    def __init__(self, records):
-        super().__init__()
-        self.records = records
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 def _worker(rank, world, payload):
     vllm_env.prepare_process()
     config, pcp = vllm_env.setup_parallel(rank, world)
     vllm_env.cuda_like_gather(pcp)
-    log: list = []
-    logging.getLogger("nsa_cp").addHandler(_Records(log))
+    log = engines.nsa_cp_records()
     return run_cases({key: (rank, world, config, key, log) for key in payload}, _check)
 
 
