@@ -9,22 +9,19 @@ P2P transport on it, as the test runs them), four runs per case (``--runs``):
 
 * ``off``: the plugin off, the layers on the CPU (SGLang's moves over gloo), the test's reference;
 * ``ser``: the serialized plugin (``install()``), the layers on ``--device`` (on CUDA: P2P's reduce-scatter,
-  fp32 in rank order, rounded once); the adapter's SGLANG_SHARED_EXPERT_TP1 decline patched off, so that
-  nsa_cp's moves run (the line "ser: nsa_cp gathers ..." says which ran);
+  fp32 in rank order, rounded once; the line "ser: nsa_cp gathers ..." says which moves ran);
 * ``p2psum``: the plugin off on the CPU, SGLang's attention-CP reduce-scatter replaced by P2P's summation
   (every rank's bf16 partial summed in fp32, rank order 0..P-1, rounded once): ``off`` vs ``p2psum`` is the
   sum order alone, ``p2psum`` vs ``ser`` the CPU's kernels vs the device's;
-* ``ovl``: the overlap (NSA_CP_SGLANG_OVERLAP=1) on ``--device``, its TP1-on-CUDA decline patched off (the
-  "open defect" overlap.layer_reason names): ``ser`` vs ``ovl`` is what that decline hides.
+* ``ovl``: the overlap (NSA_CP_SGLANG_OVERLAP=1) on ``--device``.
 
-SGLang's ``select_experts`` is hooked: per layer (0 and 1) it records the router logits, the correction bias,
-the chosen ids and the gate's input rows. Printed: per run and layer, the near ties (margin < --near-ulps);
-per pair of runs and layer, how many gate inputs / logits differ and every token whose top-k set differs, with
-its margins in both runs; then the outputs' max diff, on every real row and without the flipped tokens, in
-bf16 roundings relative to the rows' size (the test's measure; its bound is world + 4), and a VERDICT line.
-A token's margin: DeepSeek's grouped biased top-k (biased_grouped_topk_impl): the smaller of the group choice's
-(best group score - next) and the k-th vs (k+1)-th score inside the chosen group, in bf16 ulps of the sigmoid
-score at the tie. Tokens are numbered rank-major over the real rows (the compact gathered order).
+SGLang's ``select_experts`` is hooked (tests/support/sglang_routing.py, which the GPU test uses too): per
+layer (0 and 1) it records the router logits, the correction bias, the chosen ids and the gate's input rows.
+Printed: per run and layer, the near ties (margin < --near-ulps); per pair of runs and layer, how many gate
+inputs / logits differ and every token whose top-k set differs, with its margins in both runs; then the
+outputs' max diff, on every real row and without the flipped tokens, in bf16 roundings relative to the rows'
+size (the test's measure; its bound is world + 4), and a VERDICT line. A token's margin and numbering:
+sglang_routing's docstring (bf16 ulps of DeepSeek's grouped biased top-k; tokens rank-major over the real rows).
 
 On the GPU machine (SGLang carried in .whl/, nsa_cp._C built), about a minute:
     source scripts/gpu_sglang.sh && python3 scripts/tp1_routing_diag.py
@@ -48,6 +45,7 @@ for _p in (os.path.join(ROOT, "tests", "integrations", "sglang"), os.path.join(R
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import sglang_routing  # noqa: E402
 import torch  # noqa: E402
 
 RUNS = ("off", "ser", "p2psum", "ovl")
@@ -71,26 +69,6 @@ def _p2p_sum(coordinator):
     return reduce_scatter_tensor
 
 
-def _hook_select_experts(records):
-    """Record every select_experts call: layer id, router logits, correction bias, chosen ids, gate input."""
-    from sglang.srt.layers.moe import topk as tk
-
-    real = tk.select_experts
-
-    def spy(hidden_states, router_logits, topk_config, **kw):
-        out = real(hidden_states, router_logits, topk_config, **kw)
-        bias = kw.get("dynamic_expert_bias")
-        bias = topk_config.correction_bias if bias is None else bias
-        records.append({"layer": kw.get("layer_id"), "logits": router_logits.detach().cpu().clone(),
-                        "bias": None if bias is None else bias.detach().float().cpu().clone(),
-                        "ids": out.topk_ids.detach().cpu().long().clone(), "x": hidden_states.detach().cpu().clone(),
-                        "cfg": (topk_config.top_k, topk_config.num_expert_group, topk_config.topk_group,
-                                topk_config.use_grouped_topk, topk_config.num_shared_topk_slots)})
-        return out
-
-    return mock.patch.object(tk, "select_experts", spy)
-
-
 def _fp32_router():
     import sglang_layer
 
@@ -104,51 +82,10 @@ def _fp32_router():
     return mock.patch.object(sglang_layer, "build_moe", build)
 
 
-def _overlap_admits_tp1():
-    """Patch the overlap's ``layer_reason`` to see the rows as not CUDA's: its SGLANG_SHARED_EXPERT_TP1-on-CUDA
-    decline (the only check that reads ``is_cuda``) then lets the overlap run; every other check as it is."""
-    from nsa_cp.integrations.sglang import overlap as ov
-
-    real = ov.layer_reason
-
-    class _Rows:
-        is_cuda = False
-
-        def __init__(self, x):
-            self._x = x
-
-        def __getattr__(self, name):
-            return getattr(self._x, name)
-
-    def layer_reason(layer, forward_batch, hidden_states):
-        rows = _Rows(hidden_states) if isinstance(hidden_states, torch.Tensor) else hidden_states
-        return real(layer, forward_batch, rows)
-
-    return mock.patch.object(ov, "layer_reason", layer_reason)
-
-
-def _merge_chunks(records, calls):
-    """The overlap's MoE runs once per chunk (each source rank's real rows): one record per layer, its rows
-    rank-major (the compact gathered order), from the chunk sources the boundary spy saw, in call order."""
-    layers = sorted({r["layer"] for r in records})
-    if len(layers) != len(calls):
-        return []
-    merged = []
-    for layer, call in zip(layers, calls):
-        recs = [r for r in records if r["layer"] == layer]
-        sources = [q for q, rows, _ in call["chunks"] if rows]
-        if len(recs) != len(sources):
-            return []
-        order = sorted(range(len(recs)), key=lambda j: sources[j])
-        merged.append({**recs[0], **{k: torch.cat([recs[j][k] for j in order]) for k in ("logits", "ids", "x")}})
-    return merged
-
-
 def _run_case(rank, world, device, case, runs, fp32_router, coordinator):
     import contextlib
 
     import test_sglang_overlap_gpu as T
-    from nsa_cp.integrations.sglang import runtime as nsa_runtime
 
     seq_lens, compact, shared_tp1, _chunk_rows, even = case
     kw = dict(seq_lens=seq_lens, strategy="zigzag", dtype=T.DTYPE, layers=2, shared_tp1=shared_tp1)
@@ -156,15 +93,11 @@ def _run_case(rank, world, device, case, runs, fp32_router, coordinator):
     out = {}
     for name in runs:
         records = []
-        patches = [_hook_select_experts(records)]
+        patches = [sglang_routing.hook_select_experts(records)]
         if fp32_router:
             patches.append(_fp32_router())
         if name == "p2psum":
             patches.append(mock.patch.object(coordinator, "reduce_scatter_tensor", _p2p_sum(coordinator)))
-        if name in ("ser", "ovl"):  # nsa_cp's moves, whatever the adapter says of SGLANG_SHARED_EXPERT_TP1
-            patches.append(mock.patch.object(nsa_runtime, "shared_expert_tp1", lambda: False))
-        if name == "ovl":
-            patches.append(_overlap_admits_tp1())
         with contextlib.ExitStack() as stack:
             for p in patches:
                 stack.enter_context(p)
@@ -175,7 +108,7 @@ def _run_case(rank, world, device, case, runs, fp32_router, coordinator):
             if res["hidden"].is_cuda:
                 torch.cuda.synchronize()
         if name == "ovl":
-            records = _merge_chunks(records, calls)
+            records = sglang_routing.merge_chunks(records, calls)
         n = res["n_real"]
         out[name] = {"hidden": res["hidden"][:n].cpu(), "residual": res["residual"][:n].cpu(),
                      "records": records if rank == 0 else None, "n": n, "physical": res["physical"],
@@ -214,66 +147,11 @@ def _worker(rank, world, payload):
 
 
 # --------------------------------------------------------------------------- analysis (parent)
-def _ulp_bf16(v):
-    """The bf16 ulp at |v| (2^(floor(log2|v|) - 7)), elementwise; the smallest normal's for 0."""
-    a = v.abs().clamp_min(2.0 ** -126)
-    return torch.exp2(torch.floor(torch.log2(a)) - 7)
-
-
-def _decisions(rec):
-    """Per token: (recomputed ids set as a sorted tensor, margin, margin in ulps, which decision is tighter).
-    DeepSeek's biased grouped top-k as biased_grouped_topk_impl computes it: scores = sigmoid(logits) in the
-    logits' dtype, + the fp32 bias; group score = sum of its top 2; top ``topk_group`` groups; top-k inside."""
-    top_k, n_group, topk_group, grouped, shared_slots = rec["cfg"]
-    logits = rec["logits"]
-    sig = logits.sigmoid().float()
-    bias = rec["bias"] if rec["bias"] is not None else torch.zeros(logits.shape[1])
-    s = sig + bias.view(1, -1)
-    t, e = s.shape
-    n_group = n_group if grouped and n_group else 1
-    topk_group = topk_group if grouped and topk_group else 1
-    per = e // n_group
-    gs = s.view(t, n_group, per).topk(min(2, per), dim=-1)[0].sum(-1)  # [t, groups]
-    gsorted, gorder = gs.sort(dim=-1, descending=True)
-    g_margin = (gsorted[:, topk_group - 1] - gsorted[:, topk_group]) if n_group > topk_group else \
-        torch.full((t,), float("inf"))
-    mask = torch.zeros(t, n_group, dtype=torch.bool)
-    mask.scatter_(1, gorder[:, :topk_group], True)
-    masked = s.masked_fill(~mask.repeat_interleave(per, dim=1), float("-inf"))
-    k = top_k - shared_slots
-    ssorted, sorder = masked.sort(dim=-1, descending=True)
-    e_margin = ssorted[:, k - 1] - ssorted[:, k]
-    # the unit: one bf16 ulp of the sigmoid scores at the tie (what a 1-ulp logit change moves them by, or less)
-    e_unit = _ulp_bf16(sig.gather(1, sorder[:, k - 1: k]).squeeze(1))
-    g_unit = _ulp_bf16(sig.max(dim=-1)[0])
-    e_ulps, g_ulps = e_margin / e_unit, g_margin / g_unit
-    ids = sorder[:, :k].sort(dim=-1)[0]
-    return ids, torch.minimum(e_ulps, g_ulps), torch.where(g_ulps < e_ulps, 1, 0), e_margin, g_margin
-
-
-def _real_rows(physical, logical, compact):
-    """Gathered row index of every real token (rank-major), and its (rank, local row)."""
-    rows, who, off = [], [], 0
-    for q, n in enumerate(logical):
-        base = off if compact else q * physical
-        rows += [base + i for i in range(n)]
-        who += [(q, i) for i in range(n)]
-        off += n
-    return torch.tensor(rows), who
-
-
-def _by_layer(records):
-    out = {}
-    for i, rec in enumerate(records):
-        out.setdefault(rec["layer"] if rec["layer"] is not None else i, rec)
-    return out
-
-
 def analyse(per_rank, world, case_name, case, runs, near_ulps):
     seq_lens, compact, shared_tp1 = case[0], case[1], case[2]
     r0 = per_rank[0]
     physical, logical = r0[runs[0]]["physical"], r0[runs[0]]["logical"]
-    who = _real_rows(physical, logical, True)[1]
+    who = sglang_routing.real_rows(physical, logical, True)[1]
     print(f"case {case_name}: world {world}, seq_lens {seq_lens}, counts {logical}, physical {physical}, "
           f"{'compact' if compact else 'padded'}, shared expert {'replicated (TP1)' if shared_tp1 else 'TP-sharded'}")
     print("tokens: rank-major real rows (a token's index is its row in the compact gathered order)")
@@ -289,17 +167,7 @@ def analyse(per_rank, world, case_name, case, runs, near_ulps):
     for r in runs:
         if not r0[r]["records"]:
             print(f"  {r}: no routing records (its chunks could not be put in order)")
-        layers = _by_layer(r0[r]["records"])
-        dec[r] = {}
-        for layer, rec in sorted(layers.items()):
-            # the gate's rows: SGLang's moves (and the padded plugin) gather physical rows per rank, the
-            # compact plugin the real rows only
-            rows = _real_rows(physical, logical, rec["x"].shape[0] == sum(logical))[0]
-            ids, ulps, kind, _, _ = _decisions(rec)
-            got = rec["ids"].sort(dim=-1)[0]
-            bad = (got[rows] != ids[rows]).any(-1).sum().item()
-            dec[r][layer] = {"ids": got[rows], "ulps": ulps[rows], "kind": kind[rows], "x": rec["x"][rows].float(),
-                             "logits": rec["logits"][rows].float(), "recompute_mismatch": bad}
+        dec[r] = sglang_routing.routing(r0[r]["records"], physical, logical)
         for layer, d in sorted(dec[r].items()):
             u = d["ulps"]
             print(f"  {r:6s} layer {layer}: {len(u)} tokens; margin min {u.min().item():.2f} ulp; tokens with "

@@ -106,7 +106,6 @@ class CpMovesAdapter:
         self._sizes = (p2p_max_tokens_per_rank, hidden_size, dtype) if p2p_max_tokens_per_rank is not None else None
         self._comm: Optional[NSACPLayerCommunicator] = None
         self._attn_dp: Optional[bool] = None  # SGLang's attention DP, fixed for the process: read once
-        self._tp1: Optional[bool] = None  # SGLANG_SHARED_EXPERT_TP1, fixed for the process: read once
         self.used = False
 
     # --- plumbing
@@ -166,10 +165,6 @@ class CpMovesAdapter:
             self._attn_dp = runtime.attn_dp_size() > 1
         if self._attn_dp:
             return "attention DP (SGLang returns over its own DP slots)", None
-        if self._tp1 is None:
-            self._tp1 = runtime.shared_expert_tp1()
-        if self._tp1:  # its result differed on a GPU (docs/sglang.md), and SGLang's sum differs with it on
-            return "a replicated shared expert (SGLANG_SHARED_EXPERT_TP1, not verified with nsa_cp's moves)", None
         try:
             layout = layout_from_cp_metadata(md)
         except ValueError as e:

@@ -176,8 +176,6 @@ def layer_reason(layer, forward_batch, hidden_states) -> Optional[str]:
         return "the AMX CPU MoE path (forward_cpu returns no MoEOutput)"
     if getattr(mlp, "_fuse_shared_experts_inside_sbo", False):
         return "shared experts inside single-batch overlap"
-    if hidden_states.is_cuda and getattr(mlp, "_shared_expert_tp1", False):  # open: differs on a GPU at 3+ ranks
-        return "a replicated shared expert (SGLANG_SHARED_EXPERT_TP1) on CUDA, not yet exact there"
     if getattr(mlp, "is_hash", False) or getattr(mlp.gate, "e_score_correction_bias_vl", None) is not None:
         return "hash or vision routing (reads per-row ids in the gathered order)"
     try:

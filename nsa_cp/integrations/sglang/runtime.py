@@ -8,7 +8,6 @@ plugin loads before SGLang's distributed init):
 * :func:`attn_tp_size` -> ``get_parallel().attn_tp_size``, or 1;
 * :func:`cp_gathers_over_attn_cp` -> SGLang's own ``_cp_gathers_over_attn_cp()`` (DSA / MLA prefill CP), or
   False;
-* :func:`shared_expert_tp1` -> SGLang's ``SGLANG_SHARED_EXPERT_TP1`` (a replicated shared expert), or False;
 * :func:`cp_align` -> the row multiple SGLang pads each CP shard to (``2 * cp`` zigzag, ``cp`` interleave);
 * :func:`sglang_version` -> the installed SGLang's version string, or None (what nsa_cp serves is decided
   by SGLang's code, not its version: ``contract``).
@@ -49,17 +48,6 @@ def attn_tp_size() -> int:
         return int(_parallel().attn_tp_size)
     except Exception:  # noqa: BLE001
         return 1
-
-
-def shared_expert_tp1() -> bool:
-    """Whether SGLang replicates the MoE's shared expert (``SGLANG_SHARED_EXPERT_TP1``, read through SGLang's own
-    env registry); False where SGLang is not importable or has no such switch."""
-    try:
-        from sglang.srt.environ import envs
-
-        return bool(envs.SGLANG_SHARED_EXPERT_TP1.get())
-    except Exception:  # noqa: BLE001  not SGLang, or no such switch: SGLang's default (sharded)
-        return False
 
 
 def cp_gathers_over_attn_cp() -> bool:

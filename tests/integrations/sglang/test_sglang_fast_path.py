@@ -242,21 +242,14 @@ def _check_declines(rank, world):
         got, _ = plugin._moves_on(rec.moves, lambda: dp, compact_ok=True).gather(x, res, NS(attn_cp_metadata=md),
                                                                                  None, gather=step)
         assert got[:2] == ("sglang", "gather"), "attention DP"
-    # a replicated shared expert, read from SGLang's own env registry (set for the process, as a server sets it)
+    # a replicated shared expert (SGLANG_SHARED_EXPERT_TP1) is served like any other batch: no decline
     with mock.patch.dict(os.environ, {"SGLANG_SHARED_EXPERT_TP1": "1"}):
-        assert runtime.shared_expert_tp1()
-        tp1 = nsa_sglang.CpMovesAdapter(compact=True)
-        for name in ("gather", "reduce_scatter"):
-            moves = plugin._moves_on(rec.moves, lambda: tp1, compact_ok=True)
-            got, _ = (moves.gather(x, res, NS(attn_cp_metadata=md), None, gather=step) if name == "gather"
-                      else moves.reduce_scatter(g, res, NS(attn_cp_metadata=md)))
-            assert got[:2] == ("sglang", name), ("replicated shared expert", got[:2])
-    assert not runtime.shared_expert_tp1()
+        reason, _ = nsa_sglang.CpMovesAdapter(compact=True).admit("gather", x, NS(attn_cp_metadata=md))
+        assert reason is None, ("replicated shared expert", reason)
     declined = nsa_sglang.status()["declined"]
     assert declined == {"a batch under SGLang's breakable CUDA graph": 2, "reduce_scatter input rows not the metadata's": 1,
                         "take_back input rows not the metadata's": 1, "no attn_cp_metadata on the batch": 1,
-                        "local rows not the metadata's": 1, "attention DP": 1,
-                        "a replicated shared expert": 2}, declined
+                        "local rows not the metadata's": 1, "attention DP": 1}, declined
     return {"declines": None}
 
 

@@ -45,10 +45,20 @@ NSA_CP_SGLANG_OVERLAP=1, on the GPU). Checked:
   (``world - 1``) and the CPU's expert kernels rounding their bf16 intermediates apart from the GPU's (one);
 * every real row finite.
 
-A replicated shared expert (``SGLANG_SHARED_EXPERT_TP1=1``) is kept serialized on CUDA by the plugin (its
-overlap differed from the serialized plugin at 3 and 4 ranks on 1x H100, an open defect): those cases check
-the decline (both layers, with its reason), that the forward is the serialized plugin's bit for bit, and the
-serialized plugin against the plugin off within the bound above.
+Routing-aware: SGLang's ``select_experts`` is recorded in all three runs (tests/support/sglang_routing.py;
+the overlap's per-chunk calls merged rank-major). Rounding apart is enough to flip a token's MoE top-k where
+it is a near tie (seen on 1x H100: a replicated-shared-expert case at 3 ranks, one token of 122 flipping at
+a margin of 0.12 bf16 ulp, the GPU's own kernels against the CPU's; its output then differs by far more than
+a rounding). So in every comparison that is not bitwise, the tokens whose top-k id set differs between the
+two runs at any layer (on any rank: each routes every token) must each be a near tie (margin at the first
+layer it flips <= NEAR_TIE_ULPS = 4 bf16 ulps in at least one of the two runs) and few (at most
+``max(1, tokens // 40)``); their rows are checked finite only, every other row within the bound above. Each
+flip is reported (a warning naming the comparison, token, ids and margins), never hidden. Bitwise
+comparisons exclude nothing.
+
+The replicated shared expert (``SGLANG_SHARED_EXPERT_TP1=1``) runs as every other case: served by the
+serialized plugin and overlapped on CUDA (overlap, 2 layers), checked against the serialized plugin within
+4 roundings (not bitwise: the shared expert joins the sum apart) and both against the plugin off.
 
 The even split runs with NSA_CP_BACKEND=p2p, as in test_sglang_boundary_gpu: in production an even batch keeps
 the plain NCCL collective, which two ranks on one GPU cannot have (and gloo has no CUDA reduce-scatter).
@@ -195,32 +205,26 @@ def check_case(rank, world, case, device, want_backend):
     """One case (module docstring) with the layers on ``device``; ``want_backend``: the overlapped boundary's
     backend every call must report ("p2p" on the GPU), or None to accept any."""
     import sglang_layer
+    import sglang_routing
     import sglang_stack
 
     seq_lens, compact, shared_tp1, chunk_rows, even = case
     kw = dict(seq_lens=seq_lens, strategy="zigzag", dtype=DTYPE, layers=2, shared_tp1=shared_tp1)
     backend = "p2p" if even and torch.device(device).type == "cuda" else None
-    off, _, _ = _run(rank, world, {**kw, "device": "cpu"}, plugin=False, overlap=False, compact=compact)
-    ser, ser_status, ser_calls = _run(rank, world, {**kw, "device": device}, plugin=True, overlap=False,
-                                      compact=compact, backend=backend)
-    on, status, calls = _run(rank, world, {**kw, "device": device}, plugin=True, overlap=True, compact=compact,
-                             chunk_rows=chunk_rows, backend=backend)
+    records = {"off": [], "ser": [], "on": []}  # SGLang's routing per run (sglang_routing)
+    with sglang_routing.hook_select_experts(records["off"]):
+        off, _, _ = _run(rank, world, {**kw, "device": "cpu"}, plugin=False, overlap=False, compact=compact)
+    with sglang_routing.hook_select_experts(records["ser"]):
+        ser, ser_status, ser_calls = _run(rank, world, {**kw, "device": device}, plugin=True, overlap=False,
+                                          compact=compact, backend=backend)
+    with sglang_routing.hook_select_experts(records["on"]):
+        on, status, calls = _run(rank, world, {**kw, "device": device}, plugin=True, overlap=True,
+                                 compact=compact, chunk_rows=chunk_rows, backend=backend)
     n, physical, logical = off["n_real"], off["physical"], off["logical"]
     assert (len(set(logical)) == 1) == bool(even), f"the case's counts {logical} (even: {even})"
     assert 0 in logical or even or seq_lens == UNEVEN, logical
 
     overlap = status["overlap"]
-    if shared_tp1 and torch.device(device).type == "cuda":
-        # the plugin keeps a replicated shared expert serialized on CUDA (layer_reason: an open difference at
-        # 3+ ranks): both layers declined with that reason, the forward the serialized plugin's bit for bit
-        held = [v for k, v in overlap["serialized"].items() if "SGLANG_SHARED_EXPERT_TP1" in k]
-        assert overlap["layers"] == 0 and held == [2] and not calls, overlap
-        rounding = sglang_stack.ROUNDING[DTYPE]
-        for key in ("hidden", "residual"):
-            _same(on[key][:n].cpu(), ser[key][:n].cpu(), f"{key}: declined overlap vs serialized plugin")
-            # the serialized plugin with a replicated shared expert against SGLang's own moves, as below
-            _close(ser[key][:n].cpu(), off[key][:n], (world + 4) * rounding, f"{key}: serialized plugin vs plugin off")
-        return {"bitwise": True, "backends": []}
     # the overlap ran, on the transport asked for, and nothing took SGLang's or the NCCL path
     assert overlap["declined"] is None and overlap["layers"] == 2 and not overlap["serialized"], overlap
     assert status["gathers"].get("fused_add_rmsnorm_overlapped") == 2, status["gathers"]
@@ -251,16 +255,70 @@ def check_case(rank, world, case, device, want_backend):
         rank, world, dtype=DTYPE, shared_tp1=shared_tp1, logical=logical, physical=physical, compact=compact,
         chunks=[c for q in logical for c in _chunks(q, chunk_rows)], device=device))
     bitwise = sums_alike and not shared_tp1 and row_independent
+    merged = sglang_routing.merge_chunks(records["on"], calls)
+    assert merged, ("the overlap's routing records do not match its chunks",
+                    [(r["layer"], r["ids"].shape[0]) for r in records["on"]], [c["chunks"] for c in calls])
+    routes = {"off": sglang_routing.routing(records["off"], physical, logical),
+              "ser": sglang_routing.routing(records["ser"], physical, logical),
+              "on": sglang_routing.routing(merged, physical, logical)}
+    for name, route in routes.items():
+        assert sorted(route) == [0, 1] and all(r["ids"].shape[0] == sum(logical) for r in route.values()), (name,
+                                                                                                           route)
+    # every comparison that is not bitwise, with the tokens whose top-k flipped between its two runs (on any
+    # rank: each rank routes every token), agreed over the ranks before anything is asserted
+    pairs = [("on", "ser", 4 * rounding)] if not bitwise else []
+    pairs += [("on", "off", (world + 4) * rounding), ("ser", "off", (world + 4) * rounding)]
+    flipped = _union({(a, b): sglang_routing.flips(routes[a], routes[b]) for a, b, _ in pairs})
+    total, first = sum(logical), sum(logical[:rank])
+    runs = {"on": on, "ser": ser, "off": off}
     for key in ("hidden", "residual"):
-        a, b, c = on[key][:n].cpu(), ser[key][:n].cpu(), off[key][:n]
+        a, b = on[key][:n].cpu(), ser[key][:n].cpu()
         assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{key}: not finite"
         if bitwise:
             _same(a, b, f"{key}: overlap vs serialized plugin")
-        else:
-            _close(a, b, 4 * rounding, f"{key}: overlap vs serialized plugin")
-        _close(a, c, (world + 4) * rounding, f"{key}: overlap vs plugin off")
-        _close(b, c, (world + 4) * rounding, f"{key}: serialized plugin vs plugin off")
-    return {"bitwise": bitwise, "backends": [call["backend"] for call in calls]}
+        for x, y, tol in pairs:
+            flips = flipped[(x, y)]
+            # a flip is a near tie one run's kernels broke the other way, and rare; the rows it moved are
+            # checked finite only, every other row of this rank within the bound
+            for t, f in flips.items():
+                assert min(f["ulps"]) <= NEAR_TIE_ULPS, (f"{x} vs {y}: token {t}'s top-k flipped at layer "
+                                                         f"{f['layer']} ({f}), not at a near tie")
+            assert len(flips) <= max(1, total // 40), f"{x} vs {y}: {len(flips)} tokens flipped: {flips}"
+            keep = torch.tensor([first + i not in flips for i in range(n)], dtype=torch.bool)
+            _close(runs[x][key][:n].cpu()[keep], runs[y][key][:n].cpu()[keep], tol,
+                   f"{key}: {_NAMES[x]} vs {_NAMES[y]} (without the {len(flips)} flipped tokens)")
+    reported = [f"{_NAMES[x]} vs {_NAMES[y]}: token {t} (rank {_owner(t, logical)}) top-k {f['ids'][0]} vs "
+                f"{f['ids'][1]} at layer {f['layer']}, margin {f['ulps'][0]:.2f} / {f['ulps'][1]:.2f} bf16 ulps"
+                for x, y, _ in pairs for t, f in sorted(flipped[(x, y)].items())]
+    return {"bitwise": bitwise, "backends": [call["backend"] for call in calls], "flips": reported}
+
+
+NEAR_TIE_ULPS = 4.0  # a flipped token's margin (sglang_routing) in at least one of the two runs
+_NAMES = {"on": "overlap", "ser": "serialized plugin", "off": "plugin off"}
+
+
+def _owner(token, logical):
+    """The rank whose real rows hold ``token`` (tokens rank-major)."""
+    for q, c in enumerate(logical):
+        if token < c:
+            return q
+        token -= c
+    raise ValueError(token)
+
+
+def _union(flips: dict) -> dict:
+    """Per comparison, the flipped tokens seen on any rank (an all_gather_object over the default gloo group):
+    each rank routes every token, and rank r's rows sum every rank's partials."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, flips)
+    out = {}
+    for per_rank in gathered:
+        for pair, found in per_rank.items():
+            for t, f in found.items():
+                out.setdefault(pair, {}).setdefault(t, f)
+    return {pair: out.get(pair, {}) for pair in flips}
 
 
 # --------------------------------------------------------------------------- the world
@@ -292,7 +350,8 @@ def _worker(rank, world, payload):
         return {"setup": traceback.format_exc()}
     for key, case in payload.items():
         try:
-            results[f"{BITWISE}{key}"] = check_case(rank, world, case, device, "p2p")["bitwise"]
+            got = check_case(rank, world, case, device, "p2p")
+            results[f"{BITWISE}{key}"], results[f"{FLIPS}{key}"] = got["bitwise"], got["flips"]
             results[key] = None
         except Exception:  # noqa: BLE001
             results[key] = traceback.format_exc()
@@ -302,6 +361,7 @@ def _worker(rank, world, payload):
 
 _WORLDS = {}
 BITWISE = "bitwise:"  # the result key of whether a case compared the overlap with the serialized plugin bitwise
+FLIPS = "flips:"  # the result key of a case's top-k flips at near ties (check_case's "flips"), reported
 
 
 def _world(world):
@@ -319,6 +379,10 @@ def test_sglang_overlap_on_gpu(world, key):
     errors = case_failures(per_rank, key)
     assert not errors, "\n".join(errors)
     case = CASES[world].get(key)
+    flips = sorted({f for r in per_rank for f in r.get(f"{FLIPS}{key}") or ()})
+    if flips:  # near ties the runs' kernels broke apart: their rows were checked finite only, said, not hidden
+        warnings.warn(f"world {world} {key}: MoE top-k flipped at near ties (those tokens' rows checked finite "
+                      "only): " + "; ".join(flips))
     if case is not None and not case[2] and not all(r.get(f"{BITWISE}{key}") for r in per_rank):
         # the TP-sharded shared expert is compared bitwise where SGLang's MoE is row-independent on this GPU;
         # where the probe says it is not, the case held within the bound only: said, not hidden
