@@ -11,7 +11,8 @@ agreement on every call"):
   differ before any row moves (so a different ``max_rank_len`` is caught, never a hang or a short read);
 * on the device (NCCL, CUDA): no host sync. The words ride in the same NCCL group as the equal-shard
   collective (torch's process group, ``_start_coalescing``), else in a tiny all-gather just before it (the
-  native communicator, the uneven-list collectives); after the rows, one kernel compares the table and, on a mismatch, overwrites the result with NaN
+  native communicator, the uneven-list collectives), in place (this rank's row of the table is its send
+  buffer); after the rows, one kernel compares the table and, on a mismatch, overwrites the result with NaN
   (FP8: its fp32 scales) and sets the group's error record, on the device and in its pinned host copy (mapped
   into the device's address space: no copy per call), which the host reads at the group's next call: that
   call raises LayoutMismatchError naming the fields. Per call, nothing is allocated or copied to the device:
@@ -108,15 +109,19 @@ class Agreement:
     __slots__ = ("coll", "rank", "size", "call", "names", "values", "device_check", "grouped", "send", "table",
                  "record", "kernel", "nothing")
 
-    def __init__(self, coll, req, rank: int, size: int, movement: str, device_check: bool, grouped: bool):
+    def __init__(self, coll, req, rank: int, size: int, movement: str, device_check: bool, grouped: bool,
+                 in_place: bool = False):
         fields = dict(req.fields())
         fields["movement"] = movement
         self.coll, self.rank, self.size, self.call = coll, rank, size, fields["call"]
         self.names, self.values = tuple(fields), fields
         self.device_check, self.grouped = device_check, grouped and device_check
         device = req.device if device_check else torch.device("cpu")
-        self.send = torch.tensor([_word(k, v) for k, v in fields.items()], dtype=torch.int32, device=device)
-        self.table = torch.empty((size, len(fields)), dtype=torch.int32, device=device)
+        words = torch.tensor([_word(k, v) for k, v in fields.items()], dtype=torch.int32)
+        self.table = torch.zeros((size, len(fields)), dtype=torch.int32, device=device)
+        self.table[rank] = words.to(device)  # once per plan: an in-place gather keeps this row
+        # in_place: the gather's send buffer is this rank's row of the table (NCCL: nothing copied on one rank)
+        self.send = self.table[rank] if in_place else words.to(device)
         self.record = _record(coll.group, device) if device_check else None
         self.kernel = self.nothing = None
         if self.record is not None:
@@ -190,7 +195,9 @@ def agreement_for(coll, req, rank: int, size: int, algo: str) -> Optional[Agreem
     grouped = (on_device and mode == "auto" and coll.native is None and algo in ("even", "padded", "padded+compact")
                and req.layout.total_len > 0)
     movement = f"{'native' if coll.native is not None else 'torch'}:{algo}"
-    return Agreement(coll, req, rank, size, movement, device_check, grouped)
+    # NCCL gathers the words in place; gloo (the host-visible check, or the device check forced) from a
+    # buffer of their own
+    return Agreement(coll, req, rank, size, movement, device_check, grouped, in_place=on_device)
 
 
 def checked(agreement, target: int, run: Callable) -> Callable:
