@@ -20,7 +20,7 @@ What it does, in order:
    the consumer a DeepSeek-V3 MoE layer split over the cp ranks (256 routed experts EP-split with balanced
    top-8 routing, the shared expert TP-split; each rank runs its share over all T gathered rows), its
    time from FLOPs at ``--tflops`` or from its weight bytes at the HBM rate, whichever is longer.
-   Serialized: gather, one consumer call, reduce-scatter. Overlapped: DESIGN.md's "The overlapped boundary"
+   Serialized: gather, one consumer call, reduce-scatter. Overlapped: docs/design.md's "The overlapped boundary"
    simulated on every rank (cost_model_sim.py says how): the local rows first, the peers' slots as they
    land, each finished chunk's partials pushed while the next computes, the consumer slowed by
    ``--slowdown`` while its rank's link moves rows. ``exposed`` = overlapped - one consumer call: what the

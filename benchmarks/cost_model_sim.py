@@ -1,5 +1,5 @@
 """cost_model.py's arithmetic: the boundary's time (gather + consumer + reduce-scatter) serialized, and the
-overlapped schedule of DESIGN.md's "The overlapped boundary" simulated chunk by chunk on every rank. A part
+overlapped schedule of docs/design.md's "The overlapped boundary" simulated chunk by chunk on every rank. A part
 of cost_model.py (no other benchmark imports it); tests/bench/test_overlap_bench.py tests it directly.
 
 Times are in seconds, sizes in rows of ``Moe.hidden`` elements. ``Inputs`` holds the measured stage costs

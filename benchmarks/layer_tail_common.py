@@ -1,5 +1,5 @@
 """layer_tail.py's pieces that both its parts use (the tail and ``--part boundary``): the baseline norm,
-the per-rank context and buffers, the MoE stand-ins, DESIGN.md's FP8 convention in torch, the row type, the
+the per-rank context and buffers, the MoE stand-ins, docs/design.md's FP8 wire in torch, the row type, the
 communicators of the nsa rows and what a row needs, the check of a row's outputs against its float32
 reference and the eager (host-inclusive) timing. A part of layer_tail.py (no other benchmark imports it).
 """
@@ -146,7 +146,7 @@ def standin_fp8(c: TailCtx, q: torch.Tensor, scale: torch.Tensor, buf: torch.Ten
 
 
 def quant_ref(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """DESIGN.md's FP8 convention in torch (the reference of the checks): per row, groups of 128."""
+    """docs/design.md's FP8 wire in torch (the reference of the checks): per row, groups of 128."""
     rows, h = x.shape
     g = x.float().view(rows, h // 128, 128)
     scale = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / FP8_MAX

@@ -2,8 +2,8 @@
 benchmark imports it).
 
 On one GPU a plain copy runs at HBM speed (3.2-3.9 TB/s on an H200), ten times a link's, and takes most
-of the memory bandwidth the consumer needs (DESIGN.md, "The overlapped boundary"). The copy here is a Triton
-kernel launched on a small grid: each program copies BLOCK elements at a time and strides over the buffer
+of the memory bandwidth the consumer needs (docs/design.md, "The overlapped boundary"). The copy here is a
+Triton kernel launched on a small grid: each program copies BLOCK elements at a time and strides over the buffer
 by the grid, so the grid and BLOCK (with its warps) set how many bytes are in flight and hence the rate.
 ``calibrate`` times a sweep of them on a buffer several times the L2 and keeps, among those within 5% of the
 target alone, the one on the fewest programs. Those programs hold a few SMs, as an SM-driven push over

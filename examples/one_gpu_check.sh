@@ -61,7 +61,7 @@ CHECK=(--device "$DEVICE" --comm all --hidden 1024 --layers 2 --heads 16 --exper
   --moe-intermediate 128 --shared-intermediate 128 --seq-lens 400x4,1200 --page-size 64 --nsa-index-topk 256 --iters 0)
 CHECK_CAP_S=${CHECK_CAP_S:-$([ "$DEVICE" = cpu ] && echo 150 || echo 55)}
 SHARED=--enable-nsa-prefill-cp-shared-kv
-# the work the compact layout saves: cp = 8 ranks on the one GPU, DESIGN.md's anchor model (2 layers,
+# the work the compact layout saves: cp = 8 ranks on the one GPU, the example's CUDA model (2 layers,
 # H = 7168, 128 heads, 32 experts top-8), nsa_cp compact against the padded layout (the F.pad baseline's
 # MoE rows) with the padding rows masked to -1 and routed
 WORK=(--device "$DEVICE" "$SHARED" --comm nsa_cp_compact,nsa_cp --moe-padding both --layers 2 --no-check --warmup 2 --iters 5)

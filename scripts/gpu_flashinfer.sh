@@ -11,7 +11,8 @@
 # flashinfer a call): .whl/flashinfer-slim/flashinfer_python-$FI_VERSION-py3-none-any.whl, made here by
 # `python scripts/slim_flashinfer_wheel.py WHEEL` from `pip download --no-deps flashinfer-python==$FI_VERSION`
 # (0.7.4: 48 MiB instead of 97), or the full wheel in .whl/flashinfer/; and apache_tvm_ffi-*.whl (>= 0.1.11
-# for 0.7.x; cp312 for the machine's Python 3.12) in .whl/ or .whl/flashinfer-slim/. flashinfer's other
+# for 0.7.x; cp312 for the machine's Python 3.12) in .whl/ or .whl/flashinfer-slim/. FI_WHEELS=DIR looks in DIR
+# instead of .whl (carry a folder with one flashinfer and apache_tvm_ffi when .whl with SGLang's wheels is too big). flashinfer's other
 # dependencies are in the image. Without nvidia-cutlass-dsl (not in the image) flashinfer's norm takes its
 # CUDA JIT kernels, not the CuTe DSL ones it prefers where that package is installed (an engine's image):
 # the script prints which. FI_CUDA_NORM=0 asks for the DSL path anyway (it must then be importable).
@@ -23,11 +24,12 @@ SITE=${SITE:-/tmp/fi_site}
 LOG=${LOG:-/tmp/gpu_flashinfer.log}
 : >"$LOG"
 
-wheel=$(ls .whl/flashinfer-slim/flashinfer_python-"$FI_VERSION"-*.whl .whl/flashinfer/flashinfer_python-"$FI_VERSION"-*.whl \
-  2>/dev/null | head -1)
-tvm=$(ls .whl/flashinfer-slim/apache_tvm_ffi-*.whl .whl/apache_tvm_ffi-*.whl 2>/dev/null | head -1)
-[ -n "$wheel" ] || { echo "gpu_flashinfer: no flashinfer_python-$FI_VERSION wheel in .whl/flashinfer-slim or .whl/flashinfer (carry .whl)"; exit 2; }
-[ -n "$tvm" ] || { echo "gpu_flashinfer: no apache_tvm_ffi wheel in .whl/ (flashinfer imports it)"; exit 2; }
+W=${FI_WHEELS:-.whl}
+wheel=$(ls "$W"/flashinfer-slim/flashinfer_python-"$FI_VERSION"-*.whl "$W"/flashinfer/flashinfer_python-"$FI_VERSION"-*.whl \
+  "$W"/flashinfer_python-"$FI_VERSION"-*.whl 2>/dev/null | head -1)
+tvm=$(ls "$W"/flashinfer-slim/apache_tvm_ffi-*.whl "$W"/apache_tvm_ffi-*.whl 2>/dev/null | head -1)
+[ -n "$wheel" ] || { echo "gpu_flashinfer: no flashinfer_python-$FI_VERSION wheel in $W, $W/flashinfer-slim or $W/flashinfer (carry it)"; exit 2; }
+[ -n "$tvm" ] || { echo "gpu_flashinfer: no apache_tvm_ffi wheel in $W or $W/flashinfer-slim (flashinfer imports it)"; exit 2; }
 rm -rf "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$wheel" "$tvm" >>"$LOG" 2>&1 ||
   { tail -20 "$LOG"; echo "gpu_flashinfer: installing $wheel failed"; exit 2; }

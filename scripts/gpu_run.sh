@@ -55,6 +55,16 @@ reserve_after_tests() {
   echo $r
 }
 
+# run_capped CAP LOG CMD...: CMD under `timeout` (CAP s, KILL 10 s later), its output into LOG; sets rc to its
+# exit status, "timeout" where the cap ended it
+run_capped() {
+  local cap=$1 log=$2
+  shift 2
+  timeout -k 10 "$cap" "$@" >"$log" 2>&1
+  rc=$?
+  if [ "$rc" = 124 ]; then rc="timeout"; fi
+}
+
 SUMMARY=()
 note() { SUMMARY+=("$(printf '%-16s %-9s %6s s  %s' "$1" "$2" "$3" "${4:-}")"); }
 
@@ -142,9 +152,8 @@ unset NSA_TEST_LOG_DIR
 if want fpcost; then
   t=$(date +%s)
   # shellcheck disable=SC2086  # FPCOST_ARGS is a list of arguments
-  timeout -k 10 "$(budget 120 0)" python3 scripts/p2p_fingerprint_cost.py ${FPCOST_ARGS:---worlds 1 2 --M 16 256} \
-    >"$LOGS/fpcost.log" 2>&1
-  rc=$?; [ "$rc" = 124 ] && rc="timeout"
+  run_capped "$(budget 120 0)" "$LOGS/fpcost.log" python3 scripts/p2p_fingerprint_cost.py \
+    ${FPCOST_ARGS:---worlds 1 2 --M 16 256}
   note "fingerprint A/B" "$rc" $(( $(date +%s) - t )) "table below"
 fi
 
@@ -176,9 +185,8 @@ if want bench; then
     reserve=0; want tail && reserve=$((reserve + 130)); want example && reserve=$((reserve + 60))
     cap=$(budget 200 "$reserve")
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-    timeout -k 10 "$cap" python3 benchmarks/gather_scatter.py ${BENCH_ARGS:---M 256 2048 8192 32768 --imbalance 0.2 --rounds 15} \
-      --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@" >"$LOGS/bench.log" 2>&1
-    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    run_capped "$cap" "$LOGS/bench.log" python3 benchmarks/gather_scatter.py \
+      ${BENCH_ARGS:---M 256 2048 8192 32768 --imbalance 0.2 --rounds 15} --csv "$OUT/bench.csv" --json "$OUT/bench.json" "$@"
     python3 benchmarks/plot_busbw.py "$OUT/bench.csv" --out "$OUT/bench.png" >"$LOGS/plot.log" 2>&1 || echo "plot failed (see plot.log)"
     note "collective" "$rc" $(( $(date +%s) - t )) "$(grep -c '^  check ok' "$LOGS/bench.log") configurations checked (limit $cap s)"
   else
@@ -192,16 +200,14 @@ if want tail; then
     reserve=40; want example && reserve=$((reserve + 60))  # the boundary part after it
     cap=$(budget 150 "$reserve")
     # shellcheck disable=SC2086  # TAIL_ARGS is a list of arguments
-    timeout -k 10 "$cap" python3 benchmarks/layer_tail.py ${TAIL_ARGS:-} --csv "$OUT/layer_tail.csv" \
-      --json "$OUT/layer_tail.json" >"$LOGS/layer_tail.log" 2>&1
-    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    run_capped "$cap" "$LOGS/layer_tail.log" python3 benchmarks/layer_tail.py ${TAIL_ARGS:-} \
+      --csv "$OUT/layer_tail.csv" --json "$OUT/layer_tail.json"
     note "layer tail" "$rc" $(( $(date +%s) - t )) "$(grep -m1 '^baseline norm' "$LOGS/layer_tail.log" | cut -c1-100) (limit $cap s)"
     t=$(date +%s)
     cap=$(budget 100 "$( want example && echo 60 || echo 0)")
     # shellcheck disable=SC2086
-    timeout -k 10 "$cap" python3 benchmarks/layer_tail.py --part boundary ${BOUNDARY_ARGS:-} \
-      --csv "$OUT/boundary.csv" >"$LOGS/boundary.log" 2>&1
-    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    run_capped "$cap" "$LOGS/boundary.log" python3 benchmarks/layer_tail.py --part boundary ${BOUNDARY_ARGS:-} \
+      --csv "$OUT/boundary.csv"
     note "boundary" "$rc" $(( $(date +%s) - t )) "layer_tail.py --part boundary (limit $cap s)"
   else
     note "layer tail" skipped 0 "$GPUS GPU(s): the benchmark needs 2+"
@@ -213,9 +219,8 @@ if want overlap; then
   if [ "$GPUS" -ge 2 ]; then
     cap=$(budget 240 "$( want example && echo 60 || echo 0)")
     # shellcheck disable=SC2086  # OVERLAP_ARGS is a list of arguments
-    timeout -k 10 "$cap" python3 benchmarks/overlapped_boundary.py ${OVERLAP_ARGS:-} \
-      --csv "$OUT/overlapped_boundary.csv" >"$LOGS/overlapped_boundary.log" 2>&1
-    rc=$?; [ "$rc" = 124 ] && rc="timeout"
+    run_capped "$cap" "$LOGS/overlapped_boundary.log" python3 benchmarks/overlapped_boundary.py ${OVERLAP_ARGS:-} \
+      --csv "$OUT/overlapped_boundary.csv"
     note "overlap" "$rc" $(( $(date +%s) - t )) "overlapped_boundary.py (limit $cap s)"
   else
     note "overlap" skipped 0 "$GPUS GPU(s): the benchmark needs 2+, one per rank"
@@ -233,9 +238,8 @@ if want example; then
     for comm in ${EXAMPLE_COMMS:-nsa_cp baseline}; do
       t=$(date +%s)
       cap=$(budget 60 0)
-      timeout -k 10 "$cap" "${RUN[@]}" --nproc-per-node 2 examples/nsa_prefill.py --device "${EXAMPLE_DEVICE:-cuda}" --comm "$comm" \
-        >"$LOGS/example_$comm.log" 2>&1
-      rc=$?; [ "$rc" = 124 ] && rc="timeout"
+      run_capped "$cap" "$LOGS/example_$comm.log" "${RUN[@]}" --nproc-per-node 2 examples/nsa_prefill.py \
+        --device "${EXAMPLE_DEVICE:-cuda}" --comm "$comm"
       note "example $comm" "$rc" $(( $(date +%s) - t )) "$(grep -v '^\s*$' "$LOGS/example_$comm.log" | grep -v -i warn | tail -1 | cut -c1-110)"
     done
   fi

@@ -15,11 +15,25 @@ created once per device.
 from __future__ import annotations
 
 import operator
-from typing import Dict, Iterable, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
 __all__ = ["ShardLayout"]
+
+
+def int_list(values: Iterable, name: str, what: str) -> List[int]:
+    """``values`` as a list of ints (``operator.index`` of each; a bool is not one here), or a ValueError
+    ``"{name}[i]: expected {what}, got ..."`` naming the first that is not one."""
+    ints = []
+    for i, n in enumerate(values):
+        try:
+            if isinstance(n, bool):
+                raise TypeError
+            ints.append(operator.index(n))
+        except TypeError:
+            raise ValueError(f"{name}[{i}]: expected {what}, got {n!r}") from None
+    return ints
 
 
 class ShardLayout:
@@ -48,17 +62,7 @@ class ShardLayout:
                 "per_rank_actual_token: expected a sequence of ints, one count per rank (e.g. ShardLayout([4]) "
                 f"for one rank of 4 tokens), got {type(per_rank_actual_token).__name__} {per_rank_actual_token!r}"
             )
-        counts = []
-        for r, n in enumerate(per_rank_actual_token):
-            try:
-                if isinstance(n, bool):
-                    raise TypeError
-                counts.append(operator.index(n))
-            except TypeError:
-                raise ValueError(
-                    f"per_rank_actual_token[{r}]: expected a non-negative int, got {n!r}"
-                ) from None
-        counts = tuple(counts)
+        counts = tuple(int_list(per_rank_actual_token, "per_rank_actual_token", "a non-negative int"))
         if len(counts) == 0:
             raise ValueError("per_rank_actual_token: expected at least one rank, got an empty sequence")
         negative = [(r, n) for r, n in enumerate(counts) if n < 0]

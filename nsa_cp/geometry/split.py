@@ -41,6 +41,8 @@ from typing import List, Sequence, Tuple, Union
 
 import torch
 
+from .layout import int_list
+
 __all__ = ["in_seq_split", "in_seq_positions", "in_seq_restore_index"]
 
 SeqLens = Union[Sequence[int], torch.Tensor]
@@ -72,15 +74,7 @@ def _check_seq_lens(seq_lens) -> torch.Tensor:
     else:
         if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Sequence):
             raise ValueError(f"seq_lens: expected a sequence or 1-D tensor of ints >= 0, got {seq_lens!r}")
-        values = []
-        for i, n in enumerate(seq_lens):
-            try:
-                if isinstance(n, bool):
-                    raise TypeError
-                values.append(operator.index(n))
-            except TypeError:
-                raise ValueError(f"seq_lens[{i}]: expected an int >= 0, got {n!r}") from None
-        lens = torch.tensor(values, dtype=torch.int64)
+        lens = torch.tensor(int_list(seq_lens, "seq_lens", "an int >= 0"), dtype=torch.int64)
     if lens.numel() and bool((lens < 0).any()):
         i = int(torch.nonzero(lens < 0)[0])
         raise ValueError(f"seq_lens[{i}]: expected an int >= 0, got {int(lens[i])}")

@@ -1,4 +1,4 @@
-"""RMSNorm with the SGLang / vLLM calling convention and DESIGN.md's numerics.
+"""RMSNorm with the SGLang / vLLM calling convention and the numerics of docs/design.md ("The fused layer boundary").
 
 ``norm(x) -> y``; ``norm(x, residual) -> (y, residual)``:
 

@@ -5,14 +5,14 @@ Triton twin in ``nsa_cp.rows.kernels`` with the same signature and the same resu
 viewed as rows: ``[rows, row_len]`` after flattening the trailing dims. Shapes use ``P = cp_size``,
 ``M = max_rank_len``, ``T = total_len``.
 
-Norm and FP8 (``fused_add_rmsnorm``, ``quant_fp8_g128``, ``dequant_fp8_g128`` and their ``*_into_slot``
-forms) follow DESIGN.md's conventions, written so that every step is one IEEE fp32 operation whose
-order a kernel can reproduce: the mean is ``sum(s^2) / H`` (the sum of squares in fp64 rounded once to
-fp32, then one fp32 division; CUDA's ``mean`` multiplies by 1/H, and so does CUDA's division by a Python
-scalar, so the divisors here are tensors), ``rstd = 1 / sqrt(mean + eps)`` (two correctly
-rounded steps), ``y = (s * rstd) * w``. The Triton kernels in ``nsa_cp.rows.kernels.norm_rows`` follow that order;
-the fp64 sum rounds to the same fp32 total in any summation order (but for ~1 row in 10^7), so they
-match this oracle almost always bit for bit (see tests/kernels/test_norm_kernels.py).
+Norm and FP8 (``fused_add_rmsnorm``, ``quant_fp8_g128``, ``dequant_fp8_g128`` and their ``*_into_slot`` forms)
+follow docs/design.md's conventions ("The fused layer boundary"), written so that every step is one IEEE fp32
+operation whose order a kernel can reproduce: the mean is ``sum(s^2) / H`` (the sum of squares in fp64 rounded
+once to fp32, then one fp32 division; CUDA's ``mean`` multiplies by 1/H, and so does CUDA's division by a
+Python scalar, so the divisors here are tensors), ``rstd = 1 / sqrt(mean + eps)`` (two correctly rounded
+steps), ``y = (s * rstd) * w``. The Triton kernels in ``nsa_cp.rows.kernels.norm_rows`` follow that order; the
+fp64 sum rounds to the same fp32 total in any summation order (but for ~1 row in 10^7), so they match this
+oracle almost always bit for bit (see tests/kernels/test_norm_kernels.py).
 """
 
 from __future__ import annotations

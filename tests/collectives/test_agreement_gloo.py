@@ -5,6 +5,8 @@ timeout); an agreeing call after each stays bitwise the call with the check off.
 the result NaN, the next call raising) is forced on gloo, its kernel under Triton's interpreter on CPU."""
 
 import functools
+import os
+from unittest import mock
 
 import pytest
 
@@ -21,7 +23,10 @@ def _host(world, mode):
 
 @functools.lru_cache(maxsize=None)
 def _device(world):
-    return run_world(world, "gloo", agreement_cases.run_device, {}, timeout_s=600)
+    # CPU tensors: the kernel runs under Triton's interpreter in the rank processes, on a machine with a GPU
+    # too (there Triton would compile it for the GPU and refuse CPU pointers; the workers read this at spawn)
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+        return run_world(world, "gloo", agreement_cases.run_device, {}, timeout_s=600)
 
 
 def _ids(world):

@@ -1,4 +1,4 @@
-"""nsa_cp.RMSNorm: DESIGN.md's convention on every implementation it picks, against nsa_cp.rows.reference and fp64.
+"""nsa_cp.RMSNorm: docs/design.md's convention on every implementation it picks, against nsa_cp.rows.reference and fp64.
 
 CPU: the torch path (the reference itself) and the Triton kernel forced through the interpreter are not the
 same thing, so the module is checked on CPU through its torch path, and the kernels separately in

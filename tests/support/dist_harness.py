@@ -404,27 +404,33 @@ def run_each(cases, run_one: Callable[[dict], Any]) -> Results:
     return results
 
 
-def gloo_case_test(cases_module, world_sizes):
-    """A test of every case of a case module (``make_cases(world)``, ``run_cases``) on gloo with CPU tensors,
-    one item per case, ``test_case[w<world>-<case id>]`` (assign it to ``test_case``): one spawned world per
-    size runs every case of its size (at the first item that needs it, then cached); an item fails with
-    the texts of the ranks where its case failed."""
+def world_case_test(params, results: Callable[[int], List[Results]], before: Callable[[], None] = lambda: None):
+    """A test with one item per ``(world, case id)`` of ``params`` (pairs or ``pytest.param``s of them; assign
+    it to a ``test_...`` name): ``results(world)``, the per-rank results of a world that ran every case of
+    its size, once per size (at the first item that needs it, then cached); ``before()`` first in every
+    item (a skip); an item fails with the texts of the ranks where its case failed."""
     import pytest
 
-    @functools.lru_cache(maxsize=None)
-    def results(world):
-        return run_world(world, "gloo", cases_module.run_cases,
-                         {"device": "cpu", "cases": cases_module.make_cases(world)})
-
-    params = [pytest.param(world, case["id"], id=f"w{world}-{case['id']}")
-              for world in world_sizes for case in cases_module.make_cases(world)]
+    results = functools.lru_cache(maxsize=None)(results)
 
     @pytest.mark.parametrize("world,case_id", params)
     def test_case(world, case_id):
+        before()
         failures = case_failures(results(world), case_id)
         assert not failures, "\n".join(failures)
 
     return test_case
+
+
+def gloo_case_test(cases_module, world_sizes):
+    """``world_case_test`` of every case of a case module (``make_cases(world)``, ``run_cases``) on gloo with
+    CPU tensors, one item per case, ``test_case[w<world>-<case id>]``."""
+    import pytest
+
+    params = [pytest.param(world, case["id"], id=f"w{world}-{case['id']}")
+              for world in world_sizes for case in cases_module.make_cases(world)]
+    return world_case_test(params, lambda world: run_world(
+        world, "gloo", cases_module.run_cases, {"device": "cpu", "cases": cases_module.make_cases(world)}))
 
 
 def run_spawned(target, *args, timeout_s: float = 240):

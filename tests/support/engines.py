@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 from typing import Iterable, Optional
 
@@ -34,3 +35,13 @@ def require(reason: Optional[str], required_variable: str, install: str) -> None
     if os.environ.get(required_variable, "") == "1":
         pytest.fail(f"{required_variable}=1 but {reason}")
     pytest.skip(f"{reason}; install {install} to run this check")
+
+
+def nsa_cp_records() -> list:
+    """A list that collects, from now on in this process, every record the "nsa_cp" logger passes on (the
+    plugins' warnings and lines of what they declined)."""
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("nsa_cp").addHandler(handler)
+    return records

@@ -21,10 +21,12 @@ CPU tensors. Nothing of vLLM's is patched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
 import engines
+from dist_harness import run_world, world_case_test
 
 TESTED = ("0.33.0", "0.34.0")
 MODULES = (
@@ -139,6 +141,38 @@ def partition(mgr, query_lens, is_prefilling, graph_tokens=None):
     return mgr.partition_batch(batch, desc)
 
 
+def step_off(rank: int, world: int, query_lens, is_prefilling, graph_tokens=None):
+    """One global step (as ``partition`` takes it) with the plugin uninstalled: ``(local, m, n, counts)``,
+    this rank's InputBatch, its rows with and without padding, and every rank's real row count."""
+    import torch.distributed as dist
+
+    import nsa_cp.integrations.vllm as nsa_vllm
+
+    nsa_vllm.uninstall()
+    local = partition(manager(rank, world), query_lens, is_prefilling, graph_tokens)
+    m, n = local.num_tokens_after_padding, local.num_tokens
+    counts = [None] * world
+    dist.all_gather_object(counts, n)
+    return local, m, n, counts
+
+
+@contextlib.contextmanager
+def plugin_on(compact: bool):
+    """The plugin installed for the ``with`` block, its state reset and ``NSA_CP_VLLM_COMPACT`` set from
+    ``compact``; uninstalled after it, the variable unset."""
+    import nsa_cp.integrations.vllm as nsa_vllm
+    from nsa_cp.integrations.vllm import moe
+
+    os.environ["NSA_CP_VLLM_COMPACT"] = "1" if compact else "0"
+    moe.STATE.reset()
+    nsa_vllm.install()
+    try:
+        yield
+    finally:
+        nsa_vllm.uninstall()
+        os.environ.pop("NSA_CP_VLLM_COMPACT")
+
+
 def runner(world: int, shared_experts=None, quant_config=None):
     """What ``MoERunner._maybe_dispatch`` / ``_maybe_combine`` read of ``self`` (no EP, no DP); imports no vLLM.
     ``quant_config``: vLLM 0.34's ``FusedMoEQuantConfig`` of experts that take their input quantized before
@@ -233,3 +267,11 @@ def cuda_like_gather(pcp_group) -> None:
 def quantizes_first() -> bool:
     """Whether the installed vLLM may quantize before the PCP gather (0.34)."""
     return str(version() or "").startswith("0.34")
+
+
+def case_test(worker, cases, timeout_s: float = 900):
+    """The test of a case table ``{world: {key: payload}}``: one item per (world, key), each world spawned
+    once on gloo (``worker(rank, world, cases[world])``); an item skips (or fails) without vLLM first."""
+    return world_case_test([(w, k) for w in cases for k in cases[w]],
+                           lambda world: run_world(world, "gloo", worker, cases[world], timeout_s=timeout_s),
+                           before=require_vllm)

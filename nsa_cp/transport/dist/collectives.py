@@ -60,33 +60,35 @@ class Collectives:
     def all_gather_equal(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """Equal-shard all-gather of ``shard [m, ...]`` into ``out [P*m, ...]``; ``shard`` may be ``out``'s
         own slot (in place)."""
-        if self.rider is not None:
-            self._grouped(out, shard, gather=True)
-            return
-        if self.native is not None and not self._coalescing():
-            self.native.all_gather(out, shard)
-            return
-        if self._direct and not self._coalescing():
-            work = self.group._allgather_base(out, shard, self._gather_opts)
-            if work is not None:
-                work.wait()
-            return
-        _all_gather_single(out, shard, group=self.group)
+        self._equal(out, shard, gather=True)
 
     def reduce_scatter_equal(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """Sum ``full [P*m, ...]`` over ranks; this rank's ``[m, ...]`` chunk lands in ``out``."""
+        self._equal(out, full, gather=False)
+
+    def _equal(self, out: torch.Tensor, inp: torch.Tensor, gather: bool) -> None:
+        """One equal-shard collective (all-gather or reduce-scatter), by the first route that serves: with
+        the rider, both in one NCCL group; the native communicator; the process group's own method; inside
+        a coalescing manager (or with ``NSA_CP_NCCL_CALL=public``), the public function."""
         if self.rider is not None:
-            self._grouped(out, full, gather=False)
+            self._grouped(out, inp, gather)
             return
-        if self.native is not None and not self._coalescing():
-            self.native.reduce_scatter(out, full)
-            return
-        if self._direct and not self._coalescing():
-            work = self.group._reduce_scatter_base(out, full, self._scatter_opts)
-            if work is not None:
-                work.wait()
-            return
-        _reduce_scatter_single(out, full, group=self.group)
+        if not self._coalescing():
+            if self.native is not None:
+                (self.native.all_gather if gather else self.native.reduce_scatter)(out, inp)
+                return
+            if self._direct:
+                work = self._base(out, inp, gather)
+                if work is not None:
+                    work.wait()
+                return
+        (_all_gather_single if gather else _reduce_scatter_single)(out, inp, group=self.group)
+
+    def _base(self, out: torch.Tensor, inp: torch.Tensor, gather: bool):
+        """The process group's own collective (its work, or None)."""
+        if gather:
+            return self.group._allgather_base(out, inp, self._gather_opts)
+        return self.group._reduce_scatter_base(out, inp, self._scatter_opts)
 
     def _grouped(self, out: torch.Tensor, inp: torch.Tensor, gather: bool) -> None:
         """The rider's all-gather and this equal-shard collective in one NCCL group (one launch), through
@@ -95,15 +97,12 @@ class Collectives:
         pg = self.group
         if not hasattr(pg, "_start_coalescing") or self._coalescing():
             self.all_gather_equal(table, words)  # no group to join: the words go just before
-            (self.all_gather_equal if gather else self.reduce_scatter_equal)(out, inp)
+            self._equal(out, inp, gather)
             return
         pg._start_coalescing(out.device)
         try:
             pg._allgather_base(table, words, self._gather_opts)
-            if gather:
-                pg._allgather_base(out, inp, self._gather_opts)
-            else:
-                pg._reduce_scatter_base(out, inp, self._scatter_opts)
+            self._base(out, inp, gather)
         finally:
             work = pg._end_coalescing(out.device)
         if work is not None:

@@ -24,6 +24,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
+import engines
 import sglang_env
 from dist_harness import case_failures, run_world
 
@@ -105,23 +106,13 @@ def _check(rank, world, variant, log):
     assert sum(v for k, v in declined.items() if "first-use check declined take_back padded" in k) == 4, declined
 
 
-class _Records(logging.Handler):
-    def __init__(self, records):
-        super().__init__()
-        self.records = records
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 VARIANTS = ("undrifted", "mirrored-take-back", "unchecked")
 
 
 def _worker(rank, world, payload):
     torch.set_grad_enabled(False)
     sglang_env.setup_parallel(rank, world)
-    log: list = []
-    logging.getLogger("nsa_cp").addHandler(_Records(log))
+    log = engines.nsa_cp_records()
     results = {}
     for variant in VARIANTS:
         log.clear()

@@ -19,17 +19,16 @@ wrong, which is what the check is for. Runs where vLLM 0.34 is installed (its di
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import zlib
 
-import pytest
 import torch
 
+import engines
 import vllm_drift
 import vllm_env
-from dist_harness import case_failures, run_cases, run_world
+from dist_harness import run_cases
 
 H, E = 256, 8
 LENS, PREFILL = [37, 1, 1, 1, 10], [True, False, False, False, True]
@@ -162,21 +161,11 @@ def _check(rank, world, config, variant, log):
     assert len(warned) == 1 and want.split(":")[0] in warned[0].getMessage(), [r.getMessage() for r in warned]
 
 
-class _Records(logging.Handler):
-    def __init__(self, records):
-        super().__init__()
-        self.records = records
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 def _worker(rank, world, payload):
     vllm_env.prepare_process()
     config, pcp = vllm_env.setup_parallel(rank, world)
     vllm_env.cuda_like_gather(pcp)
-    log: list = []
-    logging.getLogger("nsa_cp").addHandler(_Records(log))
+    log = engines.nsa_cp_records()
     return run_cases({key: (rank, world, config, key, log) for key in payload}, _check)
 
 
@@ -185,13 +174,4 @@ VARIANTS = ("undrifted", "padding-first") + (
 CASES = {w: {v: () for v in VARIANTS} for w in (2, 3)}
 
 
-@functools.lru_cache(maxsize=None)
-def _world(world):
-    return run_world(world, "gloo", _worker, CASES[world], timeout_s=900)
-
-
-@pytest.mark.parametrize("world,key", [(w, k) for w in CASES for k in CASES[w]])
-def test_vllm_first_use_check_declines_a_drift_and_the_forward_stays_exact(world, key):
-    vllm_env.require_vllm()
-    errors = case_failures(_world(world), key)
-    assert not errors, "\n".join(errors)
+test_vllm_first_use_check_declines_a_drift_and_the_forward_stays_exact = vllm_env.case_test(_worker, CASES)

@@ -23,15 +23,13 @@ gather, so these cases are not generated there (its venv runs the other vLLM tes
 from __future__ import annotations
 
 import functools
-import os
 import types
 import zlib
 
-import pytest
 import torch
 
 import vllm_env
-from dist_harness import case_failures, run_cases, run_world
+from dist_harness import run_cases
 
 H, E = 256, 8
 STEPS = {
@@ -84,11 +82,8 @@ def _layer(config, local, h, runner, partial_of):
 
 
 def _check(rank, world, config, name, compact, variant):
-    import torch.distributed as dist
-
     import nsa_cp
     import nsa_cp.integrations.vllm as nsa_vllm
-    from nsa_cp.integrations.vllm import moe
 
     lens, prefill, bucket = STEPS[name]
     _quantizer(ue8m0=variant == "ue8m0")
@@ -100,24 +95,14 @@ def _check(rank, world, config, name, compact, variant):
         group = q.shape[1] // scale.shape[1]
         return (q.float().reshape(q.shape[0], -1, group) * scale.reshape(q.shape[0], -1, 1)).reshape(q.shape) @ weight
 
-    nsa_vllm.uninstall()
-    local = vllm_env.partition(vllm_env.manager(rank, world), lens, prefill, bucket)
-    m, n = local.num_tokens_after_padding, local.num_tokens
-    counts = [None] * world
-    dist.all_gather_object(counts, n)
+    local, m, n, counts = vllm_env.step_off(rank, world, lens, prefill, bucket)
     h = _hidden(name, rank, m)
     off = _layer(config, local, h, runner, partial_of)
 
-    os.environ["NSA_CP_VLLM_COMPACT"] = "1" if compact else "0"
-    moe.STATE.reset()
-    nsa_vllm.install()
-    try:
+    with vllm_env.plugin_on(compact):
         local_on = vllm_env.partition(vllm_env.manager(rank, world), lens, prefill, bucket)
         on = _layer(config, local_on, h, runner, partial_of)
         status = nsa_vllm.status()
-    finally:
-        nsa_vllm.uninstall()
-        os.environ.pop("NSA_CP_VLLM_COMPACT")
 
     assert off[0].dtype == torch.float8_e4m3fn and off[2].dtype == torch.float32, (off[0].dtype, off[2].dtype)
     if variant == "group32":  # a format nsa_cp's wire does not carry: vLLM's own moves, bitwise, the reason said
@@ -168,18 +153,8 @@ CASES = {
 } if QUANTIZES_FIRST else {}
 
 
-@functools.lru_cache(maxsize=None)
-def _world(world):
-    return run_world(world, "gloo", _worker, CASES[world], timeout_s=900)
-
-
 if QUANTIZES_FIRST:  # defined only where vLLM quantizes before the gather: no empty parameter set elsewhere
-
-    @pytest.mark.parametrize("world,key", [(w, k) for w in CASES for k in CASES[w]])
-    def test_vllm_fp8_quantized_gather_plugin_on_equals_off(world, key):
-        vllm_env.require_vllm()
-        errors = case_failures(_world(world), key)
-        assert not errors, "\n".join(errors)
+    test_vllm_fp8_quantized_gather_plugin_on_equals_off = vllm_env.case_test(_worker, CASES)
 
 
 def test_fp8_wire_declines_what_it_does_not_carry(monkeypatch):

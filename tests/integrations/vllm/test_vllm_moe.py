@@ -22,15 +22,13 @@ Skipped where vLLM does not import (failed instead with NSA_TEST_REQUIRE_VLLM=1,
 
 from __future__ import annotations
 
-import functools
 import os
 import zlib
 
-import pytest
 import torch
 
 import vllm_env
-from dist_harness import case_failures, run_cases, run_world
+from dist_harness import run_cases
 
 H, E, K = 32, 8, 2
 # name -> (query lens, is_prefilling, CUDA-graph bucket or None)
@@ -97,8 +95,6 @@ def _moe_layer(rank, world, config, local, h, runner, mask=None, shared=None):
 
 
 def _check(rank, world, config, name, compact, declined=False, with_shared=False, drift=None):
-    import torch.distributed as dist
-
     import nsa_cp.integrations.vllm as nsa_vllm
     from nsa_cp.integrations.vllm import moe
 
@@ -106,12 +102,7 @@ def _check(rank, world, config, name, compact, declined=False, with_shared=False
     runner = vllm_env.runner(world, shared_experts=object() if with_shared else None)
     shared = torch.full((1,), 3.0) if with_shared else None
 
-    nsa_vllm.uninstall()
-    mgr = vllm_env.manager(rank, world)
-    local = vllm_env.partition(mgr, lens, prefill, bucket)
-    m, n = local.num_tokens_after_padding, local.num_tokens
-    counts = [None] * world
-    dist.all_gather_object(counts, n)
+    local, m, n, counts = vllm_env.step_off(rank, world, lens, prefill, bucket)
     if bucket is not None:
         assert m == bucket > max(counts), (m, counts)
     h = _hidden(name, rank, m).float()
@@ -183,13 +174,4 @@ CASES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _world(world):  # one world per size, every case inside it
-    return run_world(world, "gloo", _worker, CASES[world], timeout_s=900)
-
-
-@pytest.mark.parametrize("world,key", [(w, k) for w in CASES for k in CASES[w]])
-def test_vllm_moe_boundary_plugin_on_equals_off(world, key):
-    vllm_env.require_vllm()
-    errors = case_failures(_world(world), key)
-    assert not errors, "\n".join(errors)
+test_vllm_moe_boundary_plugin_on_equals_off = vllm_env.case_test(_worker, CASES)  # one world per size

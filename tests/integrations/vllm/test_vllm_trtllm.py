@@ -31,14 +31,12 @@ match vLLM's within an fp32 sum's rounding; compact gives the real rows alone; `
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 
-import pytest
 import torch
 
 import vllm_env
-from dist_harness import case_failures, run_cases, run_world
+from dist_harness import run_cases
 
 H, E, TOPK = 512, 8, 2
 STEPS = {
@@ -102,10 +100,7 @@ def _bytes(t):
 
 
 def _check(rank, world, config, name, compact, ue8m0):
-    import torch.distributed as dist
-
     import nsa_cp.integrations.vllm as nsa_vllm
-    from nsa_cp.integrations.vllm import moe
 
     lens, prefill, bucket = STEPS[name]
     _quantizer(ue8m0)
@@ -114,27 +109,17 @@ def _check(rank, world, config, name, compact, ue8m0):
     runner = vllm_env.runner(world, quant_config=qc)
     consume = monolithic_stand_in(rank)
 
-    nsa_vllm.uninstall()
-    local = vllm_env.partition(vllm_env.manager(rank, world), lens, prefill, bucket)
-    m, n = local.num_tokens_after_padding, local.num_tokens
-    counts = [None] * world
-    dist.all_gather_object(counts, n)
+    local, m, n, counts = vllm_env.step_off(rank, world, lens, prefill, bucket)
     h = _hidden(name, rank, m)
     off = _layer(config, local, h, runner, consume, _logits(h))
     zeroed = h.clone()
     zeroed[n:] = 0  # the same rows with zero padding rows, the same router logits
     off_zero = _layer(config, local, zeroed, runner, consume, _logits(h))
 
-    os.environ["NSA_CP_VLLM_COMPACT"] = "1" if compact else "0"
-    moe.STATE.reset()
-    nsa_vllm.install()
-    try:
+    with vllm_env.plugin_on(compact):
         local_on = vllm_env.partition(vllm_env.manager(rank, world), lens, prefill, bucket)
         on = _layer(config, local_on, h, runner, consume, _logits(h))
         status = nsa_vllm.status()
-    finally:
-        nsa_vllm.uninstall()
-        os.environ.pop("NSA_CP_VLLM_COMPACT")
 
     q, lg, scale = on[:3]
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, (q.dtype, scale.dtype)
@@ -175,15 +160,5 @@ CASES = {
 } if QUANTIZES_FIRST else {}
 
 
-@functools.lru_cache(maxsize=None)
-def _world(world):
-    return run_world(world, "gloo", _worker, CASES[world], timeout_s=900)
-
-
 if QUANTIZES_FIRST:  # vLLM 0.33 never quantizes before the gather: no cases there
-
-    @pytest.mark.parametrize("world,key", [(w, k) for w in CASES for k in CASES[w]])
-    def test_vllm_trtllm_monolithic_dispatch_is_vllms(world, key):
-        vllm_env.require_vllm()
-        errors = case_failures(_world(world), key)
-        assert not errors, "\n".join(errors)
+    test_vllm_trtllm_monolithic_dispatch_is_vllms = vllm_env.case_test(_worker, CASES)
