@@ -10,7 +10,8 @@
 #    "vs ref": the added time as a share of 2x H200's even all-gather (docs/performance.md's anchors), the
 #    gather a 2-rank call would pay at that M.
 # 2. tests/collectives/test_agreement_gpu.py: NCCL world 1 (the grouped fingerprint, the kernel, the pinned
-#    record, the raise) and ranks sharing the GPU over gloo (2 and 3; the device check forced there too).
+#    record, the raise) and ranks sharing the GPU over gloo (2 and 3; the device check forced there too);
+#    tests/kernels/test_agree_kernel.py: the check kernel compiled, every result dtype, the pinned record.
 # Logs under OUTDIR (env.txt, agreement_cost.txt/.csv, tests.txt, test_logs/); a short table last.
 # Environment: PYTHON (default python3), ROUNDS (30).
 set -uo pipefail
@@ -29,7 +30,7 @@ timeout 80 $PY benchmarks/gather_scatter.py --agreement --M 2048 8192 32768 --hi
 bench_rc=$?
 T1=$(date +%s)
 NSA_TEST_LOG_DIR="$OUT/test_logs" timeout 150 $PY -m pytest -q -rs tests/collectives/test_agreement_gpu.py \
-  >"$OUT/tests.txt" 2>&1
+  tests/kernels/test_agree_kernel.py >"$OUT/tests.txt" 2>&1
 test_rc=$?
 T2=$(date +%s)
 echo "== env: $(tail -1 "$OUT/env.txt")"

@@ -60,3 +60,28 @@ def test_overlapped_boundary_chunk_rows_named_without_validate(case_id):
 @functools.lru_cache(maxsize=None)
 def _overlap():
     return run_world(3, "gloo", agreement_cases.run_overlap_chunk_rows, {}, timeout_s=120)
+
+
+def test_record_copies_after_each_check_where_the_host_copy_is_out_of_reach():
+    """The check kernel writes a record it sets to the group's host copy directly (pinned, mapped); where
+    Triton refuses that pointer (ValueError, before any launch) the record falls back for good to writing the
+    device record only and copying it to the host copy after each check."""
+    import torch
+
+    from nsa_cp.transport.dist.agreement import _Record
+
+    rec = _Record(torch.device("cpu"))
+    calls = []
+
+    def kernel(table, rank, record, target, host):
+        calls.append(host is rec.host)
+        if host is rec.host:
+            raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        record.fill_(7)
+        host.fill_(7)
+
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    rec.check(kernel, table, 0, table[:0])
+    assert calls == [True, False] and not rec.mapped and int(rec.view[0]) == 7
+    rec.check(kernel, table, 0, table[:0])
+    assert calls == [True, False, False]

@@ -28,7 +28,7 @@ def _shared(world, kind):
 
 
 @pytest.mark.parametrize("case_id", ["modes-bitwise", "modes-finite", "poison-then-raise-auto",
-                                     "poison-then-raise-separate"])
+                                     "poison-then-raise-separate", "record-mapped-auto", "record-mapped-separate"])
 def test_one_rank_nccl(case_id):
     failures = case_failures(_one_rank(), case_id)
     assert not failures, "\n".join(failures)

@@ -58,3 +58,29 @@ def test_an_empty_result_still_sets_the_record():
     record = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     check_and_poison(_table([[1], [2]]), 1, record, torch.empty(0, 16, device=DEVICE))
     assert int(record[0]) == SET_BIT | 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_set_record_is_also_written_to_the_host_copy_and_only_then(dtype):
+    """``host``: the record's host copy (pinned on CUDA, written through its device mapping): the value the
+    record takes on a mismatch, nothing when the ranks agree."""
+    host = torch.zeros(1, dtype=torch.int32)
+    host = host.pin_memory() if DEVICE == "cuda" else host
+    record = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out = _values(2000, dtype)
+    check_and_poison(_table([[3, 4], [3, 4]]), 0, record, out, host)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert int(host[0]) == 0 and int(record[0]) == 0
+    check_and_poison(_table([[3, 4], [3, 5]]), 1, record, out, host)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert int(host[0]) == int(record[0]) == SET_BIT | 1 << 1 and _poisoned(out)
+
+
+def test_a_strided_result_keeps_its_values_and_the_record_is_set():
+    out = _values(64, torch.float32).view(8, 8).t()
+    before = out.clone()
+    record = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    check_and_poison(_table([[1], [2]]), 0, record, out)
+    assert int(record[0]) == SET_BIT | 1 and torch.equal(out, before)

@@ -234,7 +234,8 @@ def run_one_rank(rank, world, payload):
     """NCCL with one rank (one GPU): the check's every part on the device, where no rank can disagree. The
     same calls with NSA_CP_AGREEMENT off / auto / separate are bitwise equal and finite; a mismatch recorded by
     an earlier call (set here by hand, as the kernel sets it) poisons the next result with NaN (FP8: its
-    scales), the call after raises naming the field, and the one after that is clean again."""
+    scales), the call after raises naming the field, and the one after that is clean again; the kernel wrote
+    the record to its pinned host copy through the copy's device mapping."""
     import nsa_cp
     from nsa_cp.rows.kernels.agree import SET_BIT
     from nsa_cp.transport.dist import agreement
@@ -270,6 +271,8 @@ def run_one_rank(rank, world, payload):
         if not torch.equal(clean[:5], x):
             problems.append("the call after the error is not the plain gather")
         results[f"poison-then-raise-{mode}"] = "; ".join(problems) or None
+        # the kernel wrote the record to its pinned host copy itself (no copy after each check)
+        results[f"record-mapped-{mode}"] = None if record.mapped else "the record's host copy was not reachable"
     return results
 
 

@@ -1,7 +1,8 @@
 """The device half of the torch.distributed transport's agreement check: compare the ranks' call fingerprints
 (gathered beside the rows) and, where they differ, overwrite the call's result with NaN and set the group's
 error record (nsa_cp/transport/dist/agreement.py). One launch per call; it reads ``P * F`` int32 words and,
-when every rank agrees, writes nothing. No host sync: the host learns of a mismatch from the record's copy.
+when every rank agrees, writes nothing. No host sync: a record it sets is also written to ``host`` (the
+record's pinned host copy, mapped into the device's address space), where the host reads it.
 """
 
 from __future__ import annotations
@@ -26,14 +27,19 @@ POISON_BITS = {
 }
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TL_WORDS = {torch.int8: tl.int8, torch.int16: tl.int16, torch.int32: tl.int32, torch.int64: tl.int64}
+# result dtypes the kernel writes through their own pointer (the poison word bitcast to them); the others
+# (fp8, bool, ...) through a view as their integer word
+_AS_IS = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+                    torch.int16, torch.int32, torch.int64))
 _BLOCK = 1024
 _MAX_PROGRAMS = 32  # poisoning runs only on a mismatch: a few programs, grid-stride
 
 
 @triton.jit
-def _check_and_poison_kernel(table_ptr, rank, record_ptr, out_ptr, numel, value,
+def _check_and_poison_kernel(table_ptr, rank, record_ptr, host_ptr, out_ptr, numel, value,
                              P: tl.constexpr, F: tl.constexpr, PB: tl.constexpr, FB: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             WORD: tl.constexpr, BLOCK: tl.constexpr):
     ranks = tl.arange(0, PB)[:, None]
     fields = tl.arange(0, FB)
     inside = (ranks < P) & (fields[None, :] < F)
@@ -45,23 +51,31 @@ def _check_and_poison_kernel(table_ptr, rank, record_ptr, out_ptr, numel, value,
     if (mask != 0) | (before != 0):
         pid = tl.program_id(0)
         if pid == 0:
-            tl.store(record_ptr, before | mask | (1 << 30))
-        poison = (tl.zeros((BLOCK,), tl.int64) + value).to(out_ptr.dtype.element_ty)  # truncates to the word
+            now = before | mask | (1 << 30)
+            tl.store(record_ptr, now)
+            tl.store(host_ptr, now)
+        # the poison word (truncated from int64), its bits as the result's element type
+        poison = (tl.zeros((BLOCK,), tl.int64) + value).to(WORD).to(out_ptr.dtype.element_ty, bitcast=True)
         for start in range(pid * BLOCK, numel, tl.num_programs(0) * BLOCK):
             offs = start + tl.arange(0, BLOCK)
             tl.store(out_ptr + offs, poison, mask=offs < numel)
 
 
-def check_and_poison(table: torch.Tensor, rank: int, record: torch.Tensor, out: torch.Tensor) -> None:
+def check_and_poison(table: torch.Tensor, rank: int, record: torch.Tensor, out: torch.Tensor,
+                     host: torch.Tensor = None) -> None:
     """Compare row ``rank`` of ``table [P, F]`` (int32, every rank's fingerprint words) with every row; where
-    any differs (or ``record`` is already set), ``record[0] |= SET_BIT | (bit f per differing field f)`` and
-    every element of ``out`` (contiguous, any dtype of POISON_BITS) is overwritten with its poison (NaN)."""
+    any differs (or ``record`` is already set), ``record[0] |= SET_BIT | (bit f per differing field f)``, the
+    same value is written to ``host[0]`` (default: ``record``; a pinned CPU tensor is written through its
+    device mapping), and every element of ``out`` (contiguous, any dtype of POISON_BITS) is overwritten with
+    its poison (NaN). Nothing is allocated."""
     size, nfields = table.shape
     word, value = POISON_BITS.get(out.dtype) or (_WORDS[out.element_size()], -1)
-    # a strided result (never one of nsa_cp's own) keeps its values; the record is set all the same
-    flat = out.view(-1).view(word) if out.numel() and out.is_contiguous() else table.new_empty(0).view(word)
-    numel = flat.numel()
+    numel = out.numel() if out.is_contiguous() else 0  # a strided result (never nsa_cp's own) keeps its values
+    if not numel:  # nothing to poison; the record is set all the same
+        out, word, value = table, torch.int32, 0
+    elif out.dtype not in _AS_IS:
+        out = out.view(-1).view(word)
     programs = max(1, min(_MAX_PROGRAMS, triton.cdiv(numel, _BLOCK)))
     _check_and_poison_kernel[(programs,)](
-        table, rank, record, flat, numel, value, P=size, F=nfields, PB=triton.next_power_of_2(size),
-        FB=triton.next_power_of_2(nfields), BLOCK=_BLOCK)
+        table, rank, record, record if host is None else host, out, numel, value, P=size, F=nfields,
+        PB=triton.next_power_of_2(size), FB=triton.next_power_of_2(nfields), WORD=_TL_WORDS[word], BLOCK=_BLOCK)

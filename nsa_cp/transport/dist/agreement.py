@@ -11,9 +11,12 @@ agreement on every call"):
   differ before any row moves (so a different ``max_rank_len`` is caught, never a hang or a short read);
 * on the device (NCCL, CUDA): no host sync. The words ride in the same NCCL group as the equal-shard
   collective (torch's process group, ``_start_coalescing``), else in a tiny all-gather just before it (the
-  native communicator, the uneven-list collectives); after the rows, one kernel compares the table and, on a
-  mismatch, overwrites the result with NaN (FP8: its fp32 scales) and sets the group's error record, whose
-  copy the host reads at the group's next call: that call raises LayoutMismatchError naming the fields.
+  native communicator, the uneven-list collectives), in place (this rank's row of the table is its send
+  buffer); after the rows, one kernel compares the table and, on a mismatch, overwrites the result with NaN
+  (FP8: its fp32 scales) and sets the group's error record, on the device and in its pinned host copy (mapped
+  into the device's address space: no copy per call), which the host reads at the group's next call: that
+  call raises LayoutMismatchError naming the fields. Per call, nothing is allocated or copied to the device:
+  the words, the table and the record are the plan's and the group's.
 
 ``NSA_CP_AGREEMENT=off`` turns it off, ``separate`` always sends the words alone first (``validate=`` keeps its
 own up-front check either way).
@@ -43,9 +46,12 @@ def _word(name: str, value) -> int:
 
 class _Record:
     """One group's device-side error record (int32 ``[mask]``, bits from nsa_cp/rows/kernels/agree.py) and its
-    host copy (pinned on CUDA), refreshed by a non-blocking copy after every device check."""
+    host copy (pinned on CUDA). The check kernel reads ``device`` and, when it sets the record, writes the value
+    to ``device`` and to ``sink``: the host copy itself (pinned memory is mapped into the device's address
+    space under CUDA's unified addressing), else ``device`` again, and the host copy is refreshed by a
+    non-blocking copy after every check (``mapped`` False: where Triton finds the pinned copy out of reach)."""
 
-    __slots__ = ("device", "host", "view", "names")
+    __slots__ = ("device", "host", "view", "names", "sink")
 
     def __init__(self, device: torch.device):
         self.device = torch.zeros(1, dtype=torch.int32, device=device)
@@ -53,6 +59,23 @@ class _Record:
         self.host = host.pin_memory() if device.type == "cuda" else host
         self.view = self.host.numpy()  # read on every call: an array element costs far less than a tensor's
         self.names = ()
+        self.sink = self.host
+
+    @property
+    def mapped(self) -> bool:
+        return self.sink is self.host
+
+    def check(self, kernel: Callable, table: torch.Tensor, rank: int, target: torch.Tensor) -> None:
+        """``kernel`` (nsa_cp/rows/kernels/agree.py's check_and_poison) on this record: one launch, no copy
+        while the host copy is mapped."""
+        if self.mapped:
+            try:
+                kernel(table, rank, self.device, target, self.sink)
+                return
+            except ValueError:  # Triton: "cannot be accessed" (raised before any launch); copy from now on
+                self.sink = self.device
+        kernel(table, rank, self.device, target, self.sink)
+        self.host.copy_(self.device, non_blocking=True)
 
     def raise_pending(self, call: str, rank: int) -> None:
         mask = int(self.view[0])
@@ -83,20 +106,29 @@ class Agreement:
     """One plan's fingerprint and how its calls check it (the module docstring). ``before()`` at the start of
     every call (host: raises), ``after(targets)`` once its result is written (device: check and poison)."""
 
-    __slots__ = ("coll", "rank", "size", "names", "values", "device_check", "grouped", "send", "table", "record")
+    __slots__ = ("coll", "rank", "size", "call", "names", "values", "device_check", "grouped", "send", "table",
+                 "record", "kernel", "nothing")
 
-    def __init__(self, coll, req, rank: int, size: int, movement: str, device_check: bool, grouped: bool):
+    def __init__(self, coll, req, rank: int, size: int, movement: str, device_check: bool, grouped: bool,
+                 in_place: bool = False):
         fields = dict(req.fields())
         fields["movement"] = movement
-        self.coll, self.rank, self.size = coll, rank, size
+        self.coll, self.rank, self.size, self.call = coll, rank, size, fields["call"]
         self.names, self.values = tuple(fields), fields
         self.device_check, self.grouped = device_check, grouped and device_check
         device = req.device if device_check else torch.device("cpu")
-        self.send = torch.tensor([_word(k, v) for k, v in fields.items()], dtype=torch.int32, device=device)
-        self.table = torch.empty((size, len(fields)), dtype=torch.int32, device=device)
+        words = torch.tensor([_word(k, v) for k, v in fields.items()], dtype=torch.int32)
+        self.table = torch.zeros((size, len(fields)), dtype=torch.int32, device=device)
+        self.table[rank] = words.to(device)  # once per plan: an in-place gather keeps this row
+        # in_place: the gather's send buffer is this rank's row of the table (NCCL: nothing copied on one rank)
+        self.send = self.table[rank] if in_place else words.to(device)
         self.record = _record(coll.group, device) if device_check else None
+        self.kernel = self.nothing = None
         if self.record is not None:
+            from ...rows.kernels.agree import check_and_poison
+
             self.record.names = self.names  # the same field names in the same order for every request
+            self.kernel, self.nothing = check_and_poison, self.table[:0]
 
     def before(self) -> None:
         """Host-visible: exchange and compare now, raising on every rank. Device: raise for an earlier call's
@@ -105,7 +137,7 @@ class Agreement:
             _all_gather_single(self.table.view(-1), self.send, group=self.coll.group)
             self._compare(self.table.tolist())
             return
-        self.record.raise_pending(self.values["call"], self.rank)
+        self.record.raise_pending(self.call, self.rank)
         if self.grouped:
             self.coll.rider = (self.table.view(-1), self.send)
         else:
@@ -115,13 +147,10 @@ class Agreement:
         """The device check (nothing for a host-visible one): on a mismatch ``target`` becomes NaN."""
         if not self.device_check:
             return
-        from ...rows.kernels.agree import check_and_poison
-
         if self.coll.rider is not None:  # no equal-shard collective took it (none ran): the words go alone
             self.coll.rider = None
             self.coll.all_gather_equal(self.table.view(-1), self.send)
-        check_and_poison(self.table, self.rank, self.record.device, target if target is not None else self.send[:0])
-        self.record.host.copy_(self.record.device, non_blocking=True)
+        self.record.check(self.kernel, self.table, self.rank, target if target is not None else self.nothing)
 
     def _compare(self, table) -> None:
         compare(self.values["call"], self.values, table, self.rank, "the fingerprints gathered before any row moved")
@@ -166,7 +195,9 @@ def agreement_for(coll, req, rank: int, size: int, algo: str) -> Optional[Agreem
     grouped = (on_device and mode == "auto" and coll.native is None and algo in ("even", "padded", "padded+compact")
                and req.layout.total_len > 0)
     movement = f"{'native' if coll.native is not None else 'torch'}:{algo}"
-    return Agreement(coll, req, rank, size, movement, device_check, grouped)
+    # NCCL gathers the words in place; gloo (the host-visible check, or the device check forced) from a
+    # buffer of their own
+    return Agreement(coll, req, rank, size, movement, device_check, grouped, in_place=on_device)
 
 
 def checked(agreement, target: int, run: Callable) -> Callable:
