@@ -39,7 +39,7 @@ _MAX_PROGRAMS = 32  # poisoning runs only on a mismatch: a few programs, grid-st
 @triton.jit
 def _check_and_poison_kernel(table_ptr, rank, record_ptr, host_ptr, out_ptr, numel, value, step,
                              P: tl.constexpr, F: tl.constexpr, PB: tl.constexpr, FB: tl.constexpr,
-                             WORD: tl.constexpr, BLOCK: tl.constexpr):
+                             WORD: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr):
     ranks = tl.arange(0, PB)[:, None]
     fields = tl.arange(0, FB)
     inside = (ranks < P) & (fields[None, :] < F)
@@ -56,9 +56,12 @@ def _check_and_poison_kernel(table_ptr, rank, record_ptr, host_ptr, out_ptr, num
             tl.store(host_ptr, now)
         # the poison word (truncated from int64), its bits as the result's element type
         poison = (tl.zeros((BLOCK,), tl.int64) + value).to(WORD).to(out_ptr.dtype.element_ty, bitcast=True)
-        # grid-stride with host-side bounds (step = programs * BLOCK), as Triton's interpreter needs them
-        for start in range(0, numel, step):
-            offs = start + pid * BLOCK + tl.arange(0, BLOCK)
+        if STRIDE:  # compiled: a few programs, grid-stride (step = programs * BLOCK)
+            for start in range(0, numel, step):
+                offs = start + pid * BLOCK + tl.arange(0, BLOCK)
+                tl.store(out_ptr + offs, poison, mask=offs < numel)
+        else:  # Triton's interpreter (3.6 with NumPy 2 takes no runtime int in range()): a program per block
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
             tl.store(out_ptr + offs, poison, mask=offs < numel)
 
 
@@ -76,7 +79,9 @@ def check_and_poison(table: torch.Tensor, rank: int, record: torch.Tensor, out: 
         out, word, value = table, torch.int32, 0
     elif out.dtype not in _AS_IS:
         out = out.view(-1).view(word)
-    programs = max(1, min(_MAX_PROGRAMS, triton.cdiv(numel, _BLOCK)))
+    stride = type(_check_and_poison_kernel).__name__ != "InterpretedFunction"  # TRITON_INTERPRET=1 or not
+    programs = max(1, min(_MAX_PROGRAMS, triton.cdiv(numel, _BLOCK)) if stride else triton.cdiv(numel, _BLOCK))
     _check_and_poison_kernel[(programs,)](
         table, rank, record, record if host is None else host, out, numel, value, programs * _BLOCK, P=size,
-        F=nfields, PB=triton.next_power_of_2(size), FB=triton.next_power_of_2(nfields), WORD=_TL_WORDS[word], BLOCK=_BLOCK)
+        F=nfields, PB=triton.next_power_of_2(size), FB=triton.next_power_of_2(nfields), WORD=_TL_WORDS[word], BLOCK=_BLOCK,
+        STRIDE=stride)
