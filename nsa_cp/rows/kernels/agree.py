@@ -60,7 +60,7 @@ def _check_and_poison_kernel(table_ptr, rank, record_ptr, host_ptr, out_ptr, num
             for start in range(0, numel, step):
                 offs = start + pid * BLOCK + tl.arange(0, BLOCK)
                 tl.store(out_ptr + offs, poison, mask=offs < numel)
-        else:  # Triton's interpreter (3.6 with NumPy 2 takes no runtime int in range()): a program per block
+        else:  # Triton 3.6's interpreter takes no runtime argument as a loop bound: a program per block
             offs = pid * BLOCK + tl.arange(0, BLOCK)
             tl.store(out_ptr + offs, poison, mask=offs < numel)
 
@@ -79,9 +79,12 @@ def check_and_poison(table: torch.Tensor, rank: int, record: torch.Tensor, out: 
         out, word, value = table, torch.int32, 0
     elif out.dtype not in _AS_IS:
         out = out.view(-1).view(word)
-    stride = type(_check_and_poison_kernel).__name__ != "InterpretedFunction"  # TRITON_INTERPRET=1 or not
-    programs = max(1, min(_MAX_PROGRAMS, triton.cdiv(numel, _BLOCK)) if stride else triton.cdiv(numel, _BLOCK))
+    # compiled: a few programs, grid-stride; Triton's interpreter (TRITON_INTERPRET=1): a program per block
+    stride = type(_check_and_poison_kernel).__name__ != "InterpretedFunction"
+    programs = max(1, triton.cdiv(numel, _BLOCK))  # one at least: the record is set with nothing to poison
+    if stride:
+        programs = min(_MAX_PROGRAMS, programs)
     _check_and_poison_kernel[(programs,)](
         table, rank, record, record if host is None else host, out, numel, value, programs * _BLOCK, P=size,
-        F=nfields, PB=triton.next_power_of_2(size), FB=triton.next_power_of_2(nfields), WORD=_TL_WORDS[word], BLOCK=_BLOCK,
-        STRIDE=stride)
+        F=nfields, PB=triton.next_power_of_2(size), FB=triton.next_power_of_2(nfields), WORD=_TL_WORDS[word],
+        BLOCK=_BLOCK, STRIDE=stride)
