@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .exact_fp32 import COMPILED
+
 __all__ = ["check_and_poison", "POISON_BITS", "SET_BIT"]
 
 SET_BIT = 1 << 30  # the record's "a mismatch was seen" bit; bits 0..F-1 name the fields that differed
@@ -80,11 +82,10 @@ def check_and_poison(table: torch.Tensor, rank: int, record: torch.Tensor, out: 
     elif out.dtype not in _AS_IS:
         out = out.view(-1).view(word)
     # compiled: a few programs, grid-stride; Triton's interpreter (TRITON_INTERPRET=1): a program per block
-    stride = type(_check_and_poison_kernel).__name__ != "InterpretedFunction"
     programs = max(1, triton.cdiv(numel, _BLOCK))  # one at least: the record is set with nothing to poison
-    if stride:
+    if COMPILED:
         programs = min(_MAX_PROGRAMS, programs)
     _check_and_poison_kernel[(programs,)](
         table, rank, record, record if host is None else host, out, numel, value, programs * _BLOCK, P=size,
         F=nfields, PB=triton.next_power_of_2(size), FB=triton.next_power_of_2(nfields), WORD=_TL_WORDS[word],
-        BLOCK=_BLOCK, STRIDE=stride)
+        BLOCK=_BLOCK, STRIDE=COMPILED)
